@@ -1,0 +1,98 @@
+"""`difftune` command line: thin calls into config/, data/ and train/.
+
+    difftune train [--config PATH] [--key value ...]
+    difftune check [--config PATH] [--key value ...]
+    difftune demo  [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from difftune.config import ConfigError, RunConfig, load_config
+
+DEFAULT_CONFIG = "config/config.json"
+
+
+def parse_overrides(rest: list[str]) -> dict[str, Any]:
+    """`--key value`, `--key=value`, or a bare `--flag` (true) -> {key: value}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if not token.startswith("--"):
+            raise ConfigError([f"command line: unexpected {token!r}; options are written --key value"])
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                value = rest[i + 1]
+                i += 1
+            else:
+                value = "true"
+        out[key] = value
+        i += 1
+    return out
+
+
+def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
+    return load_config(args.config, parse_overrides(rest))
+
+
+def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
+    from difftune.data.report import DataReport
+    from difftune.models import get_family
+    from difftune.train.setup import discover_all
+
+    run_cfg = _load(args, rest)
+    found = discover_all(run_cfg, get_family(run_cfg.train.model_family))
+    print(DataReport(found, [], {}).render())
+    print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.model_source() or 'tiny-random'})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    run_cfg = _load(args, rest)
+    from difftune.train.loop import train
+    from difftune.train.setup import build_run
+
+    adapter = train(build_run(run_cfg))
+    print(f"LoRA saved to {adapter}")
+    print(f"validation samples in {Path(run_cfg.train.output_dir) / 'validation'}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    from difftune.demo import run_demo
+
+    run_demo(Path(args.dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="difftune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("train", "train a model"), ("check", "validate a config and its datasets")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
+    demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
+    args, rest = parser.parse_known_args(argv)
+    handler = {"train": cmd_train, "check": cmd_check, "demo": cmd_demo}[args.command]
+    from difftune.train.setup import DataError
+
+    try:
+        return handler(args, rest)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; the last checkpoint can be resumed with resume_from_checkpoint latest", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Small helpers shared by the schema modules: a field constructor that records the UI group.
+
+Every field carries a description, a default and a group ("model", "data", "training", "validation",
+"memory", "output"). `--help`, the wizard and the web UI read them from the JSON Schema; nothing
+re-declares a field by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+GROUPS = ("model", "data", "training", "validation", "memory", "output")
+
+
+def field(default: Any, description: str, group: str, *, advanced: bool = False, **kwargs: Any) -> Any:
+    if group not in GROUPS:
+        raise ValueError(f"unknown UI group {group!r}")
+    extra = {"group": group, "advanced": advanced}
+    return Field(default, description=description, json_schema_extra=extra, **kwargs)

@@ -1,0 +1,179 @@
+"""Read `config.json` and its dataset list, apply CLI overrides, and validate everything at once.
+
+Every problem is collected and reported together, each naming the file and key and saying the fix.
+Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from difftune.config.datasets import DATASET_MODELS, DatasetPlan, ImageDataset, TextEmbedsDataset
+from difftune.config.pending import PENDING_DATASET_KEYS, PENDING_TRAIN_KEYS, pending_problem
+from difftune.config.schema import TrainConfig
+
+PENDING_VALUES = {
+    ("model_type", "full"): "not implemented yet: full fine-tuning; use model_type 'lora'",
+    ("dataset_type", "video"): "not implemented yet: video datasets",
+    ("dataset_type", "conditioning"): "not implemented yet: conditioning datasets",
+    ("caption_strategy", "filename"): "not implemented yet: caption_strategy 'filename'; use 'textfile'",
+    ("caption_strategy", "instanceprompt"): "not implemented yet: caption_strategy 'instanceprompt'; use 'textfile'",
+    ("caption_strategy", "parquet"): "not implemented yet: caption_strategy 'parquet'; use 'textfile'",
+    ("resolution_type", "area"): "not implemented yet: resolution_type 'area'; use 'pixel_area' or 'pixel'",
+    ("crop_style", "corner"): "not implemented yet: crop_style 'corner'; use 'center' or 'random'",
+    ("crop_aspect", "closest"): "not implemented yet: crop_aspect 'closest'; use 'square' or 'preserve'",
+    ("crop_aspect", "random"): "not implemented yet: crop_aspect 'random'; use 'square' or 'preserve'",
+}
+
+
+class ConfigError(Exception):
+    """A config that cannot run. `problems` are complete sentences naming file and key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(["the configuration cannot be used:"] + [f"  - {p}" for p in problems]))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    train: TrainConfig
+    datasets: DatasetPlan
+    config_path: Path | None
+
+
+def _read_json(path: Path, what: str, hint: str) -> Any:
+    if not path.exists():
+        raise ConfigError([f"{path}: {what} not found; {hint}"])
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"]) from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"{path}: cannot read {what}: {e}"]) from e
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else "; remove it or check the spelling"
+
+
+def _clean_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        out[key.lstrip("-")] = None if value == "null" else value
+    return out
+
+
+def _split_known(
+    where: str, raw: dict[str, Any], model: type[BaseModel], pending: dict, problems: list[str]
+) -> dict[str, Any]:
+    """Keys the schema knows; pending keys checked for 'off' values; unknown keys reported."""
+    known = list(model.model_fields)
+    kept: dict[str, Any] = {}
+    for key, value in raw.items():
+        message = PENDING_VALUES.get((key, value)) if isinstance(value, str) else None
+        if message:
+            problems.append(f"{where}: {key}: {message}")
+        elif key in model.model_fields:
+            kept[key] = value
+        elif key in pending:
+            problem = pending_problem(pending, key, value)
+            if problem:
+                problems.append(f"{where}: {key}={value!r}: {problem}")
+        else:
+            problems.append(f"{where}: unknown key {key!r}{_suggest(key, known + list(pending))}")
+    return kept
+
+
+def _validate(where: str, model: type[BaseModel], data: dict[str, Any], problems: list[str]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                msg = "required key is missing"
+            elif err["type"] == "literal_error":
+                msg = f"{err['input']!r} is not allowed; {msg.lower()}"
+            elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+                msg = f"{err['input']!r}: {msg}"
+            problems.append(f"{where}: {loc + ': ' if loc else ''}{msg}")
+        return None
+
+
+def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
+    raw = _read_json(path, "dataset list", "create it (see config/multidatabackend.json.example) or set data_backend_config")
+    if not isinstance(raw, list):
+        problems.append(f"{path}: the dataset list must be a JSON list of entries, got {type(raw).__name__}")
+        return None
+    images: list[ImageDataset] = []
+    embeds: list[TextEmbedsDataset] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            problems.append(f"{path}: entry {index} must be an object")
+            continue
+        entry = _clean_keys(entry)
+        where = f"{path}: dataset {entry.get('id', index)!r}"
+        kind = entry.get("dataset_type", "image")
+        if (message := PENDING_VALUES.get(("dataset_type", kind))) is not None:
+            problems.append(f"{where}: dataset_type: {message}")
+            continue
+        if kind not in DATASET_MODELS:
+            problems.append(f"{where}: dataset_type {kind!r} is unknown; use 'image' or 'text_embeds'")
+            continue
+        model = DATASET_MODELS[kind]
+        kept = _split_known(where, entry, model, PENDING_DATASET_KEYS, problems)
+        item = _validate(where, model, kept, problems)
+        if item is None:
+            continue
+        if item.id in seen:
+            problems.append(f"{where}: id {item.id!r} is used twice; give each dataset its own id")
+        seen.add(item.id)
+        if item.disabled:
+            continue
+        if isinstance(item, ImageDataset):
+            folder = Path(item.instance_data_dir)
+            if not folder.is_dir():
+                problems.append(f"{where}: instance_data_dir {str(folder)!r} is not a folder; fix the path")
+            images.append(item)
+        else:
+            embeds.append(item)
+    if not images and not problems:
+        problems.append(f"{path}: no enabled image dataset; add an entry with dataset_type 'image'")
+    defaults = [e for e in embeds if e.default]
+    if len(defaults) > 1:
+        problems.append(f"{path}: several text_embeds entries have default: true; keep one")
+    chosen = defaults[0] if defaults else (embeds[0] if len(embeds) == 1 else None)
+    if len(embeds) > 1 and not defaults:
+        problems.append(f"{path}: several text_embeds entries and none has default: true; mark one")
+    return DatasetPlan(images=images, text_embeds=chosen)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Validate config file + overrides + dataset list. Raises ConfigError listing every problem."""
+    cfg_path = Path(path) if path is not None else None
+    raw: dict[str, Any] = {}
+    if cfg_path is not None:
+        data = _read_json(cfg_path, "config file", "copy config/config.json.example to it, or pass --config PATH")
+        if not isinstance(data, dict):
+            raise ConfigError([f"{cfg_path}: the config must be a JSON object of keys and values"])
+        raw = _clean_keys(data)
+    raw.update(_clean_keys(overrides or {}))
+    where = str(cfg_path) if cfg_path else "command line"
+    problems: list[str] = []
+    kept = _split_known(where, raw, TrainConfig, PENDING_TRAIN_KEYS, problems)
+    train = _validate(where, TrainConfig, kept, problems)
+    plan = None
+    if train is not None:
+        plan = load_datasets(Path(train.data_backend_config), problems)
+    if problems or train is None or plan is None:
+        raise ConfigError(problems)
+    return RunConfig(train=train, datasets=plan, config_path=cfg_path)

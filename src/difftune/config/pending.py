@@ -1,0 +1,76 @@
+"""Keys of the spec format that difftune does not implement yet.
+
+A user's config written for the original trainer may carry these. Each is accepted only with a value
+that changes nothing (its "off" value); any other value is a config error that says the feature is
+not implemented yet, so that no option is ever silently ignored. When a feature lands, its key moves
+from here into the schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# key -> (values that mean "off", what to do instead)
+PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_ema": ((False, "false"), "EMA is not implemented yet; remove the key or set it to false"),
+    "lora_type": (("standard",), "only lora_type 'standard' (peft LoRA) is implemented; LyCORIS is not yet"),
+    "base_model_precision": (
+        ("no_change",),
+        "quantized training (int8-quanto, int8-torchao, ...) is not implemented yet; use 'no_change'",
+    ),
+    "text_encoder_1_precision": (("no_change",), "text-encoder quantization is not implemented yet; use 'no_change'"),
+    "text_encoder_2_precision": (("no_change",), "text-encoder quantization is not implemented yet; use 'no_change'"),
+    "quantize_via": (("cpu", "accelerator"), "quantize_via only applies to quantized training, not implemented yet"),
+    "evaluation_type": ((None, "none", "None"), "CLIP evaluation is not implemented yet; remove evaluation_type"),
+    "eval_steps_interval": ((None, 0), "evaluation is not implemented yet; remove eval_steps_interval"),
+    "push_to_hub": ((False,), "uploading to the Hugging Face hub is not implemented yet; set push_to_hub to false"),
+    "push_checkpoints_to_hub": ((False,), "hub uploads are not implemented yet; set push_checkpoints_to_hub to false"),
+    "hub_model_id": ((None, ""), "hub uploads are not implemented yet; remove hub_model_id"),
+    "user_prompt_library": ((None, ""), "prompt libraries are not implemented yet; use validation_prompt"),
+    "validation_prompt_library": ((False,), "prompt libraries are not implemented yet; set it to false"),
+    "validation_using_datasets": ((False, None), "validation from datasets is not implemented yet"),
+    "eval_dataset_id": ((None,), "validation from datasets is not implemented yet; remove eval_dataset_id"),
+    "validation_guidance_rescale": ((0, 0.0), "guidance rescale is not supported by this pipeline; use 0.0"),
+    "enable_group_offload": ((False,), "group offload is not implemented yet; set it to false"),
+    "group_offload_type": ((None,), "group offload is not implemented yet; remove group_offload_type"),
+    "group_offload_blocks_per_group": ((None,), "group offload is not implemented yet"),
+    "group_offload_use_stream": ((False,), "group offload is not implemented yet"),
+    "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
+    "offload_during_startup": ((False,), "offload_during_startup is not implemented yet; set it to false"),
+    "vae_enable_patch_conv": ((False,), "patched VAE convolutions come with video support, not implemented yet"),
+    "vae_cache_disable": ((False,), "on-the-fly VAE encoding is not implemented yet; set it to false"),
+    "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
+    "lycoris_config": ((None,), "LyCORIS is not implemented yet; remove lycoris_config"),
+    "checkpoints_total_limit": ((None,), "checkpoints_total_limit is not implemented yet; remove it"),
+    "validation_num_video_frames": ((None,), "video families are not implemented yet"),
+    "frame_rate": ((None,), "video families are not implemented yet; remove frame_rate"),
+    "caption_dropout_probability": ((None, 0, 0.0), "caption dropout is not implemented yet; use 0.0"),
+    "lora_dropout": ((None, 0, 0.0), "LoRA dropout is not implemented yet; use 0.0"),
+}
+
+PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "video": ((None,), "video datasets are not implemented yet"),
+    "conditioning_data": ((None,), "conditioning datasets (image-to-image) are not implemented yet"),
+    "parquet": ((None,), "parquet caption metadata is not implemented yet"),
+    "probability": ((None, 1, 1.0), "weighted dataset mixing is not implemented yet; remove probability"),
+    "max_num_samples": ((None,), "max_num_samples is not implemented yet"),
+    "minimum_aspect_ratio": ((None,), "aspect-ratio limits are not implemented yet"),
+    "maximum_aspect_ratio": ((None,), "aspect-ratio limits are not implemented yet"),
+    "crop_aspect_buckets": ((None,), "crop_aspect_buckets is not implemented yet"),
+    "instance_prompt": ((None,), "caption_strategy instanceprompt is not implemented yet"),
+    "prepend_instance_prompt": ((False,), "prepend_instance_prompt is not implemented yet"),
+    "only_instance_prompt": ((False,), "only_instance_prompt is not implemented yet"),
+    "text_embeds": ((None,), "choosing a non-default text_embeds entry per dataset is not implemented yet"),
+    "vae_cache_clear_each_epoch": ((False,), "vae_cache_clear_each_epoch is not implemented yet"),
+}
+
+
+def pending_problem(table: dict[str, tuple[tuple[Any, ...], str]], key: str, value: Any) -> str | None:
+    """The 'not implemented yet' message for `key=value`, or None when the value changes nothing."""
+    if key not in table:
+        return None
+    neutral, message = table[key]
+    normalized = value.lower() if isinstance(value, str) else value
+    if normalized in neutral or value in neutral or (isinstance(value, str) and value.lower() == "false" and False in neutral):
+        return None
+    return f"not implemented yet: {message}"

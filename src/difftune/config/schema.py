@@ -1,0 +1,223 @@
+"""The one typed schema of `config/config.json` (flat keys, the spec format).
+
+Owns every training option, its type, default, description and UI group. Must not import torch,
+diffusers or anything under `models/`: a bad config has to fail in milliseconds, before any model
+loads. Family facts it needs (names, flavours, defaults) come from `models.registry`, which is
+import-light by design.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from difftune.config.fields import field
+from difftune.models.registry import FAMILY_FACTS, family_names
+
+OPTIMIZERS_DONE = ("adamw",)
+OPTIMIZERS_PENDING = ("adamw_bf16", "lion", "optimi-stableadamw", "optimi-adamw", "prodigy", "adamw8bit")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+def parse_resolutions(value: str) -> list[tuple[int, int]]:
+    """'1024x768' or '512' or '512x512,768x768' -> [(width, height), ...]."""
+    out = []
+    for part in str(value).split(","):
+        part = part.strip().lower()
+        m = re.fullmatch(r"(\d+)(?:x(\d+))?", part)
+        if not m:
+            raise ValueError(f"{part!r} is not a resolution; write WIDTHxHEIGHT such as 1024x1024, or one number")
+        w = int(m.group(1))
+        h = int(m.group(2) or m.group(1))
+        out.append((w, h))
+    return out
+
+
+class TrainConfig(BaseModel):
+    """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- model
+    model_family: Literal[family_names()] = field(  # type: ignore[valid-type]
+        ..., "Model family to train: " + ", ".join(family_names()) + ".", "model"
+    )
+    model_flavour: str | None = field(
+        None,
+        "Flavour of the family (a named hub repository). Empty means the family's default flavour. "
+        "'tiny-random' builds a tiny random-init model offline, for tests and the demo.",
+        "model",
+    )
+    pretrained_model_name_or_path: str | None = field(
+        None, "Hub id or local folder (hub layout) of the base model. Overrides model_flavour.", "model"
+    )
+    model_type: Literal["lora"] = field(
+        "lora", "What trains: 'lora' (an adapter). 'full' is not implemented yet.", "model"
+    )
+    lora_rank: int = field(16, "LoRA rank (size of the adapter matrices).", "model", gt=0)
+    lora_alpha: float | None = field(
+        None, "LoRA alpha; the update is scaled by alpha/rank. Empty means equal to lora_rank.", "model", gt=0
+    )
+
+    # --- data
+    data_backend_config: str = field(
+        "config/multidatabackend.json", "Path of the dataset list (multidatabackend.json).", "data"
+    )
+    disable_bucket_pruning: bool = field(
+        False,
+        "Keep aspect buckets that hold fewer images than one batch (they then give smaller batches). "
+        "Without it such buckets are left out, and the report says which.",
+        "data",
+        advanced=True,
+    )
+    vae_batch_size: int = field(4, "Images per VAE forward pass while caching latents.", "data", gt=0, advanced=True)
+
+    # --- training
+    seed: int = field(42, "Random seed: data order, noise and timesteps all derive from it.", "training")
+    train_batch_size: int = field(1, "Images per micro-batch.", "training", gt=0)
+    gradient_accumulation_steps: int = field(1, "Micro-batches per optimizer step.", "training", gt=0)
+    learning_rate: float = field(1e-4, "Peak learning rate. LoRA: 1e-4 (5e-5 if artifacts).", "training", gt=0)
+    lr_scheduler: Literal[LR_SCHEDULERS] = field(  # type: ignore[valid-type]
+        "constant", "Learning-rate schedule.", "training"
+    )
+    lr_warmup_steps: int = field(0, "Steps of linear warmup from 0 to learning_rate.", "training", ge=0)
+    max_train_steps: int = field(
+        0, "Stop after this many optimizer steps (0: use num_train_epochs). With both, the first reached stops.",
+        "training", ge=0,
+    )
+    num_train_epochs: int = field(
+        0, "Stop after this many passes over the data (0: use max_train_steps).", "training", ge=0
+    )
+    max_grad_norm: float | None = field(
+        None, "Clip the gradient norm to this value (1.0 is usual); empty disables clipping.", "training", gt=0
+    )
+    optimizer: str = field("adamw", "Optimizer: " + ", ".join(OPTIMIZERS_DONE) + ".", "training")
+    adam_beta1: float = field(0.9, "AdamW beta1.", "training", advanced=True)
+    adam_beta2: float = field(0.999, "AdamW beta2.", "training", advanced=True)
+    adam_weight_decay: float = field(1e-2, "AdamW decoupled weight decay.", "training", advanced=True)
+    adam_epsilon: float = field(1e-8, "AdamW epsilon.", "training", advanced=True)
+    flow_schedule_shift: float = field(
+        1.0,
+        "Shift of the training timestep distribution: lower favours fine detail, higher favours composition.",
+        "training",
+        gt=0,
+    )
+    flow_schedule_auto_shift: bool = field(
+        False,
+        "Derive the shift from each batch's image size (more tokens, more shift), as the pipeline does at "
+        "sampling time. Replaces flow_schedule_shift.",
+        "training",
+    )
+    mixed_precision: Literal["bf16", "fp16", "no"] = field(
+        "bf16", "Autocast precision of the forward pass ('no' for full fp32; use 'no' on CPU).", "training"
+    )
+    base_model_default_dtype: Literal["bf16", "fp16", "fp32"] | None = field(
+        None, "Dtype of the frozen base weights. Empty follows mixed_precision.", "memory", advanced=True
+    )
+    gradient_checkpointing: bool = field(
+        False, "Recompute activations in the backward pass: much less memory, about 30% slower.", "memory"
+    )
+
+    # --- validation
+    validation_prompt: str | None = field(None, "Prompt sampled during training; empty disables validation.", "validation")
+    validation_step_interval: int = field(
+        0, "Sample every N optimizer steps (0: only at the end of training).", "validation", ge=0
+    )
+    validation_resolution: str = field(
+        "1024x1024", "WIDTHxHEIGHT of validation samples; several separated by commas.", "validation"
+    )
+    validation_guidance: float | None = field(
+        None, "Classifier-free guidance scale. Empty uses the family default.", "validation", ge=0
+    )
+    validation_num_inference_steps: int = field(30, "Sampling steps for validation.", "validation", gt=0)
+    validation_seed: int | None = field(None, "Seed of validation noise. Empty uses `seed`.", "validation")
+    validation_negative_prompt: str = field(
+        "blurry, cropped, ugly", "Negative prompt for classifier-free guidance.", "validation"
+    )
+    validation_disable_unconditional: bool = field(
+        False, "Sample without classifier-free guidance (no negative pass).", "validation", advanced=True
+    )
+
+    # --- output
+    output_dir: str = field("output/models", "Where the adapter, checkpoints, samples and logs go.", "output")
+    checkpoint_step_interval: int = field(
+        0, "Write a resumable checkpoint every N optimizer steps (0: only at the end).", "output", ge=0
+    )
+    resume_from_checkpoint: str | None = field(
+        None, "'latest' to continue from the newest complete checkpoint in output_dir, or a checkpoint path.",
+        "output",
+    )
+    report_to: Literal["none", "wandb", "tensorboard"] = field(
+        "none", "Experiment tracker. Only 'none' is implemented yet (the JSONL log is always written).", "output"
+    )
+    tracker_project_name: str | None = field(None, "Project name, recorded in the event log.", "output", advanced=True)
+    tracker_run_name: str | None = field(None, "Run name, recorded in the event log.", "output", advanced=True)
+
+    @field_validator("model_flavour", "pretrained_model_name_or_path", "validation_prompt", "resume_from_checkpoint")
+    @classmethod
+    def _empty_is_none(cls, v: str | None) -> str | None:
+        return v if v not in ("", None) else None
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, v: str) -> str:
+        if v in OPTIMIZERS_DONE:
+            return v
+        if v in OPTIMIZERS_PENDING:
+            raise ValueError(f"not implemented yet: optimizer {v!r}; use 'adamw'")
+        raise ValueError(f"unknown optimizer {v!r}; choose one of {', '.join(OPTIMIZERS_DONE)}")
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_to(cls, v: str) -> str:
+        if v != "none":
+            raise ValueError(f"not implemented yet: report_to {v!r}; use 'none' (the JSONL event log is always written)")
+        return v
+
+    @field_validator("validation_resolution")
+    @classmethod
+    def _resolution(cls, v: str) -> str:
+        for w, h in parse_resolutions(v):
+            if w % 16 or h % 16 or w <= 0 or h <= 0:
+                raise ValueError(f"{w}x{h}: width and height must be positive multiples of 16")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> TrainConfig:
+        facts = FAMILY_FACTS[self.model_family]
+        if self.model_flavour is not None and self.model_flavour not in facts.flavours:
+            raise ValueError(
+                f"model_flavour {self.model_flavour!r} is not a flavour of {self.model_family}; "
+                f"choose one of {', '.join(facts.flavours)}"
+            )
+        if self.max_train_steps == 0 and self.num_train_epochs == 0:
+            raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
+        return self
+
+    # --- derived values (no string parsing outside config/)
+    def flavour(self) -> str:
+        return self.model_flavour or FAMILY_FACTS[self.model_family].default_flavour
+
+    def model_source(self) -> str:
+        """Hub id or local folder to load: the explicit path wins over the flavour."""
+        return self.pretrained_model_name_or_path or FAMILY_FACTS[self.model_family].flavours[self.flavour()]
+
+    def validation_sizes(self) -> list[tuple[int, int]]:
+        return parse_resolutions(self.validation_resolution)
+
+    def guidance(self) -> float:
+        if self.validation_disable_unconditional:
+            return 1.0
+        if self.validation_guidance is not None:
+            return self.validation_guidance
+        return FAMILY_FACTS[self.model_family].default_guidance
+
+    def effective_lora_alpha(self) -> float:
+        return self.lora_alpha if self.lora_alpha is not None else float(self.lora_rank)
+
+    def weight_dtype_name(self) -> str:
+        if self.base_model_default_dtype is not None:
+            return self.base_model_default_dtype
+        return {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}[self.mixed_precision]

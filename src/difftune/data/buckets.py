@@ -1,0 +1,81 @@
+"""Aspect buckets and crop geometry as pure functions (no I/O, no torch).
+
+A bucket is the exact (width, height) in pixels that an image is brought to: both multiples of the
+family's pixel multiple. Images of one bucket share a latent shape, so they can share a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    resolution: float
+    resolution_type: str  # "pixel" (short edge) or "pixel_area" (area of a resolution x resolution square)
+    crop: bool
+    crop_aspect: str  # "square" or "preserve"; used when crop is true
+    multiple: int
+    minimum_image_size: float | None = None
+    maximum_image_size: float | None = None
+    target_downsample_size: float | None = None
+
+
+def measure(width: int, height: int, resolution_type: str) -> float:
+    """An image's size in the unit of `resolution`: short edge, or side of the square of equal area."""
+    return float(min(width, height)) if resolution_type == "pixel" else math.sqrt(width * height)
+
+
+def _round_multiple(value: float, multiple: int) -> int:
+    return max(multiple, int(round(value / multiple)) * multiple)
+
+
+def scaled_to(width: int, height: int, size: float, resolution_type: str) -> tuple[float, float]:
+    """(width, height) scaled so that `measure` equals `size`, aspect kept."""
+    factor = size / measure(width, height, resolution_type)
+    return width * factor, height * factor
+
+
+def bucket_for(width: int, height: int, rule: SizeRule) -> tuple[int, int]:
+    """The (width, height) bucket of an image of this size."""
+    if rule.crop and rule.crop_aspect == "square":
+        width = height = min(width, height)
+    w, h = scaled_to(width, height, rule.resolution, rule.resolution_type)
+    return _round_multiple(w, rule.multiple), _round_multiple(h, rule.multiple)
+
+
+def too_small(width: int, height: int, rule: SizeRule) -> bool:
+    return rule.minimum_image_size is not None and measure(width, height, rule.resolution_type) < rule.minimum_image_size
+
+
+def downsample_first(width: int, height: int, rule: SizeRule) -> tuple[int, int] | None:
+    """Size to bring an oversized image to before bucketing (maximum_image_size), or None."""
+    if rule.maximum_image_size is None or rule.target_downsample_size is None:
+        return None
+    if measure(width, height, rule.resolution_type) <= rule.maximum_image_size:
+        return None
+    w, h = scaled_to(width, height, rule.target_downsample_size, rule.resolution_type)
+    return max(1, round(w)), max(1, round(h))
+
+
+def cover_resize(width: int, height: int, bucket: tuple[int, int]) -> tuple[int, int]:
+    """Smallest aspect-preserving size that covers the bucket (then cropped to it)."""
+    bw, bh = bucket
+    scale = max(bw / width, bh / height)
+    return max(bw, math.ceil(width * scale - 1e-6)), max(bh, math.ceil(height * scale - 1e-6))
+
+
+def crop_box(width: int, height: int, bucket: tuple[int, int], style: str, u: float = 0.5, v: float = 0.5):
+    """(left, top, right, bottom) of a bucket-sized crop from a width x height image.
+
+    style 'center' ignores u, v; 'random' places the crop at fractions u, v in [0, 1] of the slack.
+    """
+    bw, bh = bucket
+    if bw > width or bh > height:
+        raise ValueError(f"crop {bw}x{bh} does not fit in {width}x{height}")
+    if style == "center":
+        u = v = 0.5
+    left = int(round((width - bw) * u))
+    top = int(round((height - bh) * v))
+    return left, top, left + bw, top + bh

@@ -1,0 +1,92 @@
+"""Disk caches of VAE latents and text embeddings (safetensors), keyed by a fingerprint.
+
+A cache folder is named by a hash of everything that changes its content (model identity, sizes,
+crop settings); an entry inside by a hash of its own inputs (file path, size, mtime, bucket, crop
+position; or caption text). Writes go to a temporary file renamed into place, so a killed run never
+leaves a half-written entry; a file that fails to load is deleted and recomputed, never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def fingerprint(data: Any) -> str:
+    blob = json.dumps(data, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+class TensorCache:
+    """A folder of safetensors files, one per key, under `root/<fingerprint>/`."""
+
+    def __init__(self, root: Path, identity: dict[str, Any]):
+        self.folder = Path(root) / fingerprint(identity)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        meta = self.folder / "fingerprint.json"
+        if not meta.exists():
+            _atomic_write(meta, json.dumps(identity, indent=2, sort_keys=True, default=str).encode())
+
+    def path(self, key: str) -> Path:
+        digest = _digest(key)
+        return self.folder / digest[:2] / f"{digest}.safetensors"
+
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            return load_file(path)
+        except Exception:  # noqa: BLE001 - truncated or corrupt: recompute
+            path.unlink(missing_ok=True)
+            return None
+
+    def has(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> Path:
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def fill_text_cache(
+    cache: TensorCache, captions: Iterable[str], encode: Callable[[list[str]], list[dict[str, torch.Tensor]]],
+    batch_size: int, on_progress: Callable[[int], None] | None = None,
+) -> int:
+    """Encode every caption not yet cached. Returns how many were encoded."""
+    todo = sorted({c for c in captions if cache.get(c) is None})  # get() also drops corrupt files
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        for caption, tensors in zip(chunk, encode(chunk), strict=True):
+            cache.put(caption, tensors)
+        if on_progress:
+            on_progress(len(chunk))
+    return len(todo)

@@ -1,0 +1,78 @@
+"""Decoding images safely: EXIF orientation, every colour mode to RGB, clear errors for bad files."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from difftune.data.buckets import cover_resize, crop_box
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif"}
+_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+
+
+class BadImage(Exception):
+    """A file that cannot be used as an image; the message is the reason shown in the report."""
+
+
+def _open(path: Path) -> Image.Image:
+    if path.stat().st_size == 0:
+        raise BadImage("empty file (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise BadImage(f"too many pixels (decompression bomb guard): {e}") from e
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for non-images
+        raise BadImage(f"not a readable image: {type(e).__name__}: {e}") from e
+
+
+def probe_size(path: Path) -> tuple[int, int]:
+    """(width, height) as displayed (EXIF rotation applied), reading only the header."""
+    with _open(path) as img:
+        width, height = img.size
+        orientation = img.getexif().get(0x0112, 1)
+    return (height, width) if orientation in _ROTATED else (width, height)
+
+
+def load_rgb(path: Path) -> Image.Image:
+    """Fully decoded RGB image with EXIF orientation applied. Transparency is composited on white."""
+    img = _open(path)
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+            arr = np.asarray(img, dtype=np.float64)
+            peak = 65535.0 if arr.max() > 255 else 255.0
+            img = Image.fromarray((arr / peak * 255.0).clip(0, 255).astype(np.uint8), "L")
+        if img.mode == "P":
+            img = img.convert("RGBA")
+        if img.mode in ("RGBA", "LA", "PA"):
+            rgba = img.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            img = Image.alpha_composite(background, rgba)
+        return img.convert("RGB")
+    except BadImage:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated data surfaces here, as OSError or others
+        raise BadImage(f"cannot decode: {type(e).__name__}: {e}") from e
+
+
+def prepare(
+    img: Image.Image, bucket: tuple[int, int], crop_style: str, uv: tuple[float, float],
+    downsample: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Resize to cover the bucket, crop to it; return [3, H, W] float32 in [-1, 1]."""
+    if downsample is not None:
+        img = img.resize(downsample, Image.Resampling.LANCZOS)
+    size = cover_resize(img.width, img.height, bucket)
+    if size != img.size:
+        img = img.resize(size, Image.Resampling.LANCZOS)
+    img = img.crop(crop_box(img.width, img.height, bucket, crop_style, *uv))
+    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()

@@ -1,0 +1,44 @@
+"""The data summary printed before training: what was found, used, bucketed, and left out (and why)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftune.data.discovery import Discovery
+
+
+@dataclass
+class DataReport:
+    found: list[Discovery]
+    failed: list[tuple[Path, str]]  # files that failed to decode while caching
+    pruned: dict[tuple[int, int], int]  # bucket -> images left out by bucket pruning
+    data: Any = None  # TrainingData, when built
+    lines: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        failed_paths = {p for p, _ in self.failed}
+        out = ["data report:", f"  {'dataset':<24} {'found':>7} {'used':>7} {'left out':>9}"]
+        for d in self.found:
+            used = sum(1 for s in d.samples if s.path not in failed_paths and s.bucket not in self.pruned)
+            total = len(d.samples) + len(d.skipped)
+            out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}")
+        if self.data is not None:
+            buckets = Counter(item.sample.bucket for item in self.data.items)
+            sizes = ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(buckets.items()))
+            out.append(f"  buckets (with repeats): {sizes}")
+            out.append(f"  batches per epoch: {self.data.sampler.batches_per_epoch()}")
+        for (w, h), n in sorted(self.pruned.items()):
+            out.append(f"  pruned bucket {w}x{h}: {n} image(s), fewer than one batch "
+                       "(set disable_bucket_pruning to keep them)")
+        left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
+        if left:
+            out.append(f"  left out ({len(left)}):")
+            out += [f"    {p}: {r}" for p, r in left]
+        notes = [(p, r) for d in self.found for p, r in d.notes]
+        if notes:
+            out.append(f"  notes ({len(notes)}):")
+            out += [f"    {p}: {r}" for p, r in notes]
+        return "\n".join(out)

@@ -1,0 +1,85 @@
+"""The model-family interface: a few facts and functions per family.
+
+A family speaks one canonical flow convention to the rest of difftune:
+    x_t = (1 - s) * x0 + s * noise,   s in [0, 1] (s = 1 is pure noise),
+    target = noise - x0  (the velocity the sampler integrates from s = 1 to s = 0).
+Each family translates to its own network's convention inside `predict`.
+
+This module stays import-light (no torch at import time) so that `models.registry` and the config
+schema can be imported without loading the heavy stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from difftune.models.registry import FamilyFacts
+
+
+@dataclass
+class Components:
+    """What `Family.load` returns. `vae` and `text_encoder` become None once caches are complete."""
+
+    source: str
+    transformer: Any
+    vae: Any
+    text_encoder: Any
+    tokenizer: Any
+    scheduler: Any
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One validation sample. `text`/`negative` are cached text conditions (see `encode_text`)."""
+
+    text: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+
+
+class Family(Protocol):
+    facts: FamilyFacts
+    pixel_multiple: int  # image width and height must be multiples of this (VAE factor x patch size)
+    lora_target_modules: tuple[str, ...]
+
+    def build_tiny(self, folder: Path) -> None:
+        """Write a tiny random-init model in the hub folder layout (deterministic)."""
+
+    def load(self, source: str, dtype: torch.dtype) -> Components:
+        """Load every component with diffusers/transformers `from_pretrained` (hub id or folder)."""
+
+    def identity(self, comps: Components) -> dict[str, Any]:
+        """What makes cached latents / embeddings of this model distinct: {'vae': ..., 'text': ...}."""
+
+    def encode_text(self, comps: Components, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """One dict of CPU tensors per prompt, without padding (variable length)."""
+
+    def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack per-prompt dicts into one batch dict (padding as the network expects)."""
+
+    def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] in [-1, 1] -> normalized latents [B, C, H/8, W/8] (the network's input space)."""
+
+    def predict(
+        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Canonical velocity prediction (noise - x0) for x_t at noise level `sigmas` [B]."""
+
+    def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
+        """The timestep shift the family's pipeline would use at this latent size."""
+
+    def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
+        """One image through the family's stock diffusers pipeline."""
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
+        """Write a LoRA (peft state dict of the transformer) in the pipeline's diffusers layout."""

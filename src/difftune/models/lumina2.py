@@ -1,0 +1,169 @@
+"""Lumina2 (Lumina-Image-2.0): Lumina2Transformer2DModel, Flux-style AutoencoderKL, Gemma2 text encoder.
+
+Conventions of the stock `Lumina2Pipeline` that training must follow:
+- text: the pipeline's own `encode_prompt` (system prompt + " <Prompt Start> ", Gemma2 hidden state -2,
+  right padding with an attention mask); we call it rather than re-implement it;
+- latents: (z - shift_factor) * scaling_factor, 8x spatial compression, sides multiple of 16;
+- time runs the other way round: the network sees t = 1 - s (t = 0 is noise), and predicts
+  x0 - noise, which the pipeline negates before the Euler step.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    Lumina2Pipeline,
+    Lumina2Transformer2DModel,
+)
+from diffusers.pipelines.lumina2.pipeline_lumina2 import calculate_shift
+from PIL import Image
+from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
+
+from difftune.models.base import Components, SampleRequest
+from difftune.models.registry import FAMILY_FACTS, FamilyFacts
+from difftune.models.tiny import gemma_tokenizer
+
+MAX_SEQUENCE_LENGTH = 256  # the pipeline's default; validation pads to it so samples match the stock pipeline
+
+
+class Lumina2Family:
+    facts: FamilyFacts = FAMILY_FACTS["lumina2"]
+    pixel_multiple = 16
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def build_tiny(self, folder: Path) -> None:
+        torch.manual_seed(0)
+        tokenizer = gemma_tokenizer()
+        text_encoder = Gemma2Model(
+            Gemma2Config(
+                vocab_size=len(tokenizer.get_vocab()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                pad_token_id=0, eos_token_id=1, bos_token_id=2,
+            )
+        )
+        transformer = Lumina2Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, hidden_size=48, num_layers=2, num_refiner_layers=1,
+            num_attention_heads=2, num_kv_heads=1, multiple_of=16, axes_dim_rope=(8, 8, 8),
+            axes_lens=(300, 512, 512), cap_feat_dim=32,
+        )
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+            latent_channels=4, norm_num_groups=4, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False,
+        )
+        # Same scheduler settings as the real repository (static shift 6).
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0, use_dynamic_shifting=False)
+        pipe = Lumina2Pipeline(
+            transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler
+        )
+        pipe.save_pretrained(folder)
+
+    def load(self, source: str, dtype: torch.dtype) -> Components:
+        return Components(
+            source=source,
+            transformer=Lumina2Transformer2DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
+            vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
+            text_encoder=Gemma2Model.from_pretrained(source, subfolder="text_encoder", torch_dtype=dtype),
+            tokenizer=AutoTokenizer.from_pretrained(source, subfolder="tokenizer"),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
+        )
+
+    def identity(self, comps: Components) -> dict[str, Any]:
+        return {
+            "vae": {"source": comps.source, "config": dict(comps.vae.config), "dtype": str(comps.vae.dtype)},
+            "text": {
+                "source": comps.source,
+                "config": comps.text_encoder.config.to_dict(),
+                "dtype": str(comps.text_encoder.dtype),
+                "max_sequence_length": MAX_SEQUENCE_LENGTH,
+            },
+        }
+
+    def encode_text(self, comps: Components, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
+        encoder = Lumina2Pipeline(
+            transformer=None, vae=None, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer, scheduler=None
+        )
+        embeds, mask, _, _ = encoder.encode_prompt(
+            prompts, do_classifier_free_guidance=False, device=comps.text_encoder.device,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        lengths = mask.sum(dim=1).tolist()
+        # Right padding: the valid tokens are a prefix. Gemma is causal, so they do not depend on padding.
+        return [{"prompt_embeds": embeds[i, : int(n)].cpu().clone()} for i, n in enumerate(lengths)]
+
+    def collate_text(self, items: list[dict[str, torch.Tensor]], length: int | None = None) -> dict[str, torch.Tensor]:
+        """Right-pad to the longest prompt (or `length`): prompt_embeds [B, L, D], attention_mask [B, L]."""
+        longest = length or max(item["prompt_embeds"].shape[0] for item in items)
+        dim = items[0]["prompt_embeds"].shape[1]
+        embeds = torch.zeros(len(items), longest, dim, dtype=items[0]["prompt_embeds"].dtype)
+        mask = torch.zeros(len(items), longest, dtype=torch.long)
+        for i, item in enumerate(items):
+            n = item["prompt_embeds"].shape[0]
+            embeds[i, :n] = item["prompt_embeds"]
+            mask[i, :n] = 1
+        return {"prompt_embeds": embeds, "attention_mask": mask}
+
+    def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
+        vae = comps.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def predict(
+        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        out = transformer(
+            hidden_states=noisy,
+            timestep=1.0 - sigmas,
+            encoder_hidden_states=text["prompt_embeds"].to(noisy.device, noisy.dtype),
+            encoder_attention_mask=text["attention_mask"].to(noisy.device),
+            return_dict=False,
+        )[0]
+        return -out
+
+    def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
+        cfg = comps.scheduler.config
+        seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
+        mu = calculate_shift(
+            seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
+        )
+        return math.exp(mu)
+
+    def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
+        pipe = Lumina2Pipeline(
+            transformer=transformer, vae=comps.vae, text_encoder=None, tokenizer=None,
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler.config),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        device = next(transformer.parameters()).device
+        dtype = next(transformer.parameters()).dtype
+        cond = self.collate_text([request.text], MAX_SEQUENCE_LENGTH)
+        kwargs: dict[str, Any] = {}
+        if request.guidance > 1.0 and request.negative is not None:
+            neg = self.collate_text([request.negative], MAX_SEQUENCE_LENGTH)
+            kwargs = {
+                "negative_prompt_embeds": neg["prompt_embeds"].to(device, dtype),
+                "negative_prompt_attention_mask": neg["attention_mask"].to(device),
+            }
+        generator = torch.Generator(device=device).manual_seed(request.seed)
+        with torch.no_grad():
+            return pipe(
+                prompt_embeds=cond["prompt_embeds"].to(device, dtype),
+                prompt_attention_mask=cond["attention_mask"].to(device),
+                height=request.height, width=request.width, num_inference_steps=request.steps,
+                guidance_scale=request.guidance, generator=generator, **kwargs,
+            ).images[0]
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
+        Lumina2Pipeline.save_lora_weights(folder, transformer_lora_layers=state_dict, safe_serialization=True)
+        return folder / "pytorch_lora_weights.safetensors"
+
+
+FAMILY = Lumina2Family()

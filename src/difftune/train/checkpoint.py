@@ -1,0 +1,132 @@
+"""Resumable checkpoints, written atomically.
+
+A checkpoint is a folder `output_dir/checkpoints/checkpoint-NNNNNNN/` holding the trainable weights,
+the optimizer and LR-scheduler states, the sampler position and the RNG states, plus the LoRA in the
+pipeline's format for direct use. It is written under a temporary name and renamed into place, so a
+folder with the final name is always complete; leftovers of a killed save are ignored and removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from difftune.data.sampler import SamplerState
+
+if TYPE_CHECKING:
+    from difftune.train.setup import Run
+
+PREFIX = "checkpoint-"
+STATE_FILE = "training_state.json"
+
+
+def checkpoints_dir(output_dir: Path) -> Path:
+    return output_dir / "checkpoints"
+
+
+def trainable_state(run: Run) -> dict[str, torch.Tensor]:
+    model = run.accelerator.unwrap_model(run.transformer)
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_adapter(run: Run, folder: Path) -> Path:
+    model = run.accelerator.unwrap_model(run.transformer)
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    return run.family.save_lora(folder, state)
+
+
+def save_checkpoint(run: Run) -> Path:
+    root = checkpoints_dir(run.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{run.state.step:07d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(trainable_state(run), tmp / "trainable.safetensors")
+    torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+    torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
+    save_adapter(run, tmp)
+    sampler = run.data.sampler.state
+    state = {"step": run.state.step, "epoch": sampler.epoch, "batch_index": sampler.index}
+    (tmp / STATE_FILE).write_text(json.dumps(state))
+    _fsync_tree(tmp)
+    if final.exists():  # the same step saved again (for example at the end): replace it whole
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def find_latest(output_dir: Path) -> Path | None:
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
+    return max(done, key=lambda p: int(p.name[len(PREFIX):]), default=None)
+
+
+def resolve_resume(output_dir: Path, value: str) -> Path | None:
+    """'latest' -> newest complete checkpoint (None if there is none yet); a path -> that checkpoint."""
+    if value == "latest":
+        return find_latest(output_dir)
+    path = Path(value)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint: {path} is not a complete checkpoint (no {STATE_FILE}); "
+            f"use 'latest' or a folder under {checkpoints_dir(output_dir)}"
+        )
+    return path
+
+
+def load_checkpoint(run: Run, path: Path) -> None:
+    model = run.accelerator.unwrap_model(run.transformer)
+    weights = load_file(path / "trainable.safetensors")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != trainable:
+        raise ValueError(
+            f"{path} does not match this run's adapter ({len(weights)} tensors saved, {len(trainable)} "
+            "trainable); was lora_rank or the model changed? Start a new output_dir or restore the settings"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    run.generator.set_state(rng["generator"])
+    torch.set_rng_state(rng["torch"])
+    state = json.loads((path / STATE_FILE).read_text())
+    run.state.step = state["step"]
+    run.data.sampler.state = SamplerState(state["epoch"], state["batch_index"])
+
+
+def clean_partial(output_dir: Path) -> None:
+    """Remove leftovers of saves that were killed before their rename."""
+    root = checkpoints_dir(output_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,55 @@
+"""Progress out: a console progress bar and a JSONL event log in output_dir.
+
+The trainer only calls `emit`; readers (the console, the web UI later, tests) consume the log. The
+trainer never imports a UI.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class Events:
+    def __init__(self, log_path: Path | None, total_steps: int = 0, console: bool = True):
+        self.log_path = log_path
+        self.console = console
+        self.bar: tqdm | None = None
+        self.total_steps = total_steps
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, kind: str, **data: Any) -> None:
+        record = {"event": kind, "time": time.time(), **data}
+        if self.log_path is not None:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+        if not self.console:
+            return
+        if kind == "step":
+            self._bar(data["step"]).set_postfix(loss=f"{data['loss']:.4f}", lr=f"{data['lr']:.2e}", refresh=False)
+            self.bar.update(data["step"] - self.bar.n)
+        elif kind in ("info", "warning", "error"):
+            self.write(("" if kind == "info" else kind.upper() + ": ") + data["message"])
+
+    def _bar(self, step: int) -> tqdm:
+        if self.bar is None:
+            self.bar = tqdm(total=self.total_steps, initial=step - 1, desc="training", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+        return self.bar
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

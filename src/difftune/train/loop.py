@@ -1,0 +1,93 @@
+"""The training loop. Everything optional was applied to the objects in `setup.build_run`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from difftune.data.batches import Batch
+from difftune.train import objective
+from difftune.train.checkpoint import (
+    clean_partial,
+    load_checkpoint,
+    resolve_resume,
+    save_adapter,
+    save_checkpoint,
+)
+from difftune.train.setup import Run
+from difftune.train.validation import validate
+
+
+def micro_step(run: Run, batch: Batch) -> torch.Tensor:
+    """Loss of one micro-batch. Noise and timesteps come from the run's own seeded generator."""
+    x0 = batch.latents
+    shift = run.cfg.flow_schedule_shift
+    if run.cfg.flow_schedule_auto_shift:
+        shift = run.family.auto_shift(run.comps, tuple(x0.shape[-2:]))
+    noise = torch.randn(x0.shape, generator=run.generator)
+    sigmas = objective.sample_sigmas(x0.shape[0], shift, run.generator)
+    device, dtype = run.accelerator.device, run.comps.transformer.dtype
+    x_t = objective.noisy_input(x0, noise, sigmas)
+    with run.accelerator.autocast():
+        pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text)
+    return objective.flow_loss(pred, objective.velocity_target(x0, noise).to(device))
+
+
+def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
+    accum = run.cfg.gradient_accumulation_steps
+    total = 0.0
+    for micro in range(accum):
+        sync = micro == accum - 1
+        with nullcontext() if sync else run.accelerator.no_sync(run.transformer):
+            loss = micro_step(run, next(batches))
+            run.accelerator.backward(loss / accum)
+        total += loss.item() / accum
+    if run.cfg.max_grad_norm is not None:
+        run.accelerator.clip_grad_norm_(run.params, run.cfg.max_grad_norm)
+    run.optimizer.step()
+    run.lr_scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _due(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def train(run: Run) -> Path:
+    """Train to `run.total_steps`; returns the path of the saved adapter."""
+    cfg = run.cfg
+    clean_partial(run.output_dir)
+    if cfg.resume_from_checkpoint and (ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint)):
+        load_checkpoint(run, ckpt)
+        run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
+    run.events.emit("start", total_steps=run.total_steps, step=run.state.step,
+                    project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
+    run.transformer.train()
+    batches = iter(run.data)
+    started = time.perf_counter()
+    try:
+        while run.state.step < run.total_steps:
+            loss = optimizer_step(run, batches)
+            run.state.step += 1
+            step = run.state.step
+            run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
+                            elapsed=time.perf_counter() - started)
+            if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
+                run.events.emit("checkpoint", step=step, path=str(save_checkpoint(run)))
+            if _due(step, cfg.validation_step_interval) and step < run.total_steps:
+                validate(run, f"step-{step:06d}")
+    except KeyboardInterrupt:
+        run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), reason="interrupted")
+        run.events.close()
+        raise
+    run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)))
+    adapter = save_adapter(run, run.output_dir)
+    samples = validate(run, f"final-step-{run.state.step:06d}")
+    run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
+    run.events.close()
+    return adapter
