@@ -61,8 +61,11 @@ class Family(Protocol):
     def identity(self, comps: Components) -> dict[str, Any]:
         """What makes cached latents / embeddings of this model distinct: {'vae': ..., 'text': ...}."""
 
-    def encode_text(self, comps: Components, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
-        """One dict of CPU tensors per prompt, without padding (variable length)."""
+    def encode_text(
+        self, comps: Components, prompts: list[str], negative: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
+        """One dict of CPU tensors per prompt, without padding (variable length). `negative`: encode as
+        the pipeline encodes negative prompts (some families treat them differently)."""
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Stack per-prompt dicts into one batch dict (padding as the network expects)."""
@@ -81,5 +84,6 @@ class Family(Protocol):
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
         """One image through the family's stock diffusers pipeline."""
 
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
-        """Write a LoRA (peft state dict of the transformer) in the pipeline's diffusers layout."""
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+        """Write a LoRA (peft state dict of the transformer) in the pipeline's diffusers layout.
+        `metadata` is the peft LoraConfig as a dict, so loaders recover rank and alpha."""

@@ -86,14 +86,23 @@ class Lumina2Family:
             },
         }
 
-    def encode_text(self, comps: Components, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
+    def encode_text(
+        self, comps: Components, prompts: list[str], negative: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
         encoder = Lumina2Pipeline(
             transformer=None, vae=None, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer, scheduler=None
         )
-        embeds, mask, _, _ = encoder.encode_prompt(
-            prompts, do_classifier_free_guidance=False, device=comps.text_encoder.device,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
-        )
+        device = comps.text_encoder.device
+        if negative:
+            # The pipeline encodes negative prompts without its system prompt: ask it for exactly that.
+            _, _, embeds, mask = encoder.encode_prompt(
+                [""] * len(prompts), do_classifier_free_guidance=True, negative_prompt=prompts, device=device,
+                max_sequence_length=MAX_SEQUENCE_LENGTH,
+            )
+        else:
+            embeds, mask, _, _ = encoder.encode_prompt(
+                prompts, do_classifier_free_guidance=False, device=device, max_sequence_length=MAX_SEQUENCE_LENGTH
+            )
         lengths = mask.sum(dim=1).tolist()
         # Right padding: the valid tokens are a prefix. Gemma is causal, so they do not depend on padding.
         return [{"prompt_embeds": embeds[i, : int(n)].cpu().clone()} for i, n in enumerate(lengths)]
@@ -161,8 +170,11 @@ class Lumina2Family:
                 guidance_scale=request.guidance, generator=generator, **kwargs,
             ).images[0]
 
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
-        Lumina2Pipeline.save_lora_weights(folder, transformer_lora_layers=state_dict, safe_serialization=True)
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+        Lumina2Pipeline.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=metadata,
+        )
         return folder / "pytorch_lora_weights.safetensors"
 
 

@@ -39,7 +39,7 @@ def trainable_state(run: Run) -> dict[str, torch.Tensor]:
 def save_adapter(run: Run, folder: Path) -> Path:
     model = run.accelerator.unwrap_model(run.transformer)
     state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    return run.family.save_lora(folder, state)
+    return run.family.save_lora(folder, state, model.peft_config["default"].to_dict())
 
 
 def save_checkpoint(run: Run) -> Path:

@@ -24,12 +24,13 @@ class Events:
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    def emit(self, kind: str, **data: Any) -> None:
+    def emit(self, kind: str, quiet: bool = False, **data: Any) -> None:
+        """Log an event; `quiet` keeps it off the console (when a summary there already says it)."""
         record = {"event": kind, "time": time.time(), **data}
         if self.log_path is not None:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, default=str) + "\n")
-        if not self.console:
+        if not self.console or quiet:
             return
         if kind == "step":
             self._bar(data["step"]).set_postfix(loss=f"{data['loss']:.4f}", lr=f"{data['lr']:.2e}", refresh=False)

@@ -99,10 +99,13 @@ def fill_caches(
     text_cache = TensorCache(text_root, identity["text"])
     captions = {s.caption for d in found for s in d.samples}
     if cfg.validation_prompt is not None:
-        captions |= {cfg.validation_prompt, cfg.validation_negative_prompt}
+        captions.add(cfg.validation_prompt)
+    batch = embeds.write_batch_size if embeds else 32
     comps.text_encoder.to(device)
-    n = fill_text_cache(text_cache, captions, lambda p: family.encode_text(comps, p),
-                        embeds.write_batch_size if embeds else 32)
+    n = fill_text_cache(text_cache, captions, lambda p: family.encode_text(comps, p), batch)
+    if cfg.validation_prompt is not None:
+        fill_text_cache(negative_cache(text_cache), [cfg.validation_negative_prompt],
+                        lambda p: family.encode_text(comps, p, negative=True), batch)
     events.emit("info", message=f"text cache: {len(captions)} captions, {n} newly encoded ({text_cache.folder})")
     comps.text_encoder = None  # its job is done: free the memory before training
     _free(device)
@@ -119,11 +122,16 @@ def fill_caches(
         cached += done
         failed += bad
         for path, reason in bad:
-            events.emit("warning", message=f"skipped {path}: {reason}")
+            events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")
     # The VAE stays (on the CPU) only if validation needs it to decode samples.
     comps.vae = comps.vae.to("cpu") if cfg.validation_prompt is not None else None
     _free(device)
     return cached, text_cache, failed
+
+
+def negative_cache(text_cache: TensorCache) -> TensorCache:
+    """Negative prompts may be encoded differently from captions: they get their own folder."""
+    return TensorCache(text_cache.folder / "negative", {"role": "negative"})
 
 
 def _free(device: torch.device) -> None:
@@ -181,7 +189,7 @@ def validation_requests(cfg: TrainConfig, text_cache: TensorCache) -> list[Sampl
     if cfg.validation_prompt is None:
         return []
     text = text_cache.get(cfg.validation_prompt)
-    negative = text_cache.get(cfg.validation_negative_prompt)
+    negative = negative_cache(text_cache).get(cfg.validation_negative_prompt)
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
     return [
         SampleRequest(text, negative, w, h, cfg.validation_num_inference_steps, cfg.guidance(), seed)
@@ -197,14 +205,19 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     family = get_family(cfg.model_family)
     found = discover_all(run_cfg, family)
+    for path, reason in (item for d in found for item in d.skipped):
+        events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
 
     source = resolve_source(cfg, family)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
     comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
     cached, text_cache, failed = fill_caches(run_cfg, family, comps, found, accelerator.device, events)
     data, pruned = build_data(run_cfg, family, cached, text_cache)
-    events.write(DataReport(found, failed, pruned, data).render())
+    report = DataReport(found, failed, pruned, data).render()
+    events.write(report)
+    events.emit("data_report", quiet=True, text=report)
 
+    torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
     params = attach_lora(cfg, family, comps.transformer)
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny Lumina2 built once per session (offline, hub layout), generated datasets,
+and config files written the way a user writes them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from difftune.demo import make_dataset
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_home(tmp_path_factory) -> Path:
+    """Tiny models are built under a per-session DIFFTUNE_HOME (reuses DIFFTUNE_TEST_HOME if set)."""
+    home = Path(os.environ.get("DIFFTUNE_TEST_HOME") or tmp_path_factory.mktemp("difftune-home"))
+    os.environ["DIFFTUNE_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def lumina2_dir(tiny_home) -> Path:
+    from difftune.models import get_family
+    from difftune.models.tiny import ensure_built
+
+    return ensure_built("lumina2-v1", get_family("lumina2").build_tiny)
+
+
+def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
+    """config.json + multidatabackend.json under root/config; returns the config path."""
+    (root / "config").mkdir(parents=True, exist_ok=True)
+    datasets = [
+        {"id": "train", "type": "local", "dataset_type": "image", "instance_data_dir": str(dataset_dir),
+         "caption_strategy": "textfile", "resolution": 64, "resolution_type": "pixel_area",
+         "cache_dir_vae": str(root / "cache" / "vae")},
+        {"id": "text-embeds", "type": "local", "dataset_type": "text_embeds", "default": True,
+         "cache_dir": str(root / "cache" / "text")},
+    ]
+    datasets[0].update(overrides.pop("dataset", {}))
+    backend = root / "config" / "multidatabackend.json"
+    backend.write_text(json.dumps(datasets))
+    config = {
+        "model_family": "lumina2", "model_flavour": "tiny-random", "output_dir": str(root / "output"),
+        "data_backend_config": str(backend), "mixed_precision": "no", "train_batch_size": 1,
+        "learning_rate": 1e-3, "lora_rank": 4, "max_train_steps": 4, "seed": 7,
+    }
+    config.update(overrides)
+    path = root / "config" / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    folder = tmp_path / "images"
+    make_dataset(folder, count=4)
+    return folder

@@ -1,0 +1,115 @@
+"""Config errors fail before any model loads, name the key, and say the fix."""
+
+import json
+
+import pytest
+
+from conftest import write_config
+from difftune.cli import main
+from difftune.config import ConfigError, load_config
+
+
+def problems(path, **overrides):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return "\n".join(info.value.problems)
+
+
+def test_valid_config_and_coercion(tmp_path, dataset):
+    path = write_config(tmp_path, dataset, **{"--learning_rate": "5e-5", "train_batch_size": "2"})
+    cfg = load_config(path).train
+    assert cfg.learning_rate == 5e-5 and cfg.train_batch_size == 2
+    assert load_config(path, {"lora_rank": "32"}).train.lora_rank == 32  # CLI override wins
+
+
+def test_unknown_key_suggests(tmp_path, dataset):
+    text = problems(write_config(tmp_path, dataset, learning_rat=1e-4))
+    assert "learning_rat" in text and "did you mean 'learning_rate'" in text
+
+
+def test_wrong_type_names_key(tmp_path, dataset):
+    text = problems(write_config(tmp_path, dataset, train_batch_size="lots"))
+    assert "train_batch_size" in text and "'lots'" in text
+
+
+def test_pending_feature_is_rejected_not_ignored(tmp_path, dataset):
+    text = problems(write_config(tmp_path, dataset, use_ema=True, optimizer="lion", model_type="full"))
+    assert "use_ema" in text and "not implemented yet" in text
+    assert "optimizer" in text and "model_type" in text
+    # The "off" value of a pending key is accepted: it changes nothing.
+    load_config(write_config(tmp_path, dataset, use_ema=False, base_model_precision="no_change"))
+
+
+def test_missing_dataset_folder(tmp_path):
+    text = problems(write_config(tmp_path, tmp_path / "nowhere"))
+    assert "instance_data_dir" in text and "nowhere" in text and "'train'" in text
+
+
+def test_unreadable_dataset_list(tmp_path, dataset):
+    path = write_config(tmp_path, dataset)
+    backend = tmp_path / "config" / "multidatabackend.json"
+    backend.write_text("[{not json")
+    text = problems(path)
+    assert str(backend) in text and "not valid JSON" in text
+    backend.unlink()
+    assert "not found" in problems(path)
+
+
+def test_bad_dataset_key(tmp_path, dataset):
+    text = problems(write_config(tmp_path, dataset, dataset={"resolution_typ": "pixel"}))
+    assert "did you mean 'resolution_type'" in text
+
+
+def test_missing_config_file(tmp_path):
+    text = problems(tmp_path / "config.json")
+    assert "config.json" in text and "config.json.example" in text
+
+
+def test_validation_resolution_multiple_of_16(tmp_path, dataset):
+    assert "validation_resolution" in problems(write_config(tmp_path, dataset, validation_resolution="100x100"))
+
+
+def test_cli_exits_2_before_loading_any_model(tmp_path, dataset, monkeypatch, capsys):
+    from difftune.models.lumina2 import Lumina2Family
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded for a bad config")
+
+    monkeypatch.setattr(Lumina2Family, "load", boom)
+    monkeypatch.setattr(Lumina2Family, "build_tiny", boom)
+    path = write_config(tmp_path, dataset, lora_rnk=4)
+    assert main(["train", "--config", str(path)]) == 2
+    assert "lora_rnk" in capsys.readouterr().err
+    # An override on the command line is checked the same way.
+    good = write_config(tmp_path, dataset)
+    assert main(["train", "--config", str(good), "--max_train_steps", "many"]) == 2
+    assert "max_train_steps" in capsys.readouterr().err
+
+
+def test_empty_dataset_fails_before_model_load(tmp_path, monkeypatch, capsys):
+    from difftune.models.lumina2 import Lumina2Family
+
+    monkeypatch.setattr(Lumina2Family, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    path = write_config(tmp_path, empty)
+    assert main(["train", "--config", str(path)]) == 2
+    assert "'train'" in capsys.readouterr().err
+
+
+def test_check_command_reports(tmp_path, dataset, capsys):
+    path = write_config(tmp_path, dataset)
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "OK" in out
+
+
+def test_json_schema_has_groups_and_descriptions():
+    from difftune.config import TrainConfig
+
+    schema = TrainConfig.model_json_schema()
+    for name, prop in schema["properties"].items():
+        assert prop.get("description"), name
+        assert prop.get("group") in ("model", "data", "training", "validation", "memory", "output"), name
+    json.dumps(schema)
