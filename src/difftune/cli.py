@@ -53,8 +53,18 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def quiet_libraries() -> None:
+    """The hub libraries draw a progress bar per component load; ours is the one that matters."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
+    quiet_libraries()
     from difftune.train.loop import train
     from difftune.train.setup import build_run
 
@@ -67,6 +77,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.demo import run_demo
 
+    quiet_libraries()
     run_demo(Path(args.dir))
     return 0
 

@@ -49,7 +49,7 @@ def write_demo_config(root: Path, steps: int = 100) -> Path:
         "mixed_precision": "no", "train_batch_size": 2, "learning_rate": 1e-3, "lora_rank": 8,
         "max_train_steps": steps, "checkpoint_step_interval": 50, "validation_step_interval": 50,
         "validation_prompt": "a red circle on a blue background", "validation_resolution": "64x64",
-        "validation_num_inference_steps": 10, "seed": 42, "resume_from_checkpoint": "latest",
+        "validation_num_inference_steps": 10, "seed": 42,
     }
     path = config_dir / "config.json"
     path.write_text(json.dumps(config, indent=2))
@@ -61,6 +61,9 @@ def run_demo(root: Path) -> None:
     from difftune.train.loop import train
     from difftune.train.setup import build_run
 
+    import shutil
+
+    shutil.rmtree(root / "output", ignore_errors=True)  # a fresh run each time; caches are reused
     make_dataset(root / "data")
     config = write_demo_config(root)
     run_cfg = load_config(config)
