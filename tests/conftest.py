@@ -22,10 +22,9 @@ def tiny_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def lumina2_dir(tiny_home) -> Path:
-    from difftune.models import get_family
-    from difftune.models.tiny import ensure_built
+    from difftune.models import tiny_model
 
-    return ensure_built("lumina2-v1", get_family("lumina2").build_tiny)
+    return tiny_model("lumina2", "tiny-random")
 
 
 def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:

@@ -42,12 +42,11 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
 
 
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
-    from difftune.data.report import DataReport
-    from difftune.models import get_family
-    from difftune.train.setup import discover_all
-
     run_cfg = _load(args, rest)
-    found = discover_all(run_cfg, get_family(run_cfg.train.model_family))
+    from difftune.data.report import DataReport
+    from difftune.train.plan import discover_all
+
+    found = discover_all(run_cfg)
     print(DataReport(found, [], {}).render())
     print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.model_source() or 'tiny-random'})")
     return 0
@@ -93,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
     args, rest = parser.parse_known_args(argv)
     handler = {"train": cmd_train, "check": cmd_check, "demo": cmd_demo}[args.command]
-    from difftune.train.setup import DataError
-
     try:
         return handler(args, rest)
-    except (ConfigError, DataError) as e:
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from difftune.train.plan import DataError
+
+        if not isinstance(e, DataError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -57,11 +57,11 @@ def write_demo_config(root: Path, steps: int = 100) -> Path:
 
 
 def run_demo(root: Path) -> None:
+    import shutil
+
     from difftune.config import load_config
     from difftune.train.loop import train
     from difftune.train.setup import build_run
-
-    import shutil
 
     shutil.rmtree(root / "output", ignore_errors=True)  # a fresh run each time; caches are reused
     make_dataset(root / "data")

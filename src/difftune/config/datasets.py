@@ -52,6 +52,10 @@ class ImageDataset(BaseModel):
     metadata_backend: Literal["discovery"] = field(
         "discovery", "How sizes are found: 'discovery' scans the files.", "data", advanced=True
     )
+    conditioning_data: str | None = field(
+        None, "Id of a 'conditioning' dataset whose images pair with these by file name (image-to-image).",
+        "data",
+    )
     disabled: bool = field(False, "Leave this dataset out.", "data")
 
     @model_validator(mode="after")
@@ -75,8 +79,23 @@ class TextEmbedsDataset(BaseModel):
     disabled: bool = field(False, "Leave this entry out.", "data")
 
 
-DatasetEntry = ImageDataset | TextEmbedsDataset
-DATASET_MODELS: dict[str, type[BaseModel]] = {"image": ImageDataset, "text_embeds": TextEmbedsDataset}
+class ConditioningDataset(BaseModel):
+    """Conditioning images (image-to-image): each pairs with the training image of the same file name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = field(..., "Unique name of the dataset; training sets name it in conditioning_data.", "data",
+                    min_length=1)
+    type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
+    dataset_type: Literal["conditioning"] = field("conditioning", "Kind of entry.", "data")
+    instance_data_dir: str = field(..., "Folder of conditioning images, named like the training images.", "data")
+    disabled: bool = field(False, "Leave this dataset out.", "data")
+
+
+DatasetEntry = ImageDataset | TextEmbedsDataset | ConditioningDataset
+DATASET_MODELS: dict[str, type[BaseModel]] = {
+    "image": ImageDataset, "text_embeds": TextEmbedsDataset, "conditioning": ConditioningDataset,
+}
 
 
 class DatasetPlan(BaseModel):
@@ -84,3 +103,9 @@ class DatasetPlan(BaseModel):
 
     images: list[ImageDataset]
     text_embeds: TextEmbedsDataset | None
+    conditioning: dict[str, ConditioningDataset] = {}
+
+    def conditioning_dir(self, dataset: ImageDataset) -> str | None:
+        if dataset.conditioning_data is None:
+            return None
+        return self.conditioning[dataset.conditioning_data].instance_data_dir

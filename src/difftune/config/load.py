@@ -14,14 +14,20 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from difftune.config.datasets import DATASET_MODELS, DatasetPlan, ImageDataset, TextEmbedsDataset
+from difftune.config.datasets import (
+    DATASET_MODELS,
+    ConditioningDataset,
+    DatasetPlan,
+    ImageDataset,
+    TextEmbedsDataset,
+)
 from difftune.config.pending import PENDING_DATASET_KEYS, PENDING_TRAIN_KEYS, pending_problem
 from difftune.config.schema import TrainConfig
+from difftune.models.registry import FAMILY_FACTS
 
 PENDING_VALUES = {
     ("model_type", "full"): "not implemented yet: full fine-tuning; use model_type 'lora'",
     ("dataset_type", "video"): "not implemented yet: video datasets",
-    ("dataset_type", "conditioning"): "not implemented yet: conditioning datasets",
     ("caption_strategy", "filename"): "not implemented yet: caption_strategy 'filename'; use 'textfile'",
     ("caption_strategy", "instanceprompt"): "not implemented yet: caption_strategy 'instanceprompt'; use 'textfile'",
     ("caption_strategy", "parquet"): "not implemented yet: caption_strategy 'parquet'; use 'textfile'",
@@ -115,6 +121,7 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
         return None
     images: list[ImageDataset] = []
     embeds: list[TextEmbedsDataset] = []
+    conditioning: dict[str, ConditioningDataset] = {}
     seen: set[str] = set()
     for index, entry in enumerate(raw):
         if not isinstance(entry, dict):
@@ -139,13 +146,22 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
         seen.add(item.id)
         if item.disabled:
             continue
-        if isinstance(item, ImageDataset):
+        if isinstance(item, ImageDataset | ConditioningDataset):
             folder = Path(item.instance_data_dir)
             if not folder.is_dir():
                 problems.append(f"{where}: instance_data_dir {str(folder)!r} is not a folder; fix the path")
+        if isinstance(item, ImageDataset):
             images.append(item)
+        elif isinstance(item, ConditioningDataset):
+            conditioning[item.id] = item
         else:
             embeds.append(item)
+    for ds in images:
+        if ds.conditioning_data is not None and ds.conditioning_data not in conditioning:
+            problems.append(
+                f"{path}: dataset {ds.id!r}: conditioning_data {ds.conditioning_data!r} names no enabled "
+                "dataset of dataset_type 'conditioning'; add one with that id or fix the name"
+            )
     if not images and not problems:
         problems.append(f"{path}: no enabled image dataset; add an entry with dataset_type 'image'")
     defaults = [e for e in embeds if e.default]
@@ -154,7 +170,29 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
     chosen = defaults[0] if defaults else (embeds[0] if len(embeds) == 1 else None)
     if len(embeds) > 1 and not defaults:
         problems.append(f"{path}: several text_embeds entries and none has default: true; mark one")
-    return DatasetPlan(images=images, text_embeds=chosen)
+    return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning)
+
+
+def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:
+    """Image-to-image flavours train on pairs; the others must not be given any."""
+    facts = FAMILY_FACTS[train.model_family]
+    flavour = train.flavour()
+    ids = {ds.id for ds in plan.images} | set(plan.conditioning)
+    if train.validation_using_datasets and train.eval_dataset_id not in ids:
+        problems.append(f"{path}: eval_dataset_id {train.eval_dataset_id!r} names no enabled image or "
+                        f"conditioning dataset; choose one of {', '.join(sorted(ids))}")
+    for ds in plan.images:
+        if facts.needs_conditioning(flavour) and ds.conditioning_data is None:
+            problems.append(
+                f"{path}: dataset {ds.id!r}: flavour {flavour!r} trains on image pairs; set conditioning_data "
+                "to the id of a dataset_type 'conditioning' entry holding the input images"
+            )
+        elif not facts.needs_conditioning(flavour) and ds.conditioning_data is not None:
+            problems.append(
+                f"{path}: dataset {ds.id!r}: conditioning_data is only used by image-to-image flavours "
+                f"({', '.join(sorted(facts.conditioning_flavours)) or 'none for ' + train.model_family}); "
+                "remove it or pick such a flavour"
+            )
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -173,7 +211,12 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     train = _validate(where, TrainConfig, kept, problems)
     plan = None
     if train is not None:
-        plan = load_datasets(Path(train.data_backend_config), problems)
+        try:
+            plan = load_datasets(Path(train.data_backend_config), problems)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if train is not None and plan is not None:
+        check_conditioning(train, plan, Path(train.data_backend_config), problems)
     if problems or train is None or plan is None:
         raise ConfigError(problems)
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)

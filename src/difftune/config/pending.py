@@ -28,8 +28,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "hub_model_id": ((None, ""), "hub uploads are not implemented yet; remove hub_model_id"),
     "user_prompt_library": ((None, ""), "prompt libraries are not implemented yet; use validation_prompt"),
     "validation_prompt_library": ((False,), "prompt libraries are not implemented yet; set it to false"),
-    "validation_using_datasets": ((False, None), "validation from datasets is not implemented yet"),
-    "eval_dataset_id": ((None,), "validation from datasets is not implemented yet; remove eval_dataset_id"),
     "validation_guidance_rescale": ((0, 0.0), "guidance rescale is not supported by this pipeline; use 0.0"),
     "enable_group_offload": ((False,), "group offload is not implemented yet; set it to false"),
     "group_offload_type": ((None,), "group offload is not implemented yet; remove group_offload_type"),
@@ -50,7 +48,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "video": ((None,), "video datasets are not implemented yet"),
-    "conditioning_data": ((None,), "conditioning datasets (image-to-image) are not implemented yet"),
     "parquet": ((None,), "parquet caption metadata is not implemented yet"),
     "probability": ((None, 1, 1.0), "weighted dataset mixing is not implemented yet; remove probability"),
     "max_num_samples": ((None,), "max_num_samples is not implemented yet"),
@@ -70,7 +67,11 @@ def pending_problem(table: dict[str, tuple[tuple[Any, ...], str]], key: str, val
     if key not in table:
         return None
     neutral, message = table[key]
-    normalized = value.lower() if isinstance(value, str) else value
-    if normalized in neutral or value in neutral or (isinstance(value, str) and value.lower() == "false" and False in neutral):
+    if isinstance(value, str) and value.lower() in ("false", "null"):
+        value = False if value.lower() == "false" else None
+    if any(type(value) is type(n) and value == n for n in neutral):
         return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if any(type(n) in (int, float) and value == n for n in neutral):
+            return None
     return f"not implemented yet: {message}"

@@ -136,6 +136,14 @@ class TrainConfig(BaseModel):
     validation_negative_prompt: str = field(
         "blurry, cropped, ugly", "Negative prompt for classifier-free guidance.", "validation"
     )
+    validation_using_datasets: bool = field(
+        False, "Image-to-image flavours: take the validation input image from the dataset eval_dataset_id "
+        "(otherwise the first pair of the training set is used).", "validation", advanced=True,
+    )
+    eval_dataset_id: str | None = field(
+        None, "Id of the dataset (image or conditioning) whose first image is the validation input image.",
+        "validation", advanced=True,
+    )
     validation_disable_unconditional: bool = field(
         False, "Sample without classifier-free guidance (no negative pass).", "validation", advanced=True
     )
@@ -192,6 +200,10 @@ class TrainConfig(BaseModel):
                 f"model_flavour {self.model_flavour!r} is not a flavour of {self.model_family}; "
                 f"choose one of {', '.join(facts.flavours)}"
             )
+        if self.validation_using_datasets and not facts.needs_conditioning(self.flavour()):
+            raise ValueError("validation_using_datasets only applies to image-to-image flavours; remove it")
+        if self.validation_using_datasets and self.eval_dataset_id is None:
+            raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
             raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
         return self

@@ -18,6 +18,7 @@ class Batch:
     latents: torch.Tensor  # [B, C, h, w] normalized latents
     text: dict[str, torch.Tensor]  # family-specific, collated
     captions: list[str]
+    conditioning: torch.Tensor | None = None  # [B, C, h, w] latents of the input images (image-to-image)
 
 
 class TrainingData:
@@ -30,11 +31,11 @@ class TrainingData:
         self.sampler = sampler
         self.collate_text = collate_text
 
-    def _text(self, caption: str) -> dict[str, torch.Tensor]:
-        tensors = self.text_cache.get(caption)
+    def _text(self, key: str) -> dict[str, torch.Tensor]:
+        tensors = self.text_cache.get(key)
         if tensors is None:
             raise RuntimeError(
-                f"text embedding of caption {caption[:60]!r} vanished from {self.text_cache.folder}; "
+                f"text embedding of caption {key.split(chr(0))[0][:60]!r} vanished from {self.text_cache.folder}; "
                 "run again and it will be recomputed"
             )
         return tensors
@@ -43,5 +44,8 @@ class TrainingData:
         for indices in self.sampler:
             chosen = [self.items[i] for i in indices]
             latents = torch.stack([load_file(c.latent_file)["latents"] for c in chosen])
-            captions = [c.sample.caption for c in chosen]
-            yield Batch(latents, self.collate_text([self._text(c) for c in captions]), captions)
+            conditioning = None
+            if chosen[0].conditioning_file is not None:
+                conditioning = torch.stack([load_file(c.conditioning_file)["latents"] for c in chosen])
+            text = self.collate_text([self._text(c.text_key) for c in chosen])
+            yield Batch(latents, text, [c.sample.caption for c in chosen], conditioning)

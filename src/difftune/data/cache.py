@@ -13,10 +13,12 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 
@@ -77,16 +79,42 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class TextJob:
+    """One text embedding to cache. `image` loads the input image for image-to-image prompts."""
+
+    key: str
+    prompt: str
+    image: Callable[[], Image.Image] | None = None
+
+
+TextEncoder = Callable[[list[str], list[Image.Image] | None], list[dict[str, torch.Tensor]]]
+
+
 def fill_text_cache(
-    cache: TensorCache, captions: Iterable[str], encode: Callable[[list[str]], list[dict[str, torch.Tensor]]],
-    batch_size: int, on_progress: Callable[[int], None] | None = None,
-) -> int:
-    """Encode every caption not yet cached. Returns how many were encoded."""
-    todo = sorted({c for c in captions if cache.get(c) is None})  # get() also drops corrupt files
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        for caption, tensors in zip(chunk, encode(chunk), strict=True):
-            cache.put(caption, tensors)
+    cache: TensorCache, jobs: Iterable[TextJob], encode: TextEncoder, batch_size: int,
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[int, list[tuple[str, str]]]:
+    """Encode every job not yet cached. Returns (how many were encoded, [(key, reason) that failed]).
+
+    Prompts with an image go one at a time: their token counts differ with the image size.
+    """
+    todo = {job.key: job for job in jobs if cache.get(job.key) is None}  # get() also drops corrupt files
+    plain = [j for j in todo.values() if j.image is None]
+    for start in range(0, len(plain), batch_size):
+        chunk = plain[start : start + batch_size]
+        for job, tensors in zip(chunk, encode([job.prompt for job in chunk], None), strict=True):
+            cache.put(job.key, tensors)
         if on_progress:
             on_progress(len(chunk))
-    return len(todo)
+    failed: list[tuple[str, str]] = []
+    for job in (j for j in todo.values() if j.image is not None):
+        try:
+            image = job.image()
+        except Exception as e:  # noqa: BLE001 - a bad input image: report it, keep going
+            failed.append((job.key, str(e)))
+            continue
+        cache.put(job.key, encode([job.prompt], [image])[0])
+        if on_progress:
+            on_progress(1)
+    return len(todo) - len(failed), failed

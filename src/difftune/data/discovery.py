@@ -19,6 +19,7 @@ class Sample:
     height: int
     bucket: tuple[int, int]
     downsample: tuple[int, int] | None
+    conditioning: Path | None = None  # the paired input image (image-to-image), same relative name
 
 
 @dataclass
@@ -56,13 +57,25 @@ def read_caption(path: Path) -> tuple[str | None, str | None]:
     return text, None
 
 
-def discover(dataset_id: str, root: Path, rule: SizeRule) -> Discovery:
+def image_files(root: Path) -> list[Path]:
+    return [p for p in walk_files(root) if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS]
+
+
+def pair_index(root: Path) -> dict[Path, Path]:
+    """Conditioning images by relative path without extension (a .png target may pair with a .jpg)."""
+    return {p.relative_to(root).with_suffix(""): p for p in image_files(root)}
+
+
+def discover(dataset_id: str, root: Path, rule: SizeRule, conditioning_root: Path | None = None) -> Discovery:
     result = Discovery(dataset_id)
-    for path in walk_files(root):
-        if path.name.startswith("."):
-            continue
-        if path.suffix.lower() not in IMAGE_EXTENSIONS:
-            continue
+    pairs = pair_index(conditioning_root) if conditioning_root is not None else None
+    for path in image_files(root):
+        conditioning = None
+        if pairs is not None:
+            conditioning = pairs.get(path.relative_to(root).with_suffix(""))
+            if conditioning is None:
+                result.skipped.append((path, f"no conditioning image of the same name in {conditioning_root}"))
+                continue
         try:
             width, height = probe_size(path)
         except (BadImage, OSError) as e:
@@ -80,6 +93,6 @@ def discover(dataset_id: str, root: Path, rule: SizeRule) -> Discovery:
         down = downsample_first(width, height, rule)
         basis = down or (width, height)
         result.samples.append(
-            Sample(dataset_id, path, caption, width, height, bucket_for(*basis, rule), down)
+            Sample(dataset_id, path, caption, width, height, bucket_for(*basis, rule), down, conditioning)
         )
     return result

@@ -63,16 +63,28 @@ def load_rgb(path: Path) -> Image.Image:
         raise BadImage(f"cannot decode: {type(e).__name__}: {e}") from e
 
 
-def prepare(
+def fit(
     img: Image.Image, bucket: tuple[int, int], crop_style: str, uv: tuple[float, float],
     downsample: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Resize to cover the bucket, crop to it; return [3, H, W] float32 in [-1, 1]."""
+) -> Image.Image:
+    """Resize to cover the bucket, then crop to exactly the bucket."""
     if downsample is not None:
         img = img.resize(downsample, Image.Resampling.LANCZOS)
     size = cover_resize(img.width, img.height, bucket)
     if size != img.size:
         img = img.resize(size, Image.Resampling.LANCZOS)
-    img = img.crop(crop_box(img.width, img.height, bucket, crop_style, *uv))
+    return img.crop(crop_box(img.width, img.height, bucket, crop_style, *uv))
+
+
+def to_tensor(img: Image.Image) -> torch.Tensor:
+    """RGB PIL -> [3, H, W] float32 in [-1, 1]."""
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+def prepare(
+    img: Image.Image, bucket: tuple[int, int], crop_style: str, uv: tuple[float, float],
+    downsample: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`fit` then `to_tensor`: [3, H, W] in [-1, 1]."""
+    return to_tensor(fit(img, bucket, crop_style, uv, downsample))

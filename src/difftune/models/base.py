@@ -45,15 +45,15 @@ class SampleRequest:
     steps: int
     guidance: float
     seed: int
+    image: Image.Image | None = None  # input image of image-to-image flavours
 
 
 class Family(Protocol):
     facts: FamilyFacts
-    pixel_multiple: int  # image width and height must be multiples of this (VAE factor x patch size)
-    lora_target_modules: tuple[str, ...]
+    lora_target_modules: tuple[str, ...] | str  # module-name suffixes, or a regex (peft target_modules)
 
-    def build_tiny(self, folder: Path) -> None:
-        """Write a tiny random-init model in the hub folder layout (deterministic)."""
+    def build_tiny(self, folder: Path, flavour: str) -> None:
+        """Write a tiny random-init model of a tiny flavour in the hub folder layout (deterministic)."""
 
     def load(self, source: str, dtype: torch.dtype) -> Components:
         """Load every component with diffusers/transformers `from_pretrained` (hub id or folder)."""
@@ -62,10 +62,12 @@ class Family(Protocol):
         """What makes cached latents / embeddings of this model distinct: {'vae': ..., 'text': ...}."""
 
     def encode_text(
-        self, comps: Components, prompts: list[str], negative: bool = False
+        self, comps: Components, prompts: list[str], negative: bool = False,
+        images: list[Image.Image] | None = None,
     ) -> list[dict[str, torch.Tensor]]:
         """One dict of CPU tensors per prompt, without padding (variable length). `negative`: encode as
-        the pipeline encodes negative prompts (some families treat them differently)."""
+        the pipeline encodes negative prompts (some families treat them differently). `images`: the
+        input image of each prompt, for image-to-image flavours whose text encoder sees it."""
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Stack per-prompt dicts into one batch dict (padding as the network expects)."""
@@ -74,9 +76,11 @@ class Family(Protocol):
         """[B, 3, H, W] in [-1, 1] -> normalized latents [B, C, H/8, W/8] (the network's input space)."""
 
     def predict(
-        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]
+        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor],
+        conditioning: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Canonical velocity prediction (noise - x0) for x_t at noise level `sigmas` [B]."""
+        """Canonical velocity prediction (noise - x0) [B, C, h, w] for x_t [B, C, h, w] at noise level
+        `sigmas` [B]. `conditioning`: latents [B, C, h, w] of the input images (image-to-image)."""
 
     def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
         """The timestep shift the family's pipeline would use at this latent size."""

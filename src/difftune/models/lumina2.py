@@ -34,10 +34,9 @@ MAX_SEQUENCE_LENGTH = 256  # the pipeline's default; validation pads to it so sa
 
 class Lumina2Family:
     facts: FamilyFacts = FAMILY_FACTS["lumina2"]
-    pixel_multiple = 16
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
 
-    def build_tiny(self, folder: Path) -> None:
+    def build_tiny(self, folder: Path, flavour: str) -> None:
         torch.manual_seed(0)
         tokenizer = gemma_tokenizer()
         text_encoder = Gemma2Model(
@@ -87,8 +86,10 @@ class Lumina2Family:
         }
 
     def encode_text(
-        self, comps: Components, prompts: list[str], negative: bool = False
+        self, comps: Components, prompts: list[str], negative: bool = False, images: list | None = None
     ) -> list[dict[str, torch.Tensor]]:
+        if images is not None:
+            raise ValueError("Lumina2 is text-to-image only: it takes no input images")
         encoder = Lumina2Pipeline(
             transformer=None, vae=None, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer, scheduler=None
         )
@@ -125,7 +126,8 @@ class Lumina2Family:
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
     def predict(
-        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]
+        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor],
+        conditioning: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = transformer(
             hidden_states=noisy,

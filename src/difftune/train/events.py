@@ -21,6 +21,7 @@ class Events:
         self.console = console
         self.bar: tqdm | None = None
         self.total_steps = total_steps
+        self._log = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -28,8 +29,10 @@ class Events:
         """Log an event; `quiet` keeps it off the console (when a summary there already says it)."""
         record = {"event": kind, "time": time.time(), **data}
         if self.log_path is not None:
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, default=str) + "\n")
+            if self._log is None:
+                self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._log.write(json.dumps(record, default=str) + "\n")
+            self._log.flush()  # readers (the web UI, a tail -f) see each event at once
         if not self.console or quiet:
             return
         if kind == "step":
@@ -45,12 +48,17 @@ class Events:
         return self.bar
 
     def write(self, text: str) -> None:
+        if not self.console:
+            return
         if self.bar is not None:
             self.bar.write(text)
         else:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -33,7 +33,8 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     x_t = objective.noisy_input(x0, noise, sigmas)
     with run.accelerator.autocast():
-        pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text)
+        conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
+        pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text, conditioning)
     return objective.flow_loss(pred, objective.velocity_target(x0, noise).to(device))
 
 
