@@ -38,6 +38,10 @@ def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
          "cache_dir": str(root / "cache" / "text")},
     ]
     datasets[0].update(overrides.pop("dataset", {}))
+    conditioning_dir = overrides.pop("conditioning_dir", None)
+    if conditioning_dir is not None:
+        datasets.append({"id": "inputs", "type": "local", "dataset_type": "conditioning",
+                         "instance_data_dir": str(conditioning_dir)})
     backend = root / "config" / "multidatabackend.json"
     backend.write_text(json.dumps(datasets))
     config = {

@@ -113,3 +113,13 @@ def test_json_schema_has_groups_and_descriptions():
         assert prop.get("description"), name
         assert prop.get("group") in ("model", "data", "training", "validation", "memory", "output"), name
     json.dumps(schema)
+
+
+def test_user_prompt_library(tmp_path, dataset):
+    library = tmp_path / "library.json"
+    library.write_text('{"portrait": "a face", "landscape": "hills"}')
+    cfg = load_config(write_config(tmp_path, dataset, validation_prompt="main", user_prompt_library=str(library))).train
+    assert cfg.validation_prompts() == [(None, "main"), ("portrait", "a face"), ("landscape", "hills")]
+    library.write_text('["not", "an", "object"]')
+    assert "user_prompt_library" in problems(write_config(tmp_path, dataset, user_prompt_library=str(library)))
+    assert "cannot read" in problems(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "no.json")))

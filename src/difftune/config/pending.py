@@ -26,8 +26,9 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "push_to_hub": ((False,), "uploading to the Hugging Face hub is not implemented yet; set push_to_hub to false"),
     "push_checkpoints_to_hub": ((False,), "hub uploads are not implemented yet; set push_checkpoints_to_hub to false"),
     "hub_model_id": ((None, ""), "hub uploads are not implemented yet; remove hub_model_id"),
-    "user_prompt_library": ((None, ""), "prompt libraries are not implemented yet; use validation_prompt"),
-    "validation_prompt_library": ((False,), "prompt libraries are not implemented yet; set it to false"),
+    "validation_prompt_library": (
+        (False,), "the built-in prompt library is not implemented yet; use user_prompt_library",
+    ),
     "validation_guidance_rescale": ((0, 0.0), "guidance rescale is not supported by this pipeline; use 0.0"),
     "enable_group_offload": ((False,), "group offload is not implemented yet; set it to false"),
     "group_offload_type": ((None,), "group offload is not implemented yet; remove group_offload_type"),

@@ -8,7 +8,9 @@ import-light by design.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -33,6 +35,22 @@ def parse_resolutions(value: str) -> list[tuple[int, int]]:
         h = int(m.group(2) or m.group(1))
         out.append((w, h))
     return out
+
+
+def prompt_library(path: str) -> dict[str, str]:
+    """A user prompt library: a JSON object of name -> prompt."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read prompt library {path}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"prompt library {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ValueError(f"prompt library {path} must be a JSON object of name -> prompt text")
+    bad = [k for k in data if not re.fullmatch(r"[\w.-]+", k)]
+    if bad:
+        raise ValueError(f"prompt library {path}: names {bad} must be letters, digits, '_', '-' or '.' (used in file names)")
+    return data
 
 
 class TrainConfig(BaseModel):
@@ -122,6 +140,9 @@ class TrainConfig(BaseModel):
 
     # --- validation
     validation_prompt: str | None = field(None, "Prompt sampled during training; empty disables validation.", "validation")
+    user_prompt_library: str | None = field(
+        None, "JSON file of {name: prompt}; each prompt is sampled beside validation_prompt.", "validation",
+    )
     validation_step_interval: int = field(
         0, "Sample every N optimizer steps (0: only at the end of training).", "validation", ge=0
     )
@@ -162,6 +183,14 @@ class TrainConfig(BaseModel):
     )
     tracker_project_name: str | None = field(None, "Project name, recorded in the event log.", "output", advanced=True)
     tracker_run_name: str | None = field(None, "Run name, recorded in the event log.", "output", advanced=True)
+
+    @field_validator("user_prompt_library")
+    @classmethod
+    def _library(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        prompt_library(v)  # fail at config time, not at the first validation
+        return v
 
     @field_validator("model_flavour", "pretrained_model_name_or_path", "validation_prompt", "resume_from_checkpoint")
     @classmethod
@@ -215,6 +244,12 @@ class TrainConfig(BaseModel):
     def model_source(self) -> str:
         """Hub id or local folder to load: the explicit path wins over the flavour."""
         return self.pretrained_model_name_or_path or FAMILY_FACTS[self.model_family].flavours[self.flavour()]
+
+    def validation_prompts(self) -> list[tuple[str | None, str]]:
+        """(name, prompt) pairs to sample: the main prompt (name None) then the library's."""
+        main = [(None, self.validation_prompt)] if self.validation_prompt is not None else []
+        library = prompt_library(self.user_prompt_library) if self.user_prompt_library else {}
+        return main + list(library.items())
 
     def validation_sizes(self) -> list[tuple[int, int]]:
         return parse_resolutions(self.validation_resolution)

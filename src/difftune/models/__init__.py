@@ -25,4 +25,5 @@ def tiny_model(family_name: str, flavour: str) -> Path:
     from difftune.models.tiny import ensure_built
 
     family = get_family(family_name)
-    return ensure_built(f"{family_name}-{flavour}-v1", lambda folder: family.build_tiny(folder, flavour))
+    # The version suffix changes whenever a builder changes, so a stale tiny model is never reused.
+    return ensure_built(f"{family_name}-{flavour}-v2", lambda folder: family.build_tiny(folder, flavour))

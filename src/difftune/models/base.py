@@ -24,14 +24,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class Components:
-    """What `Family.load` returns. `vae` and `text_encoder` become None once caches are complete."""
+    """What `Family.load` returns. `text` holds the text encoders and tokenizers by their pipeline
+    component names; it is emptied once the caches are complete, and `vae` becomes None (or stays on
+    the CPU for validation)."""
 
     source: str
     transformer: Any
     vae: Any
-    text_encoder: Any
-    tokenizer: Any
     scheduler: Any
+    text: dict[str, Any]
+
+    def text_modules(self) -> list[Any]:
+        return [m for m in self.text.values() if hasattr(m, "parameters")]
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class SampleRequest:
     guidance: float
     seed: int
     image: Image.Image | None = None  # input image of image-to-image flavours
+    name: str | None = None  # library prompt name; None for the main validation_prompt
 
 
 class Family(Protocol):
@@ -57,6 +62,9 @@ class Family(Protocol):
 
     def load(self, source: str, dtype: torch.dtype) -> Components:
         """Load every component with diffusers/transformers `from_pretrained` (hub id or folder)."""
+
+    def takes_conditioning(self, comps: Components) -> bool:
+        """Whether the loaded transformer is an image-to-image one (needs input-image latents)."""
 
     def identity(self, comps: Components) -> dict[str, Any]:
         """What makes cached latents / embeddings of this model distinct: {'vae': ..., 'text': ...}."""

@@ -69,18 +69,23 @@ class Lumina2Family:
             source=source,
             transformer=Lumina2Transformer2DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
             vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
-            text_encoder=Gemma2Model.from_pretrained(source, subfolder="text_encoder", torch_dtype=dtype),
-            tokenizer=AutoTokenizer.from_pretrained(source, subfolder="tokenizer"),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
+            text={
+                "text_encoder": Gemma2Model.from_pretrained(source, subfolder="text_encoder", torch_dtype=dtype),
+                "tokenizer": AutoTokenizer.from_pretrained(source, subfolder="tokenizer"),
+            },
         )
+
+    def takes_conditioning(self, comps: Components) -> bool:
+        return False
 
     def identity(self, comps: Components) -> dict[str, Any]:
         return {
             "vae": {"source": comps.source, "config": dict(comps.vae.config), "dtype": str(comps.vae.dtype)},
             "text": {
                 "source": comps.source,
-                "config": comps.text_encoder.config.to_dict(),
-                "dtype": str(comps.text_encoder.dtype),
+                "config": comps.text["text_encoder"].config.to_dict(),
+                "dtype": str(comps.text["text_encoder"].dtype),
                 "max_sequence_length": MAX_SEQUENCE_LENGTH,
             },
         }
@@ -90,10 +95,8 @@ class Lumina2Family:
     ) -> list[dict[str, torch.Tensor]]:
         if images is not None:
             raise ValueError("Lumina2 is text-to-image only: it takes no input images")
-        encoder = Lumina2Pipeline(
-            transformer=None, vae=None, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer, scheduler=None
-        )
-        device = comps.text_encoder.device
+        encoder = Lumina2Pipeline(transformer=None, vae=None, scheduler=None, **comps.text)
+        device = comps.text["text_encoder"].device
         if negative:
             # The pipeline encodes negative prompts without its system prompt: ask it for exactly that.
             _, _, embeds, mask = encoder.encode_prompt(

@@ -143,11 +143,12 @@ def _transformer(i2i: bool) -> Kandinsky5Transformer3DModel:
         visual_cond=i2i, attention_type="regular",
     )
     # diffusers zero-initialises every modulation (shift/scale/gate), which zeroes each block's gates and
-    # hence every gradient reaching attention/feed-forward LoRA. A trained model has non-zero ones.
+    # hence every gradient reaching attention/feed-forward LoRA. A trained model has gates of order one;
+    # so does this one (bias std 1), or the adapter's effect would be scaled down to nothing.
     for module in transformer.modules():
         if isinstance(module, Kandinsky5Modulation):
             torch.nn.init.normal_(module.out_layer.weight, std=0.02)
-            torch.nn.init.normal_(module.out_layer.bias, std=0.02)
+            torch.nn.init.normal_(module.out_layer.bias, std=1.0)
     return transformer
 
 

@@ -57,24 +57,28 @@ def encode_validation(
     run_cfg: RunConfig, family: Family, comps: Components, text_cache: TensorCache, found: list[Discovery]
 ) -> list[SampleRequest]:
     cfg = run_cfg.train
-    if cfg.validation_prompt is None:
+    prompts = cfg.validation_prompts()
+    if not prompts:
         return []
     path = validation_image(run_cfg, found) if family.facts.needs_conditioning(cfg.flavour()) else None
     image: Image.Image | None = load_rgb(path) if path is not None else None
     suffix = "" if path is None else f"\x00validation:{path.resolve()}:{path.stat().st_mtime_ns}"
 
     def encode(negative: bool):
-        return lambda prompts, images: family.encode_text(comps, prompts, negative=negative, images=images)
+        return lambda texts, images: family.encode_text(comps, texts, negative=negative, images=images)
 
-    for cache, prompt, negative in ((text_cache, cfg.validation_prompt, False),
-                                    (negative_cache(text_cache), cfg.validation_negative_prompt, True)):
-        job = TextJob(prompt + suffix, prompt, None if image is None else (lambda: image))
-        fill_text_cache(cache, [job], encode(negative), 1)
-    text = text_cache.get(cfg.validation_prompt + suffix)
-    negative = negative_cache(text_cache).get(cfg.validation_negative_prompt + suffix)
+    def job(prompt: str) -> TextJob:
+        return TextJob(prompt + suffix, prompt, None if image is None else (lambda: image))
+
+    fill_text_cache(text_cache, [job(p) for _, p in prompts], encode(False), 8)
+    negatives = negative_cache(text_cache)
+    fill_text_cache(negatives, [job(cfg.validation_negative_prompt)], encode(True), 1)
+    negative = negatives.get(cfg.validation_negative_prompt + suffix)
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
     return [
-        SampleRequest(text, negative, w, h, cfg.validation_num_inference_steps, cfg.guidance(), seed, image)
+        SampleRequest(text_cache.get(prompt + suffix), negative, w, h, cfg.validation_num_inference_steps,
+                      cfg.guidance(), seed, image, name)
+        for name, prompt in prompts
         for w, h in cfg.validation_sizes()
     ]
 
@@ -90,14 +94,15 @@ def fill_caches(
     text_root = Path(embeds.cache_dir) if embeds else Path("cache/text") / cfg.model_family
     text_cache = TensorCache(text_root, identity["text"])
     jobs = [job for ds, d in zip(datasets, found, strict=True) for job in text_jobs(d.samples, ds.crop_style, cfg.seed)]
-    comps.text_encoder.to(device)
+    for module in comps.text_modules():
+        module.to(device)
     encoded, text_failed = fill_text_cache(
         text_cache, jobs, lambda prompts, images: family.encode_text(comps, prompts, images=images),
         embeds.write_batch_size if embeds else 32,
     )
     validation = encode_validation(run_cfg, family, comps, text_cache, found)
     events.emit("info", message=f"text cache: {len(jobs)} captions, {encoded} newly encoded ({text_cache.folder})")
-    comps.text_encoder = None  # its job is done: free the memory before training
+    comps.text = {}  # the text encoders' job is done: free the memory before training
     _free(device)
 
     comps.vae.to(device)

@@ -121,6 +121,12 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     source = resolve_source(cfg)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
     comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
+    if family.takes_conditioning(comps) != family.facts.needs_conditioning(cfg.flavour()):
+        kind = "an image-to-image" if family.takes_conditioning(comps) else "a text-to-image"
+        raise DataError(
+            f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
+            f"set model_flavour to a matching flavour of {cfg.model_family}"
+        )
     rules = size_rules(run_cfg)
     cached = fill_caches(run_cfg, family, comps, found, rules, accelerator.device, events)
     data, pruned = build_data(run_cfg, family, cached.samples, cached.text_cache)

@@ -23,10 +23,11 @@ def validate(run: Run, label: str) -> list[Path]:
     try:
         for request in run.validation:
             image = run.family.sample(run.comps, model, request)
-            path = out_dir / f"{label}-{request.width}x{request.height}.png"
+            name = f"-{request.name}" if request.name else ""
+            path = out_dir / f"{label}{name}-{request.width}x{request.height}.png"
             image.save(path)
             paths.append(path)
-            run.events.emit("sample", step=run.state.step, path=str(path))
+            run.events.emit("sample", step=run.state.step, path=str(path), prompt=request.name or "validation")
     finally:
         model.train()
         vae.to("cpu")

@@ -1,0 +1,194 @@
+"""Kandinsky 5.0 Image (T2I and I2I Lite): Kandinsky5Transformer3DModel, Flux VAE, Qwen2.5-VL + CLIP.
+
+Conventions of the stock `Kandinsky5T2IPipeline` / `Kandinsky5I2IPipeline` that training follows:
+- text: the pipelines' own `encode_prompt` (Qwen2.5-VL last hidden state after the prompt template's
+  prefix, plus CLIP's pooled output); for I2I the Qwen encoder also sees the input image;
+- latents: `z * scaling_factor` (the pipelines ignore the VAE's shift_factor), channels-last with a
+  time axis: the network sees [B, 1, h, w, C];
+- I2I: the input image's latents and an all-ones mask channel are concatenated to the noisy latents
+  (16 + 16 + 1 channels); only the first 16 are predicted;
+- time: the network sees t = 1000 * s and predicts noise - x0, the canonical velocity itself.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    Kandinsky5I2IPipeline,
+    Kandinsky5T2IPipeline,
+    Kandinsky5Transformer3DModel,
+)
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from PIL import Image
+from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from difftune.models.base import Components, SampleRequest
+from difftune.models.registry import FAMILY_FACTS, FamilyFacts
+from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image, load_qwen_processor
+
+# Self- and cross-attention projections only: not feed-forward, modulation or embedding layers.
+ATTENTION_PROJECTIONS = r".*(self_attention|cross_attention)\.(to_query|to_key|to_value|out_layer)"
+
+
+def _to_network(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, 1, h, w, C]."""
+    return latents.permute(0, 2, 3, 1).unsqueeze(1)
+
+
+class Kandinsky5ImageFamily:
+    facts: FamilyFacts = FAMILY_FACTS["kandinsky5-image"]
+    lora_target_modules = ATTENTION_PROJECTIONS
+
+    def build_tiny(self, folder: Path, flavour: str) -> None:
+        build_tiny_kandinsky5_image(folder, i2i=self.facts.needs_conditioning(flavour))
+
+    def load(self, source: str, dtype: torch.dtype) -> Components:
+        return Components(
+            source=source,
+            transformer=Kandinsky5Transformer3DModel.from_pretrained(
+                source, subfolder="transformer", torch_dtype=dtype
+            ),
+            vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
+            text={
+                "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                    source, subfolder="text_encoder", torch_dtype=dtype
+                ),
+                # Works without torchvision (see tiny_kandinsky5): the stock processor needs it for video.
+                "tokenizer": load_qwen_processor(source, "tokenizer"),
+                "text_encoder_2": CLIPTextModel.from_pretrained(source, subfolder="text_encoder_2", torch_dtype=dtype),
+                "tokenizer_2": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2"),
+            },
+        )
+
+    def takes_conditioning(self, comps: Components) -> bool:
+        return bool(comps.transformer.config.visual_cond)
+
+    def identity(self, comps: Components) -> dict[str, Any]:
+        text = {name: m.config.to_dict() for name, m in comps.text.items() if hasattr(m, "config")}
+        return {
+            "vae": {"source": comps.source, "config": dict(comps.vae.config), "dtype": str(comps.vae.dtype)},
+            "text": {"source": comps.source, "configs": text, "dtype": str(comps.text["text_encoder"].dtype)},
+        }
+
+    def encode_text(
+        self, comps: Components, prompts: list[str], negative: bool = False,
+        images: list[Image.Image] | None = None,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Negative prompts are encoded like prompts in these pipelines (with the image, for I2I)."""
+        encoder = comps.text["text_encoder"]
+        device, dtype = encoder.device, encoder.dtype
+        # Right padding keeps each prompt's states a prefix that does not depend on the batch (causal).
+        comps.text["tokenizer"].tokenizer.padding_side = "right"
+        if images is None:
+            pipe = Kandinsky5T2IPipeline(transformer=None, vae=None, scheduler=None, **comps.text)
+            qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype)
+        else:
+            pipe = Kandinsky5I2IPipeline(transformer=None, vae=None, scheduler=None, **comps.text)
+            qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, image=images, device=device, dtype=dtype)
+        lengths = cu_seqlens.diff().tolist()
+        return [
+            {"prompt_embeds": qwen[i, : int(n)].cpu().clone(), "pooled": clip[i].cpu().clone()}
+            for i, n in enumerate(lengths)
+        ]
+
+    def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """prompt_embeds [B, L, D] (zero-padded to the longest), pooled [B, D2], lengths [B].
+
+        The network has no text mask: in a batch of unequal prompts the zero padding is attended.
+        A batch of one (or of equal lengths) is exactly what the pipeline computes.
+        """
+        lengths = [item["prompt_embeds"].shape[0] for item in items]
+        first = items[0]["prompt_embeds"]
+        embeds = first.new_zeros(len(items), max(lengths), first.shape[1])
+        for i, item in enumerate(items):
+            embeds[i, : lengths[i]] = item["prompt_embeds"]
+        pooled = torch.stack([item["pooled"] for item in items])
+        return {"prompt_embeds": embeds, "pooled": pooled, "lengths": torch.tensor(lengths)}
+
+    def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
+        vae = comps.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return latents * vae.config.scaling_factor
+
+    def predict(
+        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor],
+        conditioning: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = _to_network(noisy)
+        if conditioning is not None:
+            mask = torch.ones_like(hidden[..., :1])
+            hidden = torch.cat([hidden, _to_network(conditioning), mask], dim=-1)
+        h, w = noisy.shape[-2:]
+        device = noisy.device
+        embeds = text["prompt_embeds"].to(device, noisy.dtype)
+        out = transformer(
+            hidden_states=hidden,
+            encoder_hidden_states=embeds,
+            pooled_projections=text["pooled"].to(device, noisy.dtype),
+            timestep=(sigmas * 1000.0).to(noisy.dtype),
+            visual_rope_pos=[torch.arange(1, device=device), torch.arange(h // 2, device=device),
+                             torch.arange(w // 2, device=device)],
+            text_rope_pos=torch.arange(embeds.shape[1], device=device),
+            scale_factor=[1.0, 1.0, 1.0],
+            sparse_params=None,
+            return_dict=True,
+        ).sample
+        return out.squeeze(1).permute(0, 3, 1, 2)
+
+    def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
+        cfg = comps.scheduler.config
+        seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
+        mu = calculate_shift(
+            seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
+        )
+        return math.exp(mu)
+
+    def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
+        cls = Kandinsky5I2IPipeline if request.image is not None else Kandinsky5T2IPipeline
+        pipe = cls(
+            transformer=transformer, vae=comps.vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+            tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler.config),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        size = (request.width, request.height)
+        if size not in pipe.resolutions:
+            # The pipelines snap other sizes to their seven 1K buckets; sample exactly what was asked.
+            pipe.resolutions = [*pipe.resolutions, size]
+        device = next(transformer.parameters()).device
+        kwargs: dict[str, Any] = self._embeds("", request.text, device)
+        if request.guidance > 1.0 and request.negative is not None:
+            kwargs |= self._embeds("negative_", request.negative, device)
+        if request.image is not None:
+            kwargs["image"] = request.image
+        generator = torch.Generator(device=device).manual_seed(request.seed)
+        with torch.no_grad():
+            return pipe(
+                height=request.height, width=request.width, num_inference_steps=request.steps,
+                guidance_scale=request.guidance, generator=generator, **kwargs,
+            ).image[0]
+
+    def _embeds(self, prefix: str, text: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+        n = text["prompt_embeds"].shape[0]
+        return {
+            f"{prefix}prompt_embeds_qwen": text["prompt_embeds"][None].to(device),
+            f"{prefix}prompt_embeds_clip": text["pooled"][None].to(device),
+            f"{prefix}prompt_cu_seqlens": torch.tensor([0, n], dtype=torch.int32, device=device),
+        }
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+        Kandinsky5T2IPipeline.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=metadata,
+        )
+        return folder / "pytorch_lora_weights.safetensors"
+
+
+FAMILY = Kandinsky5ImageFamily()

@@ -1,0 +1,142 @@
+"""Family conformance, parametrized over every family and flavour, on tiny random-init models
+loaded through the real from_pretrained path."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from peft.utils import get_peft_model_state_dict
+from PIL import Image
+
+from conftest import write_config
+from difftune.config import load_config
+from difftune.config.schema import TrainConfig
+from difftune.models import get_family, tiny_model
+from difftune.models.base import SampleRequest
+from difftune.train import objective
+from difftune.train.loop import train
+from difftune.train.setup import attach_lora, build_run
+from families import CASES, make_pairs
+
+IMAGE = Image.new("RGB", (64, 48), (200, 40, 40))
+
+
+@pytest.fixture(params=CASES, ids=lambda c: c.id)
+def case(request):
+    return request.param
+
+
+def setup(case):
+    family = get_family(case.family)
+    folder = tiny_model(case.family, case.flavour)
+    comps = family.load(str(folder), torch.float32)
+    return family, folder, comps
+
+
+def text_for(family, comps, case, prompt="a red square", negative=False):
+    return family.encode_text(comps, [prompt], negative=negative, images=[IMAGE] if case.i2i else None)[0]
+
+
+def test_takes_conditioning_matches_flavour(case):
+    family, _, comps = setup(case)
+    assert family.takes_conditioning(comps) == case.i2i == family.facts.needs_conditioning(case.flavour)
+
+
+def test_flow_convention(case):
+    """An oracle network in the family's own convention: predict() returns the objective's target, and
+    the stock pipeline driven by the same oracle lands on x0."""
+    family, folder, comps = setup(case)
+    torch.manual_seed(0)
+    x0 = torch.randn(1, comps.vae.config.latent_channels, 6, 8)
+    noise = torch.randn_like(x0)
+    x0_net = x0 if case.family == "lumina2" else x0.permute(0, 2, 3, 1).unsqueeze(1)
+
+    def oracle(hidden_states, timestep, return_dict=False, **kwargs):
+        out = case.oracle_output(x0_net, hidden_states, timestep)
+        return SimpleNamespace(sample=out) if return_dict else (out,)
+
+    comps.transformer.forward = oracle
+    sigmas = torch.tensor([0.3])
+    text = family.collate_text([text_for(family, comps, case)])
+    cond = torch.zeros_like(x0) if case.i2i else None
+    pred = family.predict(comps.transformer, objective.noisy_input(x0, noise, sigmas), sigmas, text, cond)
+    torch.testing.assert_close(pred, objective.velocity_target(x0, noise), atol=1e-5, rtol=1e-5)
+
+    pipe = case.stock(folder)
+    pipe.transformer = comps.transformer
+    latents = noise.clone() if case.family == "lumina2" else noise.permute(0, 2, 3, 1).unsqueeze(1).clone()
+    out = case.stock_sample(pipe, "x", None, 64, 48, 4, 1.0, 0, image=IMAGE if case.i2i else None,
+                            latents=latents, output_type="latent")
+    torch.testing.assert_close(out[..., : x0_net.shape[-1]].reshape(x0_net.shape), x0_net, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
+    family, _, comps = setup(case)
+    net = comps.transformer
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    params = attach_lora(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4), family, net)
+    wrapped = [n for n, m in net.named_modules() if hasattr(m, "lora_A")]
+    assert wrapped
+    for name in wrapped:
+        assert "attn" in name or "attention" in name, name
+        assert not any(bad in name for bad in ("feed_forward", "modulation", "ff", "embed")), name
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    x0 = torch.randn(1, comps.vae.config.latent_channels, 4, 4)
+    text = family.collate_text([text_for(family, comps, case)])
+    cond = torch.randn_like(x0) if case.i2i else None
+    loss = objective.flow_loss(family.predict(net, x0, torch.tensor([0.5]), text, cond), torch.randn_like(x0))
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    opt.step()
+    after = {k.replace(".base_layer", ""): v for k, v in net.state_dict().items()}
+    changed = {k for k in after if k not in before or not torch.equal(after[k], before[k])}
+    assert changed and all("lora_" in k for k in changed)
+
+
+def test_save_reload_identical_and_pipeline_runs(case, tmp_path):
+    family, folder, comps = setup(case)
+    net = comps.transformer
+    attach_lora(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4, lora_alpha=16), family, net)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    path = family.save_lora(tmp_path, get_peft_model_state_dict(net), net.peft_config["default"].to_dict())
+    assert path.name == "pytorch_lora_weights.safetensors"
+    pipe = case.stock(folder)
+    pipe.load_lora_weights(tmp_path)
+    x = torch.randn(1, comps.vae.config.latent_channels, 4, 4)
+    text = family.collate_text([text_for(family, comps, case)])
+    cond = torch.randn_like(x) if case.i2i else None
+    with torch.no_grad():
+        ours = family.predict(net, x, torch.tensor([0.4]), text, cond)
+        theirs = family.predict(pipe.transformer, x, torch.tensor([0.4]), text, cond)
+    torch.testing.assert_close(ours, theirs)
+    request = SampleRequest(text_for(family, comps, case), text_for(family, comps, case, "", negative=True),
+                            64, 48, 2, 4.0, 0, IMAGE if case.i2i else None)
+    assert family.sample(comps, net, request).size == (64, 48)
+
+
+def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
+    extra = {}
+    if case.i2i:
+        make_pairs(dataset, tmp_path / "inputs")
+        extra = {"dataset": {"conditioning_data": "inputs"}, "conditioning_dir": tmp_path / "inputs"}
+    path = write_config(tmp_path, dataset, model_family=case.family, model_flavour=case.flavour,
+                        max_train_steps=3, validation_prompt="a red circle", validation_negative_prompt="blurry",
+                        validation_resolution="64x48", validation_num_inference_steps=3, validation_guidance=4.0,
+                        validation_seed=11, **extra)
+    run = build_run(load_config(path))
+    with torch.no_grad():  # make the adapter matter: lora_B starts at zero
+        for name, p in run.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    train(run)
+    ours = np.asarray(Image.open(run.output_dir / "validation" / "final-step-000003-64x48.png"))
+    pipe = case.stock(run.comps.source)
+    pipe.load_lora_weights(run.output_dir)
+    image = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB") if case.i2i else None
+    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11, image=image)[0]
+    assert ours.shape == (48, 64, 3)
+    assert np.abs(ours.astype(int) - np.asarray(theirs).astype(int)).max() <= 1
