@@ -82,3 +82,37 @@ def test_prompt_library_samples_every_prompt(tmp_path, dataset):
     assert names == sorted(f"final-step-000002{n}-{s}.png" for n in ("", "-portrait", "-landscape")
                            for s in ("32x32", "64x48"))
     assert len(list((run.output_dir / "validation").glob("step-000001*.png"))) == 6
+
+
+def test_commands_save_sample_stop(tmp_path, dataset):
+    from difftune.train.commands import send_command
+
+    path = write_config(tmp_path, dataset, max_train_steps=50, validation_prompt="a red circle",
+                        validation_resolution="32x32", validation_num_inference_steps=2)
+    run = build_run(load_config(path))
+    for command in ("save", "sample", "stop"):  # queued before the run: picked up after step 1
+        send_command(run.output_dir, command)
+    with pytest.raises(ValueError):
+        send_command(run.output_dir, "explode")
+    train(run)
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("command") == 3 and "stopped" in kinds and "done" not in kinds
+    assert run.state.step == 1
+    assert (run.output_dir / "validation" / "manual-step-000001-32x32.png").exists()
+    assert (run.output_dir / "pytorch_lora_weights.safetensors").exists()
+    assert not list((run.output_dir / "commands").glob("*.json"))
+
+
+def test_error_is_reported_in_the_event_log(tmp_path, dataset, monkeypatch):
+    path = write_config(tmp_path, dataset, max_train_steps=3)
+    run = build_run(load_config(path))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(loop, "optimizer_step", broken)
+    with pytest.raises(RuntimeError):
+        train(run)
+    last = json.loads((run.output_dir / "events.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "error" and "out of memory" in last["message"] and "Traceback" in last["traceback"]

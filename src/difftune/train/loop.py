@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,6 +20,7 @@ from difftune.train.checkpoint import (
     save_adapter,
     save_checkpoint,
 )
+from difftune.train.commands import poll_commands
 from difftune.train.setup import Run
 from difftune.train.validation import validate
 
@@ -59,20 +62,49 @@ def _due(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
 
 
+def handle_commands(run: Run) -> bool:
+    """Act on queued commands (see train/commands.py). Returns True when the run must stop."""
+    stop = False
+    for command in poll_commands(run.output_dir):
+        run.events.emit("command", command=command, step=run.state.step)
+        if command == "save":
+            run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)))
+        elif command == "sample":
+            validate(run, f"manual-step-{run.state.step:06d}")
+        elif command == "stop":
+            stop = True
+    return stop
+
+
 def train(run: Run) -> Path:
-    """Train to `run.total_steps`; returns the path of the saved adapter."""
+    """Train to `run.total_steps` (or until a stop command); returns the path of the saved adapter."""
+    try:
+        return _train(run)
+    except KeyboardInterrupt:
+        run.events.emit("stopped", step=run.state.step, reason="interrupted")
+        raise
+    except BaseException as e:
+        run.events.emit("error", step=run.state.step, message=f"{type(e).__name__}: {e}",
+                        traceback=traceback.format_exc())
+        raise
+    finally:
+        run.events.close()
+
+
+def _train(run: Run) -> Path:
     cfg = run.cfg
     clean_partial(run.output_dir)
     if cfg.resume_from_checkpoint and (ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint)):
         load_checkpoint(run, ckpt)
         run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
-    run.events.emit("start", total_steps=run.total_steps, step=run.state.step,
+    run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
                     project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
     run.transformer.train()
     batches = iter(run.data)
     started = time.perf_counter()
+    stopped = False
     try:
-        while run.state.step < run.total_steps:
+        while run.state.step < run.total_steps and not stopped:
             loss = optimizer_step(run, batches)
             run.state.step += 1
             step = run.state.step
@@ -82,13 +114,15 @@ def train(run: Run) -> Path:
                 run.events.emit("checkpoint", step=step, path=str(save_checkpoint(run)))
             if _due(step, cfg.validation_step_interval) and step < run.total_steps:
                 validate(run, f"step-{step:06d}")
+            stopped = handle_commands(run)
     except KeyboardInterrupt:
         run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), reason="interrupted")
-        run.events.close()
         raise
     run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)))
     adapter = save_adapter(run, run.output_dir)
+    if stopped:
+        run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
+        return adapter
     samples = validate(run, f"final-step-{run.state.step:06d}")
     run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
-    run.events.close()
     return adapter

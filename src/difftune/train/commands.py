@@ -1,0 +1,51 @@
+"""Commands in: a folder of small JSON files that anyone (the web UI, a script) may drop into
+`output_dir/commands/`; the trainer polls it between steps, acts, and deletes each file.
+
+Files rather than a socket: the trainer needs no server, a command survives a UI restart, and a
+command sent before the trainer is up is simply picked up at its first step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+COMMANDS = ("stop", "sample", "save")
+
+
+def commands_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "commands"
+
+
+def send_command(output_dir: Path, command: str) -> Path:
+    """Queue a command for the run writing to `output_dir`. Written atomically (temp file + rename)."""
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
+    folder = commands_dir(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"command": command, "time": time.time()}, f)
+    path = folder / f"{time.time_ns()}-{command}.json"
+    os.replace(tmp, path)
+    return path
+
+
+def poll_commands(output_dir: Path) -> list[str]:
+    """Pending commands, oldest first; each file is removed once read. Unreadable files are dropped."""
+    folder = commands_dir(output_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            command = json.loads(path.read_text()).get("command")
+        except (OSError, ValueError):
+            command = None
+        path.unlink(missing_ok=True)
+        if command in COMMANDS:
+            found.append(command)
+    return found
