@@ -9,6 +9,23 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from difftune.config.fields import field
 
 
+class ParquetCaptions(BaseModel):
+    """Captions (and optionally sizes) from a parquet or JSONL table instead of files beside the images."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = field(..., "Parquet (.parquet) or JSON Lines (.jsonl) file; relative paths are tried "
+                      "against instance_data_dir first.", "data")
+    filename_column: str = field("filename", "Column holding each image's file name (or id).", "data")
+    caption_column: str = field("caption", "Column holding the caption (a string or a list of captions).", "data")
+    fallback_caption_column: str | None = field(None, "Column used when the caption is empty.", "data")
+    width_column: str | None = field(None, "Column with the image width (skips reading the file).", "data")
+    height_column: str | None = field(None, "Column with the image height (skips reading the file).", "data")
+    identifier_includes_extension: bool = field(
+        True, "The file-name column includes the extension; if not, any image extension matches.", "data"
+    )
+
+
 class ImageDataset(BaseModel):
     """A folder of images with captions."""
 
@@ -18,20 +35,42 @@ class ImageDataset(BaseModel):
     type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
     dataset_type: Literal["image"] = field("image", "Kind of entry.", "data")
     instance_data_dir: str = field(..., "Folder of images; sub-folders are searched too.", "data")
-    caption_strategy: Literal["textfile"] = field(
-        "textfile", "'textfile': a .txt beside each image with the same name holds its caption.", "data"
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet"] = field(
+        "textfile",
+        "'textfile': a .txt beside each image with the same name; each non-empty line is a caption, one "
+        "drawn per sample. 'filename': the file name with _ and - as spaces. 'instanceprompt': "
+        "instance_prompt for every image. 'parquet': a table (see parquet).",
+        "data",
     )
+    instance_prompt: str | None = field(None, "Caption (or trigger word) used by the instance-prompt options.", "data")
+    prepend_instance_prompt: bool = field(False, "Put instance_prompt before every caption.", "data", advanced=True)
+    only_instance_prompt: bool = field(False, "Replace every caption by instance_prompt.", "data", advanced=True)
+    parquet: ParquetCaptions | None = field(None, "Table of captions for caption_strategy 'parquet'.", "data",
+                                            advanced=True)
     resolution: float = field(1024, "Training size; its meaning depends on resolution_type.", "data", gt=0)
-    resolution_type: Literal["pixel", "pixel_area"] = field(
+    resolution_type: Literal["pixel", "pixel_area", "area"] = field(
         "pixel_area",
         "'pixel': resolution is the short edge in pixels. 'pixel_area': images keep their aspect ratio "
-        "at the area of a resolution x resolution square.",
+        "at the area of a resolution x resolution square. 'area': the same, in megapixels (1.05 ~ 1024x1024).",
         "data",
     )
     crop: bool = field(False, "Crop images to crop_aspect (otherwise only trimmed to the bucket size).", "data")
-    crop_style: Literal["center", "random"] = field("center", "Where crops are taken from.", "data")
-    crop_aspect: Literal["square", "preserve"] = field(
-        "square", "With crop: 'square' crops to 1:1, 'preserve' keeps each image's aspect.", "data"
+    crop_style: Literal["center", "random", "corner"] = field(
+        "center", "Where crops are taken from: the centre, a random place (drawn once per image and seed), "
+        "or the top-left corner.", "data",
+    )
+    crop_aspect: Literal["square", "preserve", "closest", "random"] = field(
+        "square", "With crop: 'square' (1:1), 'preserve' (each image's own aspect), 'closest' (the entry of "
+        "crop_aspect_buckets nearest the image's), 'random' (an entry drawn once per image and seed).", "data",
+    )
+    crop_aspect_buckets: list[float] | None = field(
+        None, "Aspect ratios (width/height) for crop_aspect 'closest' and 'random'.", "data", advanced=True
+    )
+    minimum_aspect_ratio: float | None = field(
+        None, "Images narrower than this width/height are left out and reported.", "data", gt=0, advanced=True
+    )
+    maximum_aspect_ratio: float | None = field(
+        None, "Images wider than this width/height are left out and reported.", "data", gt=0, advanced=True
     )
     minimum_image_size: float | None = field(
         None, "Images whose short edge (pixel) or area (pixel_area) is smaller are left out and reported.",
@@ -46,6 +85,21 @@ class ImageDataset(BaseModel):
         advanced=True,
     )
     repeats: int = field(0, "Extra passes over this dataset per epoch (0: each image once).", "data", ge=0)
+    probability: float | None = field(
+        None, "Relative weight of this dataset when several are mixed (each batch comes from one dataset). "
+        "Empty: in proportion to its number of batches.", "data", gt=0, advanced=True,
+    )
+    max_num_samples: int | None = field(
+        None, "Use at most this many images: a fixed random subset (seeded by the dataset id).", "data", gt=0,
+        advanced=True,
+    )
+    text_embeds: str | None = field(
+        None, "Id of the text_embeds entry caching this dataset's captions. Empty: the default one.", "data",
+        advanced=True,
+    )
+    vae_cache_disable: bool = field(
+        False, "Encode this dataset's images on the fly during training; write no latents.", "data", advanced=True
+    )
     cache_dir_vae: str | None = field(
         None, "Folder of cached latents. Empty: cache/vae/<family>/<id>.", "data"
     )
@@ -59,10 +113,26 @@ class ImageDataset(BaseModel):
     disabled: bool = field(False, "Leave this dataset out.", "data")
 
     @model_validator(mode="after")
-    def _sizes(self) -> ImageDataset:
+    def _consistent(self) -> ImageDataset:
         if (self.maximum_image_size is None) != (self.target_downsample_size is None):
             raise ValueError("maximum_image_size and target_downsample_size go together: set both or neither")
+        needs_prompt = self.caption_strategy == "instanceprompt" or self.prepend_instance_prompt or self.only_instance_prompt
+        if needs_prompt and not self.instance_prompt:
+            raise ValueError("instance_prompt is required by caption_strategy 'instanceprompt', "
+                             "prepend_instance_prompt and only_instance_prompt; set it")
+        if self.caption_strategy == "parquet" and self.parquet is None:
+            raise ValueError("caption_strategy 'parquet' needs a parquet block: {\"path\": ..., \"caption_column\": ...}")
+        if self.crop and self.crop_aspect in ("closest", "random") and not self.crop_aspect_buckets:
+            raise ValueError(f"crop_aspect {self.crop_aspect!r} picks from crop_aspect_buckets; give a list such as [0.75, 1.0, 1.33]")
+        if self.crop_aspect_buckets and any(a <= 0 for a in self.crop_aspect_buckets):
+            raise ValueError("crop_aspect_buckets must be positive width/height ratios")
+        lo, hi = self.minimum_aspect_ratio, self.maximum_aspect_ratio
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError("minimum_aspect_ratio is larger than maximum_aspect_ratio")
         return self
+
+    def vae_cache_root(self, family: str) -> str:
+        return self.cache_dir_vae or f"cache/vae/{family}/{self.id}"
 
 
 class TextEmbedsDataset(BaseModel):
@@ -102,8 +172,14 @@ class DatasetPlan(BaseModel):
     """The validated dataset list: the enabled image datasets and the text-embeds cache to use."""
 
     images: list[ImageDataset]
-    text_embeds: TextEmbedsDataset | None
+    text_embeds: TextEmbedsDataset | None  # the default entry
     conditioning: dict[str, ConditioningDataset] = {}
+    all_text_embeds: dict[str, TextEmbedsDataset] = {}
+
+    def text_embeds_for(self, dataset: ImageDataset) -> TextEmbedsDataset | None:
+        if dataset.text_embeds is not None:
+            return self.all_text_embeds[dataset.text_embeds]
+        return self.text_embeds
 
     def conditioning_dir(self, dataset: ImageDataset) -> str | None:
         if dataset.conditioning_data is None:

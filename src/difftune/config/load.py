@@ -28,13 +28,6 @@ from difftune.models.registry import FAMILY_FACTS
 PENDING_VALUES = {
     ("model_type", "full"): "not implemented yet: full fine-tuning; use model_type 'lora'",
     ("dataset_type", "video"): "not implemented yet: video datasets",
-    ("caption_strategy", "filename"): "not implemented yet: caption_strategy 'filename'; use 'textfile'",
-    ("caption_strategy", "instanceprompt"): "not implemented yet: caption_strategy 'instanceprompt'; use 'textfile'",
-    ("caption_strategy", "parquet"): "not implemented yet: caption_strategy 'parquet'; use 'textfile'",
-    ("resolution_type", "area"): "not implemented yet: resolution_type 'area'; use 'pixel_area' or 'pixel'",
-    ("crop_style", "corner"): "not implemented yet: crop_style 'corner'; use 'center' or 'random'",
-    ("crop_aspect", "closest"): "not implemented yet: crop_aspect 'closest'; use 'square' or 'preserve'",
-    ("crop_aspect", "random"): "not implemented yet: crop_aspect 'random'; use 'square' or 'preserve'",
 }
 
 
@@ -156,7 +149,11 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
             conditioning[item.id] = item
         else:
             embeds.append(item)
+    named_embeds = {e.id: e for e in embeds}
     for ds in images:
+        if ds.text_embeds is not None and ds.text_embeds not in named_embeds:
+            problems.append(f"{path}: dataset {ds.id!r}: text_embeds {ds.text_embeds!r} names no enabled "
+                            "text_embeds entry; add it or fix the name")
         if ds.conditioning_data is not None and ds.conditioning_data not in conditioning:
             problems.append(
                 f"{path}: dataset {ds.id!r}: conditioning_data {ds.conditioning_data!r} names no enabled "
@@ -170,7 +167,7 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
     chosen = defaults[0] if defaults else (embeds[0] if len(embeds) == 1 else None)
     if len(embeds) > 1 and not defaults:
         problems.append(f"{path}: several text_embeds entries and none has default: true; mark one")
-    return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning)
+    return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning, all_text_embeds=named_embeds)
 
 
 def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:
@@ -220,3 +217,58 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     if problems or train is None or plan is None:
         raise ConfigError(problems)
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)
+
+
+# --- problems split into parts, for showing each one at its field (web UI, wizard) -------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem as `difftune check` prints it (`text`), split into file, dataset, key and message."""
+
+    text: str
+    file: str | None
+    dataset: str | int | None  # the entry's id, or its index in the list when it has no id
+    key: str | None  # dotted key ("parquet.path") when the problem is about one key
+    message: str  # the text after file, dataset and key
+    mentions: tuple[str, ...] = ()  # known keys named in the message (cross-field problems)
+
+
+def _known_keys() -> set[str]:
+    keys = set(TrainConfig.model_fields)
+    for model in DATASET_MODELS.values():
+        keys |= set(model.model_fields)
+    return keys
+
+
+def split_problem(text: str, files: tuple[str, ...] = ()) -> Problem:
+    """Split a ConfigError problem; `files` are the paths that may start it (longest match wins)."""
+    import ast
+    import re
+
+    file, rest = None, text
+    for candidate in sorted(files, key=len, reverse=True):
+        if text.startswith(f"{candidate}: "):
+            file, rest = candidate, text[len(candidate) + 2:]
+            break
+    else:
+        if ": " in text:
+            file, rest = text.split(": ", 1)
+    dataset: str | int | None = None
+    m = re.match(r"dataset ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\d+): ", rest) or re.match(r"entry (\d+) ", rest)
+    if m:
+        dataset = ast.literal_eval(m.group(1))
+        rest = rest[m.end():] if m.group(0).endswith(": ") else rest
+    known = _known_keys()
+    key, message = None, rest
+    if m2 := re.match(r"([\w]+(?:\.[\w]+)*): (.*)", rest, re.DOTALL):
+        key, message = m2.group(1), m2.group(2)
+    elif m2 := re.match(r"(\w+)=", rest):
+        key = m2.group(1)
+    elif m2 := re.match(r"unknown key '([^']*)'", rest):
+        key = m2.group(1)
+    elif (word := rest.split(" ", 1)[0]) in known:
+        key = word
+    mentions = tuple(k for k in re.findall(r"\b[a-z][a-z0-9_]*\b", message) if k in known and k != key)
+    return Problem(text=text, file=file, dataset=dataset, key=key, message=message,
+                   mentions=tuple(dict.fromkeys(mentions)))

@@ -37,28 +37,16 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
     "offload_during_startup": ((False,), "offload_during_startup is not implemented yet; set it to false"),
     "vae_enable_patch_conv": ((False,), "patched VAE convolutions come with video support, not implemented yet"),
-    "vae_cache_disable": ((False,), "on-the-fly VAE encoding is not implemented yet; set it to false"),
     "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
     "lycoris_config": ((None,), "LyCORIS is not implemented yet; remove lycoris_config"),
     "checkpoints_total_limit": ((None,), "checkpoints_total_limit is not implemented yet; remove it"),
     "validation_num_video_frames": ((None,), "video families are not implemented yet"),
     "frame_rate": ((None,), "video families are not implemented yet; remove frame_rate"),
-    "caption_dropout_probability": ((None, 0, 0.0), "caption dropout is not implemented yet; use 0.0"),
     "lora_dropout": ((None, 0, 0.0), "LoRA dropout is not implemented yet; use 0.0"),
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "video": ((None,), "video datasets are not implemented yet"),
-    "parquet": ((None,), "parquet caption metadata is not implemented yet"),
-    "probability": ((None, 1, 1.0), "weighted dataset mixing is not implemented yet; remove probability"),
-    "max_num_samples": ((None,), "max_num_samples is not implemented yet"),
-    "minimum_aspect_ratio": ((None,), "aspect-ratio limits are not implemented yet"),
-    "maximum_aspect_ratio": ((None,), "aspect-ratio limits are not implemented yet"),
-    "crop_aspect_buckets": ((None,), "crop_aspect_buckets is not implemented yet"),
-    "instance_prompt": ((None,), "caption_strategy instanceprompt is not implemented yet"),
-    "prepend_instance_prompt": ((False,), "prepend_instance_prompt is not implemented yet"),
-    "only_instance_prompt": ((False,), "only_instance_prompt is not implemented yet"),
-    "text_embeds": ((None,), "choosing a non-default text_embeds entry per dataset is not implemented yet"),
     "vae_cache_clear_each_epoch": ((False,), "vae_cache_clear_each_epoch is not implemented yet"),
 }
 

@@ -91,6 +91,14 @@ class TrainConfig(BaseModel):
         advanced=True,
     )
     vae_batch_size: int = field(4, "Images per VAE forward pass while caching latents.", "data", gt=0, advanced=True)
+    vae_cache_disable: bool = field(
+        False, "Encode images on the fly during training for every dataset; write no latents to disk "
+        "(the VAE then stays in memory).", "data", advanced=True,
+    )
+    caption_dropout_probability: float = field(
+        0.0, "Chance that a sample trains with an empty caption (keeps the model usable without a prompt "
+        "and helps classifier-free guidance).", "training", ge=0.0, le=1.0,
+    )
 
     # --- training
     seed: int = field(42, "Random seed: data order, noise and timesteps all derive from it.", "training")

@@ -1,16 +1,25 @@
-"""Training items and the batches the loop consumes: cached latents plus cached text conditions."""
+"""Training items and the batches the loop consumes: latents (cached, or encoded on the fly) plus
+cached text conditions.
+
+Which caption a sample trains with (it may have several) and whether caption dropout empties it are
+drawn from (seed, epoch, batch index), so a resumed run makes the same choices.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from difftune.data.cache import TensorCache
+from difftune.data.images import BadImage, load_rgb, prepare
 from difftune.data.latents import CachedSample
 from difftune.data.sampler import BucketSampler
+
+Encoder = Callable[[torch.Tensor], torch.Tensor]  # pixels [B, 3, H, W] in [-1, 1] -> latents [B, C, h, w]
 
 
 @dataclass
@@ -23,29 +32,71 @@ class Batch:
 
 class TrainingData:
     def __init__(
-        self, items: list[CachedSample], text_cache: TensorCache, sampler: BucketSampler,
+        self, items: list[CachedSample], text_caches: dict[str, TensorCache], sampler: BucketSampler,
         collate_text: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
+        caption_dropout: float = 0.0, seed: int = 0, encode: Encoder | None = None,
+        on_skip: Callable[[str], None] | None = None,
     ):
+        """`text_caches`: dataset id -> its text cache. `encode`: the VAE, for on-the-fly items."""
         self.items = items
-        self.text_cache = text_cache
+        self.text_caches = text_caches
         self.sampler = sampler
         self.collate_text = collate_text
+        self.caption_dropout = caption_dropout
+        self.seed = seed
+        self.encode = encode
+        self.on_skip = on_skip
 
-    def _text(self, key: str) -> dict[str, torch.Tensor]:
-        tensors = self.text_cache.get(key)
+    def _text(self, item: CachedSample, key: str) -> dict[str, torch.Tensor]:
+        cache = self.text_caches[item.sample.dataset_id]
+        tensors = cache.get(key)
         if tensors is None:
             raise RuntimeError(
-                f"text embedding of caption {key.split(chr(0))[0][:60]!r} vanished from {self.text_cache.folder}; "
+                f"text embedding of caption {key.split(chr(0))[0][:60]!r} vanished from {cache.folder}; "
                 "run again and it will be recomputed"
             )
         return tensors
 
+    def _latents(self, chosen: list[CachedSample]) -> tuple[list[CachedSample], torch.Tensor, torch.Tensor | None]:
+        if chosen[0].latent_file is not None:
+            latents = torch.stack([load_file(c.latent_file)["latents"] for c in chosen])
+            cond = None
+            if chosen[0].conditioning_file is not None:
+                cond = torch.stack([load_file(c.conditioning_file)["latents"] for c in chosen])
+            return chosen, latents, cond
+        assert self.encode is not None, "items without cached latents need an encoder"
+        kept, pixels, cond_pixels = [], [], []
+        for c in chosen:  # on the fly: a file that fails now is skipped and reported, never fatal
+            s = c.sample
+            try:
+                pixels.append(prepare(load_rgb(s.path), s.bucket, c.crop_style, c.uv, s.downsample))
+                if s.conditioning is not None:
+                    cond_pixels.append(prepare(load_rgb(s.conditioning), s.bucket, c.crop_style, c.uv))
+            except (BadImage, OSError) as e:
+                pixels = pixels[: len(kept)]
+                if self.on_skip:
+                    self.on_skip(f"skipped {s.path}: {e}")
+                continue
+            kept.append(c)
+        if not kept:
+            return [], torch.empty(0), None
+        with torch.no_grad():
+            latents = self.encode(torch.stack(pixels)).float().cpu()
+            cond = self.encode(torch.stack(cond_pixels)).float().cpu() if cond_pixels else None
+        return kept, latents, cond
+
     def __iter__(self) -> Iterator[Batch]:
         for indices in self.sampler:
-            chosen = [self.items[i] for i in indices]
-            latents = torch.stack([load_file(c.latent_file)["latents"] for c in chosen])
-            conditioning = None
-            if chosen[0].conditioning_file is not None:
-                conditioning = torch.stack([load_file(c.conditioning_file)["latents"] for c in chosen])
-            text = self.collate_text([self._text(c.text_key) for c in chosen])
-            yield Batch(latents, text, [c.sample.caption for c in chosen], conditioning)
+            state = self.sampler.state
+            rng = np.random.default_rng([self.seed, 3_000_017, state.epoch, state.index])
+            chosen, latents, cond = self._latents([self.items[i] for i in indices])
+            if not chosen:
+                continue
+            keys, captions = [], []
+            for c in chosen:
+                pick = int(rng.integers(len(c.text_keys)))
+                dropped = self.caption_dropout > 0 and rng.random() < self.caption_dropout
+                keys.append(c.empty_key if dropped else c.text_keys[pick])
+                captions.append("" if dropped else c.sample.captions[pick])
+            text = self.collate_text([self._text(c, k) for c, k in zip(chosen, keys, strict=True)])
+            yield Batch(latents, text, captions, cond)

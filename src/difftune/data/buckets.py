@@ -13,36 +13,65 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SizeRule:
     resolution: float
-    resolution_type: str  # "pixel" (short edge) or "pixel_area" (area of a resolution x resolution square)
+    resolution_type: str  # "pixel" (short edge), "pixel_area" (side of a square of equal area), "area" (megapixels)
     crop: bool
-    crop_aspect: str  # "square" or "preserve"; used when crop is true
+    crop_aspect: str  # "square", "preserve", "closest", "random"; used when crop is true
     multiple: int
     minimum_image_size: float | None = None
     maximum_image_size: float | None = None
     target_downsample_size: float | None = None
+    crop_aspect_buckets: tuple[float, ...] = ()
+    minimum_aspect_ratio: float | None = None
+    maximum_aspect_ratio: float | None = None
 
 
-def measure(width: int, height: int, resolution_type: str) -> float:
-    """An image's size in the unit of `resolution`: short edge, or side of the square of equal area."""
-    return float(min(width, height)) if resolution_type == "pixel" else math.sqrt(width * height)
+def measure(width: float, height: float, resolution_type: str) -> float:
+    """An image's size in the unit of `resolution`: short edge, side of the square of equal area, or megapixels."""
+    if resolution_type == "pixel":
+        return float(min(width, height))
+    if resolution_type == "area":
+        return width * height / 1e6
+    return math.sqrt(width * height)
 
 
 def _round_multiple(value: float, multiple: int) -> int:
     return max(multiple, int(round(value / multiple)) * multiple)
 
 
-def scaled_to(width: int, height: int, size: float, resolution_type: str) -> tuple[float, float]:
+def scaled_to(width: float, height: float, size: float, resolution_type: str) -> tuple[float, float]:
     """(width, height) scaled so that `measure` equals `size`, aspect kept."""
-    factor = size / measure(width, height, resolution_type)
+    ratio = size / measure(width, height, resolution_type)
+    factor = math.sqrt(ratio) if resolution_type == "area" else ratio  # area grows with the square
     return width * factor, height * factor
 
 
-def bucket_for(width: int, height: int, rule: SizeRule) -> tuple[int, int]:
+def target_aspect(width: int, height: int, rule: SizeRule, choice: float = 0.5) -> float:
+    """Aspect (width/height) the image is brought to. `choice` in [0, 1) picks for crop_aspect 'random'."""
+    aspect = width / height
+    if not rule.crop or rule.crop_aspect == "preserve":
+        return aspect
+    if rule.crop_aspect == "square":
+        return 1.0
+    buckets = sorted(rule.crop_aspect_buckets)
+    if rule.crop_aspect == "closest":
+        return min(buckets, key=lambda b: (abs(math.log(b / aspect)), b))
+    return buckets[min(int(choice * len(buckets)), len(buckets) - 1)]
+
+
+def bucket_for(width: int, height: int, rule: SizeRule, choice: float = 0.5) -> tuple[int, int]:
     """The (width, height) bucket of an image of this size."""
-    if rule.crop and rule.crop_aspect == "square":
-        width = height = min(width, height)
-    w, h = scaled_to(width, height, rule.resolution, rule.resolution_type)
+    aspect = target_aspect(width, height, rule, choice)
+    w, h = scaled_to(aspect, 1.0, rule.resolution, rule.resolution_type)
     return _round_multiple(w, rule.multiple), _round_multiple(h, rule.multiple)
+
+
+def aspect_problem(width: int, height: int, rule: SizeRule) -> str | None:
+    aspect = width / height
+    if rule.minimum_aspect_ratio is not None and aspect < rule.minimum_aspect_ratio:
+        return f"aspect {aspect:.2f} is below minimum_aspect_ratio {rule.minimum_aspect_ratio:g}"
+    if rule.maximum_aspect_ratio is not None and aspect > rule.maximum_aspect_ratio:
+        return f"aspect {aspect:.2f} is above maximum_aspect_ratio {rule.maximum_aspect_ratio:g}"
+    return None
 
 
 def too_small(width: int, height: int, rule: SizeRule) -> bool:
@@ -69,13 +98,16 @@ def cover_resize(width: int, height: int, bucket: tuple[int, int]) -> tuple[int,
 def crop_box(width: int, height: int, bucket: tuple[int, int], style: str, u: float = 0.5, v: float = 0.5):
     """(left, top, right, bottom) of a bucket-sized crop from a width x height image.
 
-    style 'center' ignores u, v; 'random' places the crop at fractions u, v in [0, 1] of the slack.
+    style 'center' ignores u, v; 'corner' takes the top-left; 'random' places the crop at fractions
+    u, v in [0, 1] of the slack.
     """
     bw, bh = bucket
     if bw > width or bh > height:
         raise ValueError(f"crop {bw}x{bh} does not fit in {width}x{height}")
     if style == "center":
         u = v = 0.5
+    elif style == "corner":
+        u = v = 0.0
     left = int(round((width - bw) * u))
     top = int(round((height - bh) * v))
     return left, top, left + bw, top + bh

@@ -1,12 +1,20 @@
-"""Find images and their captions in a dataset folder, and say what was left out and why."""
+"""Find images and their captions in a dataset folder, and say what was left out and why.
+
+Image sizes are kept in a metadata file beside the dataset's latent cache: a later scan re-reads only
+files that were added or changed (by size and mtime), and forgets removed ones.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftune.data.buckets import SizeRule, bucket_for, downsample_first, too_small
+from difftune.data.buckets import SizeRule, aspect_problem, bucket_for, downsample_first, too_small
+from difftune.data.captions import CaptionRule, CaptionTable, caption
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 
 
@@ -14,12 +22,16 @@ from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 class Sample:
     dataset_id: str
     path: Path
-    caption: str
+    captions: tuple[str, ...]  # one is drawn per sample during training
     width: int  # as displayed (EXIF applied)
     height: int
     bucket: tuple[int, int]
     downsample: tuple[int, int] | None
     conditioning: Path | None = None  # the paired input image (image-to-image), same relative name
+
+    @property
+    def caption(self) -> str:
+        return self.captions[0]
 
 
 @dataclass
@@ -28,6 +40,46 @@ class Discovery:
     samples: list[Sample] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     notes: list[tuple[Path, str]] = field(default_factory=list)  # used, but worth telling the user
+    probed: int = 0  # files whose header was read this time (the rest came from the metadata file)
+
+
+class MetadataCache:
+    """{relative path: [size, mtime_ns, width, height, problem]} for one dataset folder."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, list] = {}
+        self.seen: set[str] = set()
+        if path is not None and path.is_file():
+            try:
+                self.entries = json.loads(path.read_text())
+            except (OSError, ValueError):
+                self.entries = {}  # a damaged metadata file only costs a rescan
+
+    def size(self, file: Path, rel: str) -> tuple[tuple[int, int] | None, str | None, bool]:
+        """((width, height) or None, problem or None, whether the file was probed now)."""
+        st = file.stat()
+        self.seen.add(rel)
+        entry = self.entries.get(rel)
+        if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
+            return (None if entry[2] is None else (entry[2], entry[3])), entry[4], False
+        try:
+            width, height = probe_size(file)
+            self.entries[rel] = [st.st_size, st.st_mtime_ns, width, height, None]
+            return (width, height), None, True
+        except (BadImage, OSError) as e:
+            self.entries[rel] = [st.st_size, st.st_mtime_ns, None, None, str(e)]
+            return None, str(e), True
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.entries = {k: v for k, v in self.entries.items() if k in self.seen}  # removed files go
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.entries, f)
+        os.replace(tmp, self.path)
 
 
 def walk_files(root: Path) -> list[Path]:
@@ -45,18 +97,6 @@ def walk_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def read_caption(path: Path) -> tuple[str | None, str | None]:
-    """(caption, problem) by the textfile strategy: <name>.txt beside the image."""
-    txt = path.with_suffix(".txt")
-    if not txt.is_file():
-        return None, f"no caption file {txt.name} (caption_strategy textfile needs one beside each image)"
-    try:
-        text = txt.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        return None, f"caption file {txt.name} unreadable: {e}"
-    return text, None
-
-
 def image_files(root: Path) -> list[Path]:
     return [p for p in walk_files(root) if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS]
 
@@ -66,33 +106,65 @@ def pair_index(root: Path) -> dict[Path, Path]:
     return {p.relative_to(root).with_suffix(""): p for p in image_files(root)}
 
 
-def discover(dataset_id: str, root: Path, rule: SizeRule, conditioning_root: Path | None = None) -> Discovery:
-    result = Discovery(dataset_id)
-    pairs = pair_index(conditioning_root) if conditioning_root is not None else None
-    for path in image_files(root):
+def choice_for(path: Path, seed: int) -> float:
+    """A fixed number in [0, 1) per file and seed (for crop_aspect 'random')."""
+    digest = hashlib.sha256(f"{seed}|aspect|{path}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") / 2**32
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What discovery needs to know about one dataset (built from its config entry)."""
+
+    dataset_id: str
+    root: Path
+    rule: SizeRule
+    captions: CaptionRule
+    table: CaptionTable | None = None
+    conditioning_root: Path | None = None
+    metadata_file: Path | None = None
+    seed: int = 0
+
+
+def discover(spec: DatasetSpec) -> Discovery:
+    result = Discovery(spec.dataset_id)
+    rule = spec.rule
+    pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
+    metadata = MetadataCache(spec.metadata_file)
+    for path in image_files(spec.root):
+        rel = str(path.relative_to(spec.root))
         conditioning = None
         if pairs is not None:
-            conditioning = pairs.get(path.relative_to(root).with_suffix(""))
+            conditioning = pairs.get(path.relative_to(spec.root).with_suffix(""))
             if conditioning is None:
-                result.skipped.append((path, f"no conditioning image of the same name in {conditioning_root}"))
+                result.skipped.append((path, f"no conditioning image of the same name in {spec.conditioning_root}"))
                 continue
-        try:
-            width, height = probe_size(path)
-        except (BadImage, OSError) as e:
-            result.skipped.append((path, str(e)))
+        captioned = caption(path, spec.root, spec.captions, spec.table)
+        if captioned.captions is None:
+            result.skipped.append((path, captioned.problem or "no caption"))
             continue
+        if captioned.size is not None:  # the table's width/height columns: no need to open the file
+            size, problem, probed = captioned.size, None, False
+        else:
+            size, problem, probed = metadata.size(path, rel)
+        result.probed += probed
+        if size is None:
+            result.skipped.append((path, problem or "unreadable"))
+            continue
+        width, height = size
+        problem = aspect_problem(width, height, rule)
         if too_small(width, height, rule):
-            result.skipped.append((path, f"{width}x{height} is below minimum_image_size {rule.minimum_image_size:g}"))
+            problem = f"{width}x{height} is below minimum_image_size {rule.minimum_image_size:g}"
+        if problem:
+            result.skipped.append((path, problem))
             continue
-        caption, problem = read_caption(path)
-        if caption is None:
-            result.skipped.append((path, problem or "no caption"))
-            continue
-        if caption == "":
-            result.notes.append((path, "empty caption file: trained with an empty prompt"))
+        if captioned.note:
+            result.notes.append((path, captioned.note))
         down = downsample_first(width, height, rule)
         basis = down or (width, height)
+        bucket = bucket_for(*basis, rule, choice_for(path, spec.seed))
         result.samples.append(
-            Sample(dataset_id, path, caption, width, height, bucket_for(*basis, rule), down, conditioning)
+            Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning)
         )
+    metadata.save()
     return result

@@ -22,16 +22,21 @@ from difftune.data.images import BadImage, fit, load_rgb, prepare
 
 @dataclass(frozen=True)
 class CachedSample:
+    """A training item. `latent_file` is None when its dataset encodes on the fly (vae_cache_disable)."""
+
     sample: Sample
-    latent_file: Path
+    latent_file: Path | None
     conditioning_file: Path | None
-    text_key: str
+    text_keys: tuple[str, ...]  # one per caption
+    empty_key: str  # the text key of the empty caption (caption dropout)
+    crop_style: str = "center"
+    uv: tuple[float, float] = (0.5, 0.5)
 
 
 def crop_position(sample: Sample, crop_style: str, seed: int) -> tuple[float, float]:
     """Where a 'random' crop sits: drawn once per file from the seed, so the cache is reproducible."""
-    if crop_style == "center":
-        return 0.5, 0.5
+    if crop_style != "random":
+        return 0.5, 0.5  # fixed positions ('center', 'corner') do not depend on the seed
     h = hashlib.sha256(f"{seed}|{sample.path}".encode()).digest()
     return int.from_bytes(h[:4], "little") / 2**32, int.from_bytes(h[4:8], "little") / 2**32
 
@@ -41,12 +46,12 @@ def file_key(path: Path, bucket: tuple[int, int], extra: object, uv: tuple[float
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{bucket}|{extra}|{uv}"
 
 
-def text_key(sample: Sample, crop_style: str, seed: int) -> str:
+def text_key(sample: Sample, caption: str, crop_style: str, seed: int) -> str:
     """Captions alone key the text cache, except with an input image, which the encoder also sees."""
     if sample.conditioning is None:
-        return sample.caption
+        return caption
     uv = crop_position(sample, crop_style, seed)
-    return f"{sample.caption}\x00{file_key(sample.conditioning, sample.bucket, None, uv)}"
+    return f"{caption}\x00{file_key(sample.conditioning, sample.bucket, None, uv)}"
 
 
 def conditioning_image(sample: Sample, crop_style: str, seed: int) -> Image.Image:
@@ -55,12 +60,21 @@ def conditioning_image(sample: Sample, crop_style: str, seed: int) -> Image.Imag
     return fit(load_rgb(sample.conditioning), sample.bucket, crop_style, crop_position(sample, crop_style, seed))
 
 
-def text_jobs(samples: list[Sample], crop_style: str, seed: int) -> list[TextJob]:
-    return [
-        TextJob(text_key(s, crop_style, seed), s.caption,
-                None if s.conditioning is None else (lambda s=s: conditioning_image(s, crop_style, seed)))
-        for s in samples
-    ]
+def text_jobs(samples: list[Sample], crop_style: str, seed: int, with_empty: bool) -> list[TextJob]:
+    """Every caption of every sample, plus the empty caption when caption dropout may pick it."""
+    jobs = []
+    for s in samples:
+        image = None if s.conditioning is None else (lambda s=s: conditioning_image(s, crop_style, seed))
+        captions = s.captions + (("",) if with_empty else ())
+        jobs.extend(TextJob(text_key(s, c, crop_style, seed), c, image) for c in captions)
+    return jobs
+
+
+def uncached(sample: Sample, crop_style: str, seed: int) -> CachedSample:
+    """An item encoded on the fly (vae_cache_disable): it carries what is needed to prepare it."""
+    keys = tuple(text_key(sample, c, crop_style, seed) for c in sample.captions)
+    return CachedSample(sample, None, None, keys, text_key(sample, "", crop_style, seed), crop_style,
+                        crop_position(sample, crop_style, seed))
 
 
 def fill_latent_cache(
@@ -120,4 +134,6 @@ def fill_latent_cache(
 
 def _cached(sample: Sample, cache: TensorCache, keys: list[tuple[Path, str]], crop_style: str, seed: int):
     conditioning = cache.path(keys[1][1]) if len(keys) > 1 else None
-    return CachedSample(sample, cache.path(keys[0][1]), conditioning, text_key(sample, crop_style, seed))
+    item = uncached(sample, crop_style, seed)
+    return CachedSample(sample, cache.path(keys[0][1]), conditioning, item.text_keys, item.empty_key,
+                        crop_style, item.uv)

@@ -14,7 +14,7 @@ from difftune.data.discovery import Discovery
 class DataReport:
     found: list[Discovery]
     failed: list[tuple[Path, str]]  # files that failed to decode while caching
-    pruned: dict[tuple[int, int], int]  # bucket -> images left out by bucket pruning
+    pruned: dict[tuple[str, tuple[int, int]], int]  # (dataset, bucket) -> images left out by bucket pruning
     data: Any = None  # TrainingData, when built
     lines: list[str] = field(default_factory=list)
 
@@ -22,7 +22,7 @@ class DataReport:
         failed_paths = {p for p, _ in self.failed}
         out = ["data report:", f"  {'dataset':<24} {'found':>7} {'used':>7} {'left out':>9}"]
         for d in self.found:
-            used = sum(1 for s in d.samples if s.path not in failed_paths and s.bucket not in self.pruned)
+            used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.bucket) not in self.pruned)
             total = len(d.samples) + len(d.skipped)
             out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}")
         if self.data is not None:
@@ -30,8 +30,8 @@ class DataReport:
             sizes = ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(buckets.items()))
             out.append(f"  buckets (with repeats): {sizes}")
             out.append(f"  batches per epoch: {self.data.sampler.batches_per_epoch()}")
-        for (w, h), n in sorted(self.pruned.items()):
-            out.append(f"  pruned bucket {w}x{h}: {n} image(s), fewer than one batch "
+        for (dataset, (w, h)), n in sorted(self.pruned.items()):
+            out.append(f"  pruned bucket {w}x{h} of {dataset}: {n} image(s), fewer than one batch "
                        "(set disable_bucket_pruning to keep them)")
         left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
         if left:

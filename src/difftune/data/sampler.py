@@ -1,14 +1,17 @@
-"""The batch sampler: one bucket per batch, seeded, and resumable at any batch.
+"""The batch sampler: one bucket (and one dataset) per batch, seeded, and resumable at any batch.
 
-An epoch's order is a pure function of (seed, epoch), so a resumed run that skips to (epoch, index)
-sees exactly the batches an uninterrupted run would have seen.
+Each dataset's batch order in its own epoch n is a pure function of (seed, dataset, n). Without
+`probability`, an epoch is every batch of every dataset, shuffled together, so each image is seen
+once per epoch (times its repeats). With `probability`, each batch comes from a dataset drawn by
+weight, and a dataset that runs out starts its next epoch on its own. A resumed run that restores
+`state_dict()` sees exactly the batches an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,22 +20,28 @@ import numpy as np
 class SamplerState:
     epoch: int = 0
     index: int = 0  # batches of this epoch already consumed
+    streams: list[list[int]] = field(default_factory=list)  # per dataset [epoch, index] (weighted mode)
 
 
-class BucketSampler:
-    def __init__(self, buckets: list[tuple[int, int]], batch_size: int, seed: int, keep_partial: bool):
-        """`buckets[i]` is the bucket of item i (items repeated for `repeats` already)."""
-        self.batch_size = batch_size
-        self.seed = seed
-        self.keep_partial = keep_partial
+class DatasetBatches:
+    """The batches of one dataset: items grouped by bucket, shuffled per epoch."""
+
+    def __init__(self, items: list[int], buckets: list[tuple[int, int]], batch_size: int, seed: int,
+                 salt: int, keep_partial: bool):
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, bucket in enumerate(buckets):
-            groups[bucket].append(i)
+        for item, bucket in zip(items, buckets, strict=True):
+            groups[bucket].append(item)
         self.groups = dict(sorted(groups.items()))
-        self.state = SamplerState()
+        self.batch_size, self.seed, self.salt, self.keep_partial = batch_size, seed, salt, keep_partial
+        self._memo: tuple[int, list[list[int]]] | None = None
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, epoch])
+        if self._memo is None or self._memo[0] != epoch:  # weighted mode asks every step
+            self._memo = (epoch, self._shuffle(epoch))
+        return self._memo[1]
+
+    def _shuffle(self, epoch: int) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, self.salt, epoch])
         batches: list[list[int]] = []
         for items in self.groups.values():
             order = [items[i] for i in rng.permutation(len(items))]
@@ -42,15 +51,60 @@ class BucketSampler:
                     batches.append(chunk)
         return [batches[i] for i in rng.permutation(len(batches))]
 
+
+class BucketSampler:
+    def __init__(self, datasets: list[tuple[list[int], list[tuple[int, int]], float | None]], batch_size: int,
+                 seed: int, keep_partial: bool):
+        """`datasets`: per dataset (item indices, bucket of each, probability or None)."""
+        self.seed = seed
+        self.parts = [DatasetBatches(items, buckets, batch_size, seed, i, keep_partial)
+                      for i, (items, buckets, _) in enumerate(datasets)]
+        self.counts = [len(p.epoch_batches(0)) for p in self.parts]
+        weights = [w for _, _, w in datasets]
+        self.weighted = any(w is not None for w in weights)
+        raw = np.array([w if w is not None else 1.0 for w in weights], dtype=np.float64)
+        raw[np.array(self.counts) == 0] = 0.0
+        self.weights = raw / raw.sum() if raw.sum() > 0 else raw
+        self.state = SamplerState(streams=[[0, 0] for _ in self.parts])
+
     def batches_per_epoch(self) -> int:
-        return len(self.epoch_batches(0))
+        return sum(self.counts)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """Unweighted mode: every dataset's batches of this epoch, shuffled together."""
+        batches = [b for part in self.parts for b in part.epoch_batches(epoch)]
+        rng = np.random.default_rng([self.seed, 1_000_003, epoch])
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def _weighted_next(self) -> list[int]:
+        rng = np.random.default_rng([self.seed, 2_000_003, self.state.epoch, self.state.index])
+        d = int(rng.choice(len(self.parts), p=self.weights))
+        stream = self.state.streams[d]
+        batches = self.parts[d].epoch_batches(stream[0])
+        if stream[1] >= len(batches):
+            stream[0], stream[1] = stream[0] + 1, 0
+            batches = self.parts[d].epoch_batches(stream[0])
+        stream[1] += 1
+        return batches[stream[1] - 1]
 
     def __iter__(self) -> Iterator[list[int]]:
         """Endless: yields batches from the saved position on, advancing the state."""
         while True:
-            batches = self.epoch_batches(self.state.epoch)
-            while self.state.index < len(batches):
-                batch = batches[self.state.index]
-                self.state.index += 1
-                yield batch
-            self.state = SamplerState(self.state.epoch + 1, 0)
+            if self.weighted:
+                while self.state.index < self.batches_per_epoch():
+                    batch = self._weighted_next()
+                    self.state.index += 1
+                    yield batch
+            else:
+                batches = self.epoch_batches(self.state.epoch)
+                while self.state.index < len(batches):
+                    batch = batches[self.state.index]
+                    self.state.index += 1
+                    yield batch
+            self.state.epoch, self.state.index = self.state.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.state.epoch, "index": self.state.index, "streams": [list(s) for s in self.state.streams]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = SamplerState(state["epoch"], state["index"], [list(s) for s in state["streams"]])

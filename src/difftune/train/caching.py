@@ -8,18 +8,20 @@ the text encoder is still loaded.
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
+from tqdm import tqdm
 
 from difftune.config import RunConfig
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import Discovery, image_files
 from difftune.data.images import load_rgb
-from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs
+from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs, uncached
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.train.events import Events
 
@@ -27,9 +29,10 @@ from difftune.train.events import Events
 @dataclass
 class Cached:
     samples: list[CachedSample]
-    text_cache: TensorCache
+    text_caches: dict[str, TensorCache]  # dataset id -> its text cache
     failed: list[tuple[Path, str]]
     validation: list[SampleRequest]
+    on_the_fly: bool  # some dataset encodes its images during training (vae_cache_disable)
 
 
 def negative_cache(text_cache: TensorCache) -> TensorCache:
@@ -83,6 +86,13 @@ def encode_validation(
     ]
 
 
+def text_cache_for(run_cfg: RunConfig, ds, identity: dict) -> tuple[TensorCache, int]:
+    """The text cache of a dataset (its own text_embeds entry, or the default) and its batch size."""
+    entry = run_cfg.datasets.text_embeds_for(ds)
+    root = Path(entry.cache_dir) if entry else Path("cache/text") / run_cfg.train.model_family
+    return TensorCache(root, identity), (entry.write_batch_size if entry else 32)
+
+
 def fill_caches(
     run_cfg: RunConfig, family: Family, comps: Components, found: list[Discovery], rules: list[SizeRule],
     device: torch.device, events: Events,
@@ -90,38 +100,64 @@ def fill_caches(
     cfg = run_cfg.train
     datasets = run_cfg.datasets.images
     identity = family.identity(comps)
-    embeds = run_cfg.datasets.text_embeds
-    text_root = Path(embeds.cache_dir) if embeds else Path("cache/text") / cfg.model_family
-    text_cache = TensorCache(text_root, identity["text"])
-    jobs = [job for ds, d in zip(datasets, found, strict=True) for job in text_jobs(d.samples, ds.crop_style, cfg.seed)]
+    text_caches: dict[str, TensorCache] = {}
     for module in comps.text_modules():
         module.to(device)
-    encoded, text_failed = fill_text_cache(
-        text_cache, jobs, lambda prompts, images: family.encode_text(comps, prompts, images=images),
-        embeds.write_batch_size if embeds else 32,
-    )
-    validation = encode_validation(run_cfg, family, comps, text_cache, found)
-    events.emit("info", message=f"text cache: {len(jobs)} captions, {encoded} newly encoded ({text_cache.folder})")
+    encoded, text_failed, total = 0, [], 0
+    for ds, d in zip(datasets, found, strict=True):
+        cache, batch = text_cache_for(run_cfg, ds, identity["text"])
+        text_caches[ds.id] = cache
+        jobs = text_jobs(d.samples, ds.crop_style, cfg.seed, with_empty=cfg.caption_dropout_probability > 0)
+        total += len(jobs)
+        n, bad = fill_text_cache(
+            cache, jobs, lambda prompts, images: family.encode_text(comps, prompts, images=images), batch,
+            on_progress=progress(events, f"text embeddings ({ds.id})", len(jobs)),
+        )
+        encoded, text_failed = encoded + n, text_failed + bad
+    validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found)
+    events.emit("info", message=f"text cache: {total} captions, {encoded} newly encoded")
     comps.text = {}  # the text encoders' job is done: free the memory before training
     _free(device)
 
     comps.vae.to(device)
     cached: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
+    on_the_fly = False
     for ds, disc, rule in zip(datasets, found, rules, strict=True):
-        root = Path(ds.cache_dir_vae) if ds.cache_dir_vae else Path("cache/vae") / cfg.model_family / ds.id
-        cache = TensorCache(root, {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style})
+        if cfg.vae_cache_disable or ds.vae_cache_disable:
+            on_the_fly = True  # encoded during training: nothing written, the VAE stays loaded
+            cached += [uncached(s, ds.crop_style, cfg.seed) for s in disc.samples]
+            continue
+        cache = TensorCache(Path(ds.vae_cache_root(cfg.model_family)),
+                            {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style})
         done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed,
-                                      lambda px: family.encode_images(comps, px), cfg.vae_batch_size)
-        cached += [c for c in done if text_cache.has(c.text_key)]
+                                      lambda px: family.encode_images(comps, px), cfg.vae_batch_size,
+                                      on_progress=progress(events, f"latents ({ds.id})", len(disc.samples)))
+        cached += done
         failed += bad
+    cached = [c for c in cached if all(text_caches[c.sample.dataset_id].has(k) for k in c.text_keys)]
     failed += [(Path(key.split("\x00")[-1].split("|")[0]), f"input image: {why}") for key, why in text_failed]
     for path, reason in failed:
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")
-    # The VAE stays (on the CPU) only if validation needs it to decode samples.
-    comps.vae = comps.vae.to("cpu") if validation else None
+    # The VAE stays for on-the-fly encoding; on the CPU only if validation needs it to decode samples.
+    if not on_the_fly:
+        comps.vae = comps.vae.to("cpu") if validation else None
     _free(device)
-    return Cached(cached, text_cache, failed, validation)
+    return Cached(cached, text_caches, failed, validation, on_the_fly)
+
+
+def progress(events: Events, what: str, total: int):
+    """A progress bar for one cache fill (only when there is real work to show)."""
+    if not events.console or total < 2:
+        return None
+    bar = tqdm(total=total, desc=what, unit="item", leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def advance(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+
+    return advance
 
 
 def _free(device: torch.device) -> None:

@@ -18,8 +18,6 @@ import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from difftune.data.sampler import SamplerState
-
 if TYPE_CHECKING:
     from difftune.train.setup import Run
 
@@ -54,8 +52,7 @@ def save_checkpoint(run: Run) -> Path:
     torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
     torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
     save_adapter(run, tmp)
-    sampler = run.data.sampler.state
-    state = {"step": run.state.step, "epoch": sampler.epoch, "batch_index": sampler.index}
+    state = {"step": run.state.step, "sampler": run.data.sampler.state_dict()}
     (tmp / STATE_FILE).write_text(json.dumps(state))
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (for example at the end): replace it whole
@@ -120,7 +117,7 @@ def load_checkpoint(run: Run, path: Path) -> None:
     torch.set_rng_state(rng["torch"])
     state = json.loads((path / STATE_FILE).read_text())
     run.state.step = state["step"]
-    run.data.sampler.state = SamplerState(state["epoch"], state["batch_index"])
+    run.data.sampler.load_state_dict(state["sampler"])
 
 
 def clean_partial(output_dir: Path) -> None:

@@ -1,4 +1,5 @@
-"""Data planning before any model loads: size rules and discovery of every enabled dataset.
+"""Data planning before any model loads: size rules, caption rules and discovery of every enabled
+dataset, with `max_num_samples` applied.
 
 Import-light on purpose (no diffusers, no peft): `difftune check` and the early failures of
 `difftune train` run through here.
@@ -6,11 +7,13 @@ Import-light on purpose (no diffusers, no peft): `difftune check` and the early 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from difftune.config import ImageDataset, RunConfig
 from difftune.data.buckets import SizeRule
-from difftune.data.discovery import Discovery, discover
+from difftune.data.captions import CaptionRule, CaptionTable
+from difftune.data.discovery import DatasetSpec, Discovery, discover
 from difftune.data.report import DataReport
 from difftune.models.registry import FAMILY_FACTS
 
@@ -24,6 +27,8 @@ def size_rule(ds: ImageDataset, pixel_multiple: int) -> SizeRule:
         resolution=ds.resolution, resolution_type=ds.resolution_type, crop=ds.crop, crop_aspect=ds.crop_aspect,
         multiple=pixel_multiple, minimum_image_size=ds.minimum_image_size,
         maximum_image_size=ds.maximum_image_size, target_downsample_size=ds.target_downsample_size,
+        crop_aspect_buckets=tuple(ds.crop_aspect_buckets or ()), minimum_aspect_ratio=ds.minimum_aspect_ratio,
+        maximum_aspect_ratio=ds.maximum_aspect_ratio,
     )
 
 
@@ -32,12 +37,50 @@ def size_rules(run_cfg: RunConfig) -> list[SizeRule]:
     return [size_rule(ds, multiple) for ds in run_cfg.datasets.images]
 
 
+def caption_table(ds: ImageDataset) -> CaptionTable | None:
+    if ds.caption_strategy != "parquet" or ds.parquet is None:
+        return None
+    path = Path(ds.parquet.path)
+    if not path.is_absolute() and (Path(ds.instance_data_dir) / path).is_file():
+        path = Path(ds.instance_data_dir) / path
+    try:
+        return CaptionTable(path, ds.parquet)
+    except (ValueError, OSError) as e:
+        raise DataError(f"dataset {ds.id!r}: parquet: {e}") from e
+
+
+def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule) -> DatasetSpec:
+    pairs = run_cfg.datasets.conditioning_dir(ds)
+    return DatasetSpec(
+        dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
+        captions=CaptionRule(ds.caption_strategy, ds.instance_prompt, ds.prepend_instance_prompt,
+                             ds.only_instance_prompt),
+        table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
+        metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
+        seed=run_cfg.train.seed,
+    )
+
+
+def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
+    """A fixed subset (seeded by the dataset id) when the dataset has more images than allowed."""
+    if max_num_samples is None or len(found.samples) <= max_num_samples:
+        return found
+    def rank(sample) -> str:
+        return hashlib.sha256(f"{found.dataset_id}|{sample.path}".encode()).hexdigest()
+
+    keep = set(sorted(found.samples, key=rank)[:max_num_samples])
+    dropped = [s for s in found.samples if s not in keep]
+    found.samples = [s for s in found.samples if s in keep]
+    found.notes.append((Path(found.dataset_id), f"max_num_samples {max_num_samples}: "
+                                                f"{len(dropped)} image(s) not used this run"))
+    return found
+
+
 def discover_all(run_cfg: RunConfig) -> list[Discovery]:
-    plan = run_cfg.datasets
-    found = []
-    for ds, rule in zip(plan.images, size_rules(run_cfg), strict=True):
-        pairs = plan.conditioning_dir(ds)
-        found.append(discover(ds.id, Path(ds.instance_data_dir), rule, Path(pairs) if pairs else None))
+    found = [
+        limit(discover(dataset_spec(run_cfg, ds, rule)), ds.max_num_samples)
+        for ds, rule in zip(run_cfg.datasets.images, size_rules(run_cfg), strict=True)
+    ]
     empty = [d.dataset_id for d in found if not d.samples]
     if empty:
         report = DataReport(found, [], {})

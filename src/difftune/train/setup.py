@@ -18,13 +18,12 @@ from peft import LoraConfig
 
 from difftune.config import RunConfig, TrainConfig
 from difftune.data.batches import TrainingData
-from difftune.data.cache import TensorCache
 from difftune.data.latents import CachedSample
 from difftune.data.report import DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
-from difftune.train.caching import fill_caches
+from difftune.train.caching import Cached, fill_caches
 from difftune.train.events import Events
 from difftune.train.plan import DataError, discover_all, size_rules
 
@@ -62,28 +61,40 @@ def resolve_source(cfg: TrainConfig) -> str:
 
 
 def build_data(
-    run_cfg: RunConfig, family: Family, cached: list[CachedSample], text_cache: TensorCache
-) -> tuple[TrainingData, dict[tuple[int, int], int]]:
+    run_cfg: RunConfig, family: Family, cached: Cached, events: Events, encode: Any = None,
+) -> tuple[TrainingData, dict[tuple[str, tuple[int, int]], int]]:
+    """Items with repeats, bucket pruning per dataset, the sampler and the batch source."""
     cfg = run_cfg.train
-    repeats = {ds.id: ds.repeats for ds in run_cfg.datasets.images}
-    lost = sorted(set(repeats) - {c.sample.dataset_id for c in cached})
+    datasets = run_cfg.datasets.images
+    lost = sorted({ds.id for ds in datasets} - {c.sample.dataset_id for c in cached.samples})
     if lost:
         raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no image that could be decoded; "
                         "see the warnings above for each file")
-    items = [c for c in cached for _ in range(1 + repeats[c.sample.dataset_id])]
-    counts: dict[tuple[int, int], int] = {}
-    for c in items:
-        counts[c.sample.bucket] = counts.get(c.sample.bucket, 0) + 1
-    pruned = {b: n for b, n in counts.items() if n < cfg.train_batch_size and not cfg.disable_bucket_pruning}
-    kept = [c for c in items if c.sample.bucket not in pruned]
-    if not kept:
+    counts: dict[tuple[str, tuple[int, int]], int] = {}
+    for c in cached.samples:
+        key = (c.sample.dataset_id, c.sample.bucket)
+        counts[key] = counts.get(key, 0) + 1
+    repeats = {ds.id: ds.repeats for ds in datasets}
+    pruned = {k: n for k, n in counts.items()
+              if n * (1 + repeats[k[0]]) < cfg.train_batch_size and not cfg.disable_bucket_pruning}
+    items: list[CachedSample] = []
+    parts = []
+    for ds in datasets:
+        mine = [c for c in cached.samples if c.sample.dataset_id == ds.id and (ds.id, c.sample.bucket) not in pruned]
+        start = len(items)
+        items += [c for c in mine for _ in range(1 + ds.repeats)]
+        parts.append((list(range(start, len(items))), [c.sample.bucket for c in items[start:]], ds.probability))
+    if not items:
         raise DataError(
             f"every aspect bucket holds fewer images than train_batch_size={cfg.train_batch_size}; "
             "lower train_batch_size, add images, or set disable_bucket_pruning"
         )
-    sampler = BucketSampler([c.sample.bucket for c in kept], cfg.train_batch_size, cfg.seed,
-                            keep_partial=cfg.disable_bucket_pruning)
-    return TrainingData(kept, text_cache, sampler, family.collate_text), pruned
+    sampler = BucketSampler(parts, cfg.train_batch_size, cfg.seed, keep_partial=cfg.disable_bucket_pruning)
+    data = TrainingData(
+        items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
+        encode=encode, on_skip=lambda message: events.emit("warning", message=message),
+    )
+    return data, pruned
 
 
 def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
@@ -129,7 +140,8 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         )
     rules = size_rules(run_cfg)
     cached = fill_caches(run_cfg, family, comps, found, rules, accelerator.device, events)
-    data, pruned = build_data(run_cfg, family, cached.samples, cached.text_cache)
+    encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
+    data, pruned = build_data(run_cfg, family, cached, events, encode)
     report = DataReport(found, cached.failed, pruned, data).render()
     events.write(report)
     events.emit("data_report", quiet=True, text=report)

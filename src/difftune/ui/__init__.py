@@ -1,0 +1,128 @@
+"""The web UI (`difftune server`) and the terminal wizard (`difftune configure`).
+
+Both are generated from the one config schema: this module turns the JSON Schema of `TrainConfig`
+and of each dataset entry model into plain field descriptions (name, kind, choices, default,
+description, group, advanced, path kind). The page renders them as a form and the wizard asks from
+them; neither keeps a list of fields of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from difftune.config.fields import GROUPS
+from difftune.ui.paths import PathRefused, Roots, local_value, may_be_remote, path_kind
+
+__all__ = ["GROUPS", "describe_model", "form_schema", "path_problems", "train_fields", "dataset_fields"]
+
+
+def _split_nullable(prop: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    options = prop.get("anyOf")
+    if not options:
+        return prop, False
+    rest = [o for o in options if o.get("type") != "null"]
+    nullable = len(rest) < len(options)
+    core = rest[0] if len(rest) == 1 else {"anyOf": rest}
+    return core, nullable
+
+
+def describe_field(name: str, prop: dict[str, Any], required: bool, defs: dict[str, Any]) -> dict[str, Any]:
+    core, nullable = _split_nullable(prop)
+    out: dict[str, Any] = {
+        "name": name,
+        "title": prop.get("title") or name.replace("_", " ").capitalize(),
+        "description": prop.get("description", ""),
+        "group": prop.get("group", "model"),
+        "advanced": bool(prop.get("advanced", False)),
+        "required": required,
+        "nullable": nullable,
+        "has_default": "default" in prop,
+        "default": prop.get("default"),
+        "path": path_kind(name, prop),
+        "remote_ok": may_be_remote(prop),
+    }
+    for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength"):
+        if bound in core:
+            out[bound] = core[bound]
+    if "$ref" in core:
+        sub = defs.get(core["$ref"].rsplit("/", 1)[-1], {})
+        out["kind"] = "object"
+        out["fields"] = _fields(sub, defs)
+    elif "const" in core:
+        out["kind"] = "const"
+        out["choices"] = [core["const"]]
+    elif "enum" in core:
+        out["kind"] = "choice"
+        out["choices"] = list(core["enum"])
+    elif core.get("type") == "array":
+        out["kind"] = "list"
+        out["item"] = (core.get("items") or {}).get("type", "string")
+    elif core.get("type") in ("boolean", "integer", "number", "string"):
+        out["kind"] = core["type"]
+    else:
+        out["kind"] = "json"
+    return out
+
+
+def _fields(schema: dict[str, Any], defs: dict[str, Any]) -> list[dict[str, Any]]:
+    required = set(schema.get("required", []))
+    return [describe_field(name, prop, name in required, defs) for name, prop in schema.get("properties", {}).items()]
+
+
+def describe_model(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    return {
+        "title": schema.get("title", model.__name__),
+        "description": (model.__doc__ or "").strip().split("\n")[0],
+        "fields": _fields(schema, schema.get("$defs", {})),
+    }
+
+
+def train_fields() -> list[dict[str, Any]]:
+    from difftune.config import TrainConfig
+
+    return describe_model(TrainConfig)["fields"]
+
+
+def dataset_fields() -> dict[str, dict[str, Any]]:
+    """dataset_type -> description of its entry model (what the schema offers, video when it lands)."""
+    from difftune.config.datasets import DATASET_MODELS
+
+    return {kind: describe_model(model) for kind, model in DATASET_MODELS.items()}
+
+
+def form_schema() -> dict[str, Any]:
+    """Everything the page needs to build its forms."""
+    from difftune.models.registry import FAMILY_FACTS
+
+    return {
+        "groups": list(GROUPS),
+        "train": train_fields(),
+        "datasets": dataset_fields(),
+        "flavours": {name: list(facts.flavours) for name, facts in FAMILY_FACTS.items()},
+        "default_flavour": {name: facts.default_flavour for name, facts in FAMILY_FACTS.items()},
+    }
+
+
+def path_problems(roots: Roots, values: dict[str, Any], fields: list[dict[str, Any]], where: str,
+                  prefix: str = "") -> list[str]:
+    """Problems ("<where>: <key>: message") for path values of one config object that leave the roots."""
+    problems: list[str] = []
+    by_name = {f["name"]: f for f in fields}
+    for key, value in values.items():
+        spec = by_name.get(key)
+        if spec is None:
+            continue
+        if spec["kind"] == "object" and isinstance(value, dict):
+            problems += path_problems(roots, value, spec["fields"], where, prefix=f"{prefix}{key}.")
+            continue
+        if not spec["path"] or not isinstance(value, str) or not value:
+            continue
+        try:
+            if local_value(roots, value, spec["remote_ok"] or bool(prefix)):
+                roots.confine(value)
+        except PathRefused as e:
+            problems.append(f"{where}: {prefix}{key}: {e}")
+    return problems
