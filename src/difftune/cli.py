@@ -73,6 +73,24 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
+    """Fill every cache (text embeddings, latents, metadata) without training."""
+    run_cfg = _load(args, rest)
+    quiet_libraries()
+    import torch
+
+    from difftune.train.events import Events
+    from difftune.train.setup import prepare_data
+
+    output_dir = Path(run_cfg.train.output_dir)
+    events = Events(output_dir / "events.jsonl")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    prepared = prepare_data(run_cfg, events, device)
+    events.close()
+    print(f"caches complete: {len(prepared.data.items)} training items")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.demo import run_demo
 
@@ -85,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="difftune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, helptext in (("train", "train a model"), ("check", "validate a config and its datasets")):
+    for name, helptext in (("train", "train a model"), ("check", "validate a config and its datasets"),
+                           ("cache", "fill the text and latent caches without training")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
     demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
     args, rest = parser.parse_known_args(argv)
-    handler = {"train": cmd_train, "check": cmd_check, "demo": cmd_demo}[args.command]
+    handler = {"train": cmd_train, "check": cmd_check, "cache": cmd_cache, "demo": cmd_demo}[args.command]
     try:
         return handler(args, rest)
     except ConfigError as e:

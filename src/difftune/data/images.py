@@ -36,7 +36,10 @@ def probe_size(path: Path) -> tuple[int, int]:
     """(width, height) as displayed (EXIF rotation applied), reading only the header."""
     with _open(path) as img:
         width, height = img.size
-        orientation = img.getexif().get(0x0112, 1)
+        # A PNG's getexif() decodes the whole image to look for an eXIf chunk after the pixels; a
+        # header-only probe reads the EXIF only when it came before them (in img.info).
+        has_exif = img.format != "PNG" or "exif" in img.info
+        orientation = img.getexif().get(0x0112, 1) if has_exif else 1
     return (height, width) if orientation in _ROTATED else (width, height)
 
 

@@ -37,8 +37,10 @@ the saved one was (tests/test_optimizers.py checks this for every name).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import io
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -96,7 +98,8 @@ def _prodigy(mod: Any, params: list, lr: float, betas: tuple, weight_decay: floa
             UserWarning,
             stacklevel=4,
         )
-    return mod.Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decouple=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints "Using decoupled weight decay"
+        return mod.Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decouple=True)
 
 
 def _adamw8bit(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
@@ -157,7 +160,7 @@ def build_optimizer(
     return spec.build(mod, params, lr, tuple(betas), weight_decay, eps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(name: str, device: str) -> str | None:
     """None if `name` builds and takes a step on `device`, else why not (one line)."""
     try:
@@ -170,7 +173,7 @@ def _probe(name: str, device: str) -> str | None:
         _SPECS[name].build(mod, [p], 1.0, (0.9, 0.999), 0.0, 1e-8).step()
         if not bool(torch.isfinite(p).all()) or bool((p == 0).all()):
             return "a test step gave no update"
-    except Exception as e:  # noqa: BLE001 - any failure means "not usable here"; the reason is reported
+    except Exception as e:  # any failure means "not usable here"; the reason is reported
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".rstrip(": ")
     return None
 

@@ -118,16 +118,23 @@ def attach_lora(cfg: TrainConfig, family: Family, transformer: Any) -> list[torc
     return params
 
 
-def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
+@dataclass
+class Prepared:
+    family: Family
+    comps: Components
+    data: TrainingData
+    validation: list[SampleRequest]
+
+
+def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device) -> Prepared:
+    """Discover, load the model, fill every cache, free the encoders, build the batch source."""
     cfg = run_cfg.train
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    events = events or Events(output_dir / "events.jsonl")
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     family = get_family(cfg.model_family)
     found = discover_all(run_cfg)
     for path, reason in (item for d in found for item in d.skipped):
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
+    events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} images "
+                                f"({sum(d.probed for d in found)} read now, the rest from the metadata cache)")
 
     source = resolve_source(cfg)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
@@ -138,13 +145,23 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
             f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
             f"set model_flavour to a matching flavour of {cfg.model_family}"
         )
-    rules = size_rules(run_cfg)
-    cached = fill_caches(run_cfg, family, comps, found, rules, accelerator.device, events)
+    cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events)
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
     data, pruned = build_data(run_cfg, family, cached, events, encode)
     report = DataReport(found, cached.failed, pruned, data).render()
     events.write(report)
     events.emit("data_report", quiet=True, text=report)
+    return Prepared(family, comps, data, cached.validation)
+
+
+def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
+    cfg = run_cfg.train
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    events = events or Events(output_dir / "events.jsonl")
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    prepared = prepare_data(run_cfg, events, accelerator.device)
+    family, comps, data = prepared.family, prepared.comps, prepared.data
 
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
     params = attach_lora(cfg, family, comps.transformer)
@@ -160,6 +177,6 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     return Run(
         cfg=cfg, accelerator=accelerator, family=family, comps=comps, transformer=transformer, params=params,
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
-        validation=cached.validation, events=events, output_dir=output_dir,
+        validation=prepared.validation, events=events, output_dir=output_dir,
         total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed),
     )

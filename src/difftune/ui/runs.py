@@ -1,0 +1,333 @@
+"""Runs started from the web UI: spawn, find again after a restart, and derive each one's status.
+
+A run is a folder `<state>/runs/<id>/` holding `run.json` (what was started, where, by which
+process), `log.txt` (the trainer's stdout and stderr) and, once the trainer has ended, `exit.json`
+(its exit status). The trainer runs under a small supervisor process (`python -m difftune.ui.runs`)
+in its own session: closing the browser or stopping the server does not stop it, and the exit status
+is recorded even when nobody is watching. Progress comes from the trainer's own `events.jsonl`, read
+from the offset it had when the run started (an output_dir may hold the log of earlier runs).
+
+Status: `starting` (process up, no start event yet), `running`, `stopping` (a stop was sent),
+`done`, `stopped`, or `failed`: an error event, or a process that ended without a final event
+(a config error, a crash before training, the out-of-memory killer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from difftune.train.commands import send_command
+
+TERMINAL = {"done": "done", "stopped": "stopped", "error": "failed"}
+MEDIA = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".mp4", ".webm")
+MAX_CURVE_POINTS = 1000
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def process_alive(pid: int | None, started: float | None) -> bool:
+    """Alive, not a zombie, and the same process (its start time matches; pids are reused)."""
+    if not pid:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(proc.create_time() - started) < 1.0
+    except (psutil.Error, OSError):
+        return False
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
+def tail_lines(path: Path, count: int = 40, max_bytes: int = 65536) -> list[str]:
+    """The last lines of a log, with progress-bar redraws (carriage returns) collapsed."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in data.split("\n")]
+    return [line for line in lines if line.strip()][-count:]
+
+
+class Run:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        info = _read_json(folder / "run.json")
+        if info is None:
+            raise ValueError(f"{folder}: no readable run.json")
+        self.info = info
+        self.id: str = info["id"]
+        self.output_dir = Path(info["output_dir"])
+        self.events_path = self.output_dir / "events.jsonl"
+        self._pos = int(info.get("events_offset", 0))
+        self._partial = b""
+        self.events: list[dict[str, Any]] = []
+
+    # --- reading
+    def read_events(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.events_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() < self._pos:  # the log was replaced: read it again from the start
+                    self._pos, self._partial, self.events = 0, b"", []
+                f.seek(self._pos)
+                data = f.read()
+                self._pos = f.tell()
+        except OSError:
+            return self.events
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and isinstance(event.get("event"), str):
+                self.events.append(event)
+        return self.events
+
+    def exit_info(self) -> dict[str, Any] | None:
+        return _read_json(self.folder / "exit.json")
+
+    def alive(self) -> bool:
+        if process_alive(self.info.get("pid"), self.info.get("pid_started")):
+            return True
+        start = next((e for e in self.events if e["event"] == "start"), None)
+        return bool(start) and self.exit_info() is None and process_alive(start.get("pid"), None)
+
+    def log_tail(self, count: int = 40) -> list[str]:
+        return tail_lines(self.folder / "log.txt", count)
+
+    # --- status
+    def status(self) -> tuple[str, str | None]:
+        """(status, message); the message says why a run failed or stopped."""
+        self.read_events()
+        for event in reversed(self.events):
+            if event["event"] in TERMINAL:
+                status = TERMINAL[event["event"]]
+                return status, event.get("message") or event.get("reason")
+        exit_info = self.exit_info()
+        if exit_info is None and self.alive():
+            if (self.folder / "stop-requested").exists():
+                return "stopping", None
+            started = any(e["event"] == "start" for e in self.events)
+            return ("running" if started else "starting"), None
+        if (self.folder / "killed").exists():
+            return "stopped", "killed from the web UI"
+        if exit_info is None:
+            return "failed", "the training process is gone and left no exit status (was the machine restarted?)"
+        code = exit_info.get("returncode")
+        if code == 0:
+            return "done", None
+        if isinstance(code, int) and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = " (the out-of-memory killer does this)" if -code == signal.SIGKILL else ""
+            return "failed", f"the training process was killed by {name}{hint}"
+        if code == 2:
+            return "failed", "the configuration or the datasets cannot be used (see the log)"
+        return "failed", f"the training process exited with status {code} before finishing (see the log)"
+
+    def summary(self, detail: bool = False) -> dict[str, Any]:
+        status, message = self.status()
+        events = self.events
+        start = next((e for e in events if e["event"] == "start"), None)
+        steps = [e for e in events if e["event"] == "step"]
+        last = steps[-1] if steps else None
+        total = start.get("total_steps") if start else None
+        out: dict[str, Any] = {
+            "id": self.id, "status": status, "message": message, "config_path": self.info.get("config_path"),
+            "output_dir": str(self.output_dir), "started": self.info.get("started"),
+            "ended": next((e.get("time") for e in reversed(events) if e["event"] in TERMINAL), None)
+            or (self.exit_info() or {}).get("time"),
+            "step": last["step"] if last else (start or {}).get("step", 0), "total_steps": total,
+            "loss": last.get("loss") if last else None, "lr": last.get("lr") if last else None,
+            "its": None, "eta_s": None,
+        }
+        if len(steps) >= 2:
+            window = steps[-20:]
+            span = window[-1]["time"] - window[0]["time"]
+            if span > 0:
+                out["its"] = (window[-1]["step"] - window[0]["step"]) / span
+                if total and status in ("running", "stopping"):
+                    out["eta_s"] = max(0.0, (total - window[-1]["step"]) / out["its"])
+        samples = [e for e in events if e["event"] == "sample"]
+        out["samples"] = [{"step": e.get("step"), "prompt": e.get("prompt"), "path": self.relative(e.get("path"))}
+                          for e in samples if self.relative(e.get("path"))]
+        if not detail:
+            out["last_sample"] = out["samples"][-1] if out["samples"] else None
+            del out["samples"]
+            return out
+        stride = max(1, len(steps) // MAX_CURVE_POINTS)
+        out["losses"] = [[e["step"], e["loss"]] for e in steps[::stride]]
+        if steps and out["losses"][-1][0] != steps[-1]["step"]:
+            out["losses"].append([steps[-1]["step"], steps[-1]["loss"]])
+        out["checkpoints"] = [{"step": e.get("step"), "path": self.relative(e.get("path"))}
+                              for e in events if e["event"] == "checkpoint"]
+        done = next((e for e in events if e["event"] in ("done", "stopped") and e.get("adapter")), None)
+        out["adapter"] = self.relative(done.get("adapter")) if done else None
+        out["messages"] = [{"event": e["event"], "message": e.get("message") or e.get("text") or e.get("command")}
+                           for e in events if e["event"] in ("info", "warning", "data_report", "command")][-50:]
+        error = next((e for e in reversed(events) if e["event"] == "error"), None)
+        out["traceback"] = error.get("traceback") if error else None
+        out["log_tail"] = self.log_tail() if status in ("failed", "starting") or detail else []
+        out["outputs"] = self.outputs()
+        return out
+
+    def relative(self, path: str | None) -> str | None:
+        """A path from the event log as a path inside output_dir (None when it lies elsewhere)."""
+        if not path:
+            return None
+        try:
+            return Path(path).resolve().relative_to(self.output_dir.resolve()).as_posix()
+        except (ValueError, OSError):
+            return None
+
+    def outputs(self) -> list[dict[str, Any]]:
+        """Files at the top of output_dir and the media under validation/ (for past runs)."""
+        found = []
+        for folder in (self.output_dir, self.output_dir / "validation"):
+            try:
+                entries = sorted(folder.iterdir())
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.is_file() and not entry.is_symlink() and entry.name != "events.jsonl":
+                    if folder == self.output_dir or entry.suffix.lower() in MEDIA:
+                        found.append({"path": self.relative(str(entry)), "size": entry.stat().st_size})
+        return found
+
+
+class Registry:
+    """The runs this server (or an earlier one with the same state folder) started."""
+
+    def __init__(self, state_dir: Path, base: Path):
+        self.dir = Path(state_dir) / "runs"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.base = base
+        self.runs: dict[str, Run] = {}
+        self.children: dict[str, subprocess.Popen] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        for folder in sorted(self.dir.iterdir()):
+            if folder.name not in self.runs and (folder / "run.json").exists():
+                try:
+                    self.runs[folder.name] = Run(folder)
+                except (ValueError, KeyError):
+                    continue
+
+    def reap(self) -> None:
+        for run_id, child in list(self.children.items()):
+            if child.poll() is not None:
+                del self.children[run_id]
+
+    def list(self) -> list[Run]:
+        self.reap()
+        self.reload()
+        return sorted(self.runs.values(), key=lambda r: r.info.get("started", 0), reverse=True)
+
+    def get(self, run_id: str) -> Run | None:
+        self.reap()
+        if run_id not in self.runs:
+            self.reload()
+        return self.runs.get(run_id)
+
+    def active_on(self, output_dir: Path) -> Run | None:
+        for run in self.list():
+            if run.output_dir.resolve() == output_dir.resolve() and run.status()[0] in ("starting", "running", "stopping"):
+                return run
+        return None
+
+    def spawn(self, config_path: Path, output_dir: Path) -> Run:
+        run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+        folder = self.dir / run_id
+        folder.mkdir(parents=True)
+        events = output_dir / "events.jsonl"
+        for stale in (output_dir / "commands").glob("*.json"):  # commands meant for an earlier run
+            stale.unlink(missing_ok=True)
+        info = {"id": run_id, "config_path": str(config_path), "output_dir": str(output_dir),
+                "events_offset": events.stat().st_size if events.exists() else 0, "started": time.time(),
+                "cwd": str(self.base)}
+        _write_json(folder / "run.json", info)
+        command = [sys.executable, "-m", "difftune.ui.runs", str(folder), str(config_path)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(os.devnull, "rb") as stdin:
+            child = subprocess.Popen(command, cwd=self.base, env=env, stdin=stdin, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        info.update(pid=child.pid, pid_started=_create_time(child.pid))
+        _write_json(folder / "run.json", info)
+        self.children[run_id] = child
+        run = Run(folder)
+        self.runs[run_id] = run
+        return run
+
+    def command(self, run: Run, command: str) -> None:
+        if command == "kill":
+            (run.folder / "killed").touch()
+            pid = run.info.get("pid")
+            if process_alive(pid, run.info.get("pid_started")):
+                os.kill(pid, signal.SIGTERM)  # the supervisor passes it on to the trainer
+            return
+        send_command(run.output_dir, command)
+        if command == "stop":
+            (run.folder / "stop-requested").touch()
+
+
+# --- the supervisor: `python -m difftune.ui.runs RUN_FOLDER CONFIG` --------------------------------
+
+
+def supervise(folder: Path, config_path: str) -> int:
+    """Run the trainer, its output into log.txt; record its exit status in exit.json."""
+    command = [sys.executable, "-m", "difftune.cli", "train", "--config", config_path]
+    with open(folder / "log.txt", "ab") as log:
+        log.write(f"$ {' '.join(command)}\n".encode())
+        log.flush()
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+        def forward(signum, _frame):
+            child.send_signal(signum)
+
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        code = child.wait()
+    _write_json(folder / "exit.json", {"returncode": code, "time": time.time(), "pid": child.pid})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(Path(sys.argv[1]), sys.argv[2]))

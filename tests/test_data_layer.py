@@ -1,0 +1,244 @@
+"""Caption strategies, caches that are never stale, the resumable sampler, dataset mixing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import write_config
+from difftune.config import load_config
+from difftune.data.buckets import SizeRule
+from difftune.data.cache import TensorCache
+from difftune.data.captions import CaptionRule, CaptionTable, caption
+from difftune.data.discovery import DatasetSpec, discover
+from difftune.data.latents import fill_latent_cache
+from difftune.data.sampler import BucketSampler
+from difftune.demo import make_dataset
+from difftune.train.loop import train
+from difftune.train.plan import discover_all
+from difftune.train.setup import build_run
+from test_train import losses
+
+RULE = SizeRule(resolution=64, resolution_type="pixel_area", crop=False, crop_aspect="square", multiple=16)
+
+
+def encoder(calls):
+    def encode(pixels):
+        calls.append(len(pixels))
+        return torch.nn.functional.avg_pool2d(pixels, 8)
+    return encode
+
+
+# --- captions ---------------------------------------------------------------------------------------------
+
+def test_caption_strategies(tmp_path):
+    img = tmp_path / "a_red-circle.png"
+    Image.new("RGB", (8, 8)).save(img)
+    img.with_suffix(".txt").write_text("first caption\n\nsecond caption\n")
+    assert caption(img, tmp_path, CaptionRule("textfile"), None).captions == ("first caption", "second caption")
+    assert caption(img, tmp_path, CaptionRule("filename"), None).captions == ("a red circle",)
+    assert caption(img, tmp_path, CaptionRule("instanceprompt", "sks dog"), None).captions == ("sks dog",)
+    prepend = CaptionRule("textfile", "sks", prepend_instance_prompt=True)
+    assert caption(img, tmp_path, prepend, None).captions == ("sks first caption", "sks second caption")
+    only = CaptionRule("textfile", "sks", only_instance_prompt=True)
+    assert caption(img, tmp_path, only, None).captions == ("sks",)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_parquet_captions(tmp_path, kind):
+    from difftune.config.datasets import ParquetCaptions
+
+    rows = [{"file": "one.png", "text": "one", "tags": "tag one", "w": 640, "h": 480},
+            {"file": "two.png", "text": "", "tags": "fallback two", "w": 10, "h": 20},
+            {"file": "three.png", "text": ["a", "b"], "tags": "", "w": 1, "h": 1}]
+    table_path = tmp_path / f"meta.{kind}"
+    if kind == "jsonl":
+        table_path.write_text("\n".join(json.dumps(r) for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist([{**r, "text": json.dumps(r["text"])} if isinstance(r["text"], list)
+                                             else r for r in rows]), table_path)
+    columns = ParquetCaptions(path=str(table_path), filename_column="file", caption_column="text",
+                              fallback_caption_column="tags", width_column="w", height_column="h")
+    table = CaptionTable(table_path, columns)
+    rule = CaptionRule("parquet")
+    one = caption(tmp_path / "one.png", tmp_path, rule, table)
+    assert one.captions == ("one",) and one.size == (640, 480)
+    assert caption(tmp_path / "two.png", tmp_path, rule, table).captions == ("fallback two",)
+    if kind == "jsonl":
+        assert caption(tmp_path / "three.png", tmp_path, rule, table).captions == ("a", "b")
+    missing = caption(tmp_path / "four_five.png", tmp_path, rule, table)
+    assert missing.captions == ("four five",) and "file name" in missing.note
+
+
+def test_multiple_captions_drawn_per_sample_and_dropout(tmp_path, dataset):
+    for txt in dataset.glob("*.txt"):
+        txt.write_text("alpha\nbeta\ngamma")
+    run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1, num_train_epochs=0)))
+    seen = set()
+    batches = iter(run.data)
+    for _ in range(40):
+        seen.update(next(batches).captions)
+    assert seen == {"alpha", "beta", "gamma"}
+    run = build_run(load_config(write_config(tmp_path / "drop", dataset, max_train_steps=1,
+                                             caption_dropout_probability=1.0)))
+    assert next(iter(run.data)).captions == [""]
+
+
+# --- caches -----------------------------------------------------------------------------------------------
+
+def test_cache_reuse_invalidation_and_corruption(tmp_path, dataset):
+    calls: list[int] = []
+    def fill(rule=RULE, style="center", identity=None):
+        found = discover(DatasetSpec("d", dataset, rule, CaptionRule("textfile")))
+        cache = TensorCache(tmp_path / "vae", identity or {"vae": "tiny", "rule": rule.__dict__, "crop": style})
+        calls.clear()
+        done, failed = fill_latent_cache(found.samples, cache, style, 0, encoder(calls), 2)
+        return done, sum(calls)
+
+    done, encoded = fill()
+    assert encoded == 4 and len(done) == 4
+    assert fill()[1] == 0  # everything reused
+    # Each fingerprint input recomputes: resolution, its type, crop settings, the model.
+    assert fill(SizeRule(96, "pixel_area", False, "square", 16))[1] == 4
+    assert fill(SizeRule(64, "pixel", False, "square", 16))[1] == 4
+    assert fill(style="random")[1] == 4
+    assert fill(identity={"vae": "other"})[1] == 4
+    # A changed image is recomputed, the others reused.
+    first = sorted(dataset.glob("*.png"))[0]
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(first)
+    assert fill()[1] == 1
+    # A truncated cache file is detected on read and recomputed, never trained on.
+    victim = done[1].latent_file
+    victim.write_bytes(victim.read_bytes()[:30])
+    done, encoded = fill()
+    from safetensors.torch import load_file
+
+    assert encoded == 1 and load_file(victim)["latents"].shape == (3, 8, 8)
+
+
+def test_metadata_cache_rescans_only_changes(tmp_path, dataset):
+    spec = DatasetSpec("d", dataset, RULE, CaptionRule("textfile"), metadata_file=tmp_path / "meta.json")
+    assert discover(spec).probed == 4
+    assert discover(spec).probed == 0
+    make_dataset(dataset / "more", count=1, seed=5)
+    (dataset / "more" / "000-new.png").touch()
+    assert discover(spec).probed == 1
+    removed = sorted(dataset.glob("*.png"))[0]
+    removed.unlink()
+    found = discover(spec)
+    assert found.probed == 0 and len(found.samples) == 4
+    assert str(removed.name) not in json.loads((tmp_path / "meta.json").read_text())
+
+
+def test_text_cache_follows_caption_changes(tmp_path, dataset):
+    path = write_config(tmp_path, dataset, max_train_steps=1)
+    build_run(load_config(path))
+    first = sorted(dataset.glob("*.txt"))[0]
+    first.write_text("a completely new caption")
+    run = build_run(load_config(path))
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    messages = [e["message"] for e in events if e["event"] == "info" and e["message"].startswith("text cache")]
+    assert messages == ["text cache: 4 captions, 4 newly encoded", "text cache: 4 captions, 1 newly encoded"]
+
+
+def test_kill_during_caching_resumes(tmp_path):
+    images = tmp_path / "many"
+    make_dataset(images, count=120)
+    path = write_config(tmp_path, images, dataset={"resolution": 128}, vae_batch_size=1)
+    cache_root = tmp_path / "cache" / "vae"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "difftune.cli", "cache", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(cache_root.rglob("*.safetensors"))) < 10:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = len(list(cache_root.rglob("*.safetensors")))
+    assert 10 <= partial < 120, partial
+    done = subprocess.run([sys.executable, "-m", "difftune.cli", "cache", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    files = list(cache_root.rglob("*.safetensors"))
+    assert len(files) == 120 and all(load_file(f)["latents"].shape[0] == 4 for f in files)
+    assert not list(cache_root.rglob("*.tmp"))
+
+
+def test_vae_cache_disable_trains_like_the_cache(tmp_path, dataset):
+    cached = write_config(tmp_path / "a", dataset, max_train_steps=4, train_batch_size=2)
+    train(build_run(load_config(cached)))
+    fly = write_config(tmp_path / "b", dataset, max_train_steps=4, train_batch_size=2, vae_cache_disable=True)
+    run = build_run(load_config(fly))
+    train(run)
+    assert not list((tmp_path / "b" / "cache" / "vae").rglob("*.safetensors"))
+    a, b = losses(tmp_path / "a" / "output"), losses(tmp_path / "b" / "output")
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a)
+
+
+# --- sampler and mixing -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", [(None, None), (3.0, 1.0)])
+def test_sampler_resumes_exactly(weights):
+    parts = [(list(range(0, 30)), [(64, 64)] * 20 + [(96, 64)] * 10, weights[0]),
+             (list(range(30, 40)), [(64, 64)] * 10, weights[1])]
+    a = BucketSampler(parts, 2, seed=3, keep_partial=False)
+    it = iter(a)
+    for _ in range(23):
+        next(it)
+    state = json.loads(json.dumps(a.state_dict()))
+    expected = [next(it) for _ in range(30)]
+    b = BucketSampler(parts, 2, seed=3, keep_partial=False)
+    b.load_state_dict(state)
+    assert [batch for batch, _ in zip(iter(b), range(30), strict=False)] == expected
+    for batch in expected:  # one bucket and one dataset per batch
+        assert len({(i < 30, (i >= 20 and i < 30)) for i in batch}) == 1
+
+
+def test_probability_mixes_datasets_by_weight():
+    parts = [(list(range(0, 100)), [(64, 64)] * 100, 3.0), (list(range(100, 200)), [(64, 64)] * 100, 1.0)]
+    sampler = BucketSampler(parts, 1, seed=0, keep_partial=False)
+    it = iter(sampler)
+    first = [next(it)[0] < 100 for _ in range(2000)]
+    assert 0.7 < np.mean(first) < 0.8
+    even = BucketSampler([(p[0], p[1], None) for p in parts], 1, seed=0, keep_partial=False)
+    epoch = even.epoch_batches(0)
+    assert sorted(b[0] for b in epoch) == list(range(200))  # unweighted: each image once per epoch
+
+
+def test_max_num_samples_and_per_dataset_text_cache(tmp_path, dataset):
+    other = tmp_path / "other"
+    make_dataset(other, count=6, seed=9)
+    path = write_config(tmp_path, dataset, max_train_steps=1, dataset={"max_num_samples": 2})
+    backend = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    backend.append({"id": "second", "type": "local", "instance_data_dir": str(other), "resolution": 64,
+                    "text_embeds": "alt", "cache_dir_vae": str(tmp_path / "cache" / "vae2")})
+    backend.append({"id": "alt", "type": "local", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "alt")})
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(backend))
+    run_cfg = load_config(path)
+    found = discover_all(run_cfg)
+    assert len(found[0].samples) == 2 and len(found[1].samples) == 6
+    assert [s.path for s in found[0].samples] == [s.path for s in discover_all(run_cfg)[0].samples]
+    run = build_run(run_cfg)
+    assert len(run.data.items) == 8
+    assert list((tmp_path / "alt").rglob("*.safetensors"))
+
+
+def test_cache_command(tmp_path, dataset, capsys):
+    from difftune.cli import main
+
+    path = write_config(tmp_path, dataset)
+    assert main(["cache", "--config", str(path)]) == 0
+    assert "caches complete: 4" in capsys.readouterr().out
+    assert len(list((tmp_path / "cache" / "vae").rglob("*.safetensors"))) == 4

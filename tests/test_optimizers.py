@@ -1,0 +1,175 @@
+"""Every optimizer name builds, steps, learns, and resumes exactly from its state_dict (CPU)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from difftune.train.optimizers import OPTIMIZERS, build_optimizer, optimizer_support, supported_optimizers
+
+NAMES = list(OPTIMIZERS)
+# A learning rate that suits each optimizer on the toy problem (Lion wants ~10x less, Prodigy 1.0).
+LR = {"lion": 1e-3, "prodigy": 1.0}
+BETAS = (0.9, 0.999)
+
+
+def lr_of(name: str) -> float:
+    return LR.get(name, 1e-2)
+
+
+def toy_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 64, generator=g)
+    w = torch.randn(64, 64, generator=g) / 8
+    return x, x @ w
+
+
+def toy_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 64x64 = 4096 weights: large enough for bitsandbytes to use its 8-bit state; the bias (64) is not.
+    return torch.nn.Linear(64, 64).to(dtype)
+
+
+def build(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return build_optimizer(name, list(model.parameters()), lr_of(name), BETAS, weight_decay=1e-2, eps=1e-8)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = torch.nn.functional.mse_loss(model(x.to(model.weight.dtype)).float(), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def roundtrip(obj: object) -> object:
+    """Save and load as train/checkpoint.py does (torch.save, then torch.load with weights_only=True)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_descriptions_are_one_line() -> None:
+    assert NAMES == ["adamw", "adamw_bf16", "lion", "optimi-stableadamw", "optimi-adamw", "prodigy", "adamw8bit"]
+    for name, text in OPTIMIZERS.items():
+        assert text and "\n" not in text, name
+
+
+def test_module_import_is_light() -> None:
+    # config/schema.py may import OPTIMIZERS, and the schema must not import torch.
+    code = "import sys, difftune.train.optimizers as o; assert o.OPTIMIZERS; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_unknown_name_lists_the_choices() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'.*adamw, adamw_bf16, lion.*adamw8bit"):
+        build_optimizer("adam", [p], 1e-3, BETAS, 0.0, 1e-8)
+
+
+def test_no_parameters_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        build_optimizer("adamw", [], 1e-3, BETAS, 0.0, 1e-8)
+
+
+def test_every_name_works_on_cpu() -> None:
+    support = optimizer_support("cpu")
+    assert support == dict.fromkeys(NAMES), support
+    assert supported_optimizers("cpu") == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_builds_and_steps(name: str) -> None:
+    model = toy_model()
+    opt = build(name, model)
+    assert isinstance(opt, torch.optim.Optimizer)
+    before = weights(model)
+    x, y = toy_data()
+    train_step(model, opt, x, y)
+    after = weights(model)
+    assert all(torch.isfinite(a).all() for a in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loss_goes_down(name: str) -> None:
+    model = toy_model()
+    opt = build(name, model)
+    x, y = toy_data()
+    losses = [train_step(model, opt, x, y) for _ in range(20)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [(name, torch.float32) for name in NAMES] + [("adamw_bf16", torch.bfloat16), ("optimi-stableadamw", torch.bfloat16)],
+)
+def test_state_dict_resume_is_exact(name: str, dtype: torch.dtype) -> None:
+    x, y = toy_data()
+    model = toy_model(dtype)
+    opt = build(name, model)
+    for _ in range(3):
+        train_step(model, opt, x, y)
+    saved_weights = roundtrip({str(i): w for i, w in enumerate(weights(model))})
+    saved_opt = roundtrip(opt.state_dict())
+    for _ in range(3):
+        train_step(model, opt, x, y)  # the uninterrupted run
+
+    resumed = toy_model(dtype)
+    with torch.no_grad():
+        for i, p in enumerate(resumed.parameters()):
+            p.copy_(saved_weights[str(i)])
+    opt2 = build(name, resumed)
+    opt2.load_state_dict(saved_opt)
+    for _ in range(3):
+        train_step(resumed, opt2, x, y)
+
+    for a, b in zip(weights(resumed), weights(model), strict=True):
+        assert a.dtype == dtype
+        assert torch.equal(a, b)
+
+
+def test_adamw8bit_keeps_8bit_state() -> None:
+    model = toy_model()
+    opt = build("adamw8bit", model)
+    x, y = toy_data()
+    train_step(model, opt, x, y)
+    assert opt.state[model.weight]["state1"].dtype == torch.uint8
+    assert opt.state[model.bias]["state1"].dtype == torch.float32  # under 4096 elements: 32-bit state
+
+
+def test_prodigy_keeps_the_given_lr_and_warns_when_it_looks_like_adam() -> None:
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.warns(UserWarning, match="learning_rate multiplies it"):
+        opt = build_optimizer("prodigy", [p], 1e-4, BETAS, 0.0, 1e-8)
+    assert opt.param_groups[0]["lr"] == 1e-4
+
+
+def small_update_run(name: str, steps: int = 1000) -> torch.Tensor:
+    """bf16 weights of 1.0 and a constant gradient: each AdamW step moves a weight by about lr = 1e-5,
+    far below bf16's resolution at 1.0 (2**-7 = 0.0078, so anything under 0.0039 rounds away)."""
+    p = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    opt = build_optimizer(name, [p], 1e-5, BETAS, weight_decay=0.0, eps=1e-8)
+    for _ in range(steps):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    return p.detach().float()
+
+
+def test_adamw_bf16_keeps_small_updates() -> None:
+    plain = small_update_run("adamw")
+    assert torch.equal(plain, torch.ones(256)), "plain AdamW on bf16 weights should lose every update"
+    kahan = small_update_run("adamw_bf16")
+    # 1000 steps of 1e-5 add up to 0.01, a little over two bf16 steps below 1.0 (2**-8 each): the Kahan
+    # buffer carries what bf16 cannot hold, so the weights land on the bf16 value nearest 0.99.
+    assert torch.allclose(kahan, torch.full((256,), 1 - 1000 * 1e-5), atol=2**-8), kahan[:4]
