@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from conftest import write_config
 from difftune.config import load_config
@@ -116,3 +117,59 @@ def test_error_is_reported_in_the_event_log(tmp_path, dataset, monkeypatch):
         train(run)
     last = json.loads((run.output_dir / "events.jsonl").read_text().splitlines()[-1])
     assert last["event"] == "error" and "out of memory" in last["message"] and "Traceback" in last["traceback"]
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "prodigy", "adamw8bit"])
+def test_optimizers_train_and_resume_exactly(tmp_path, dataset, monkeypatch, optimizer):
+    common = dict(max_train_steps=5, checkpoint_step_interval=2, optimizer=optimizer, resume_from_checkpoint="latest",
+                  learning_rate=1.0 if optimizer == "prodigy" else 1e-3)
+    train(build_run(load_config(write_config(tmp_path / "a", dataset, **common))))
+    expected = losses(tmp_path / "a" / "output")
+    cut = write_config(tmp_path / "b", dataset, **common)
+    real_step = loop.optimizer_step
+
+    def dying_step(run, batches):
+        if run.state.step == 3:
+            raise Crash()
+        return real_step(run, batches)
+
+    monkeypatch.setattr(loop, "optimizer_step", dying_step)
+    with pytest.raises(Crash):
+        train(build_run(load_config(cut)))
+    monkeypatch.setattr(loop, "optimizer_step", real_step)
+    train(build_run(load_config(cut)))
+    resumed = losses(tmp_path / "b" / "output")
+    assert all(resumed[s] == pytest.approx(expected[s], rel=1e-6, abs=1e-7) for s in expected)
+
+
+def test_ema_saved_validated_and_resumed(tmp_path, dataset, monkeypatch):
+    from safetensors.torch import load_file
+
+    common = dict(max_train_steps=5, checkpoint_step_interval=2, use_ema=True, ema_decay=0.5,
+                  resume_from_checkpoint="latest", validation_prompt="a red circle",
+                  validation_resolution="32x32", validation_num_inference_steps=2)
+    run = build_run(load_config(write_config(tmp_path / "a", dataset, **common)))
+    train(run)
+    out = tmp_path / "a" / "output"
+    assert (out / "ema" / "pytorch_lora_weights.safetensors").exists()
+    assert (out / "checkpoints" / "checkpoint-0000002" / "ema.pt").exists()
+    assert {p.name for p in (out / "validation").glob("final-*")} == {
+        "final-step-000005-32x32.png", "final-step-000005-32x32-ema.png"}
+    live, ema = load_file(out / "pytorch_lora_weights.safetensors"), load_file(out / "ema" / "pytorch_lora_weights.safetensors")
+    assert any(not torch.equal(live[k], ema[k]) for k in live)
+    cut = write_config(tmp_path / "b", dataset, **common)
+    real_step = loop.optimizer_step
+
+    def dying_step(run, batches):
+        if run.state.step == 3:
+            raise Crash()
+        return real_step(run, batches)
+
+    monkeypatch.setattr(loop, "optimizer_step", dying_step)
+    with pytest.raises(Crash):
+        train(build_run(load_config(cut)))
+    monkeypatch.setattr(loop, "optimizer_step", real_step)
+    train(build_run(load_config(cut)))
+    resumed = load_file(tmp_path / "b" / "output" / "ema" / "pytorch_lora_weights.safetensors")
+    for key in ema:
+        torch.testing.assert_close(resumed[key], ema[key], rtol=1e-6, atol=1e-7)

@@ -3,6 +3,8 @@
     difftune train [--config PATH] [--key value ...]
     difftune check [--config PATH] [--key value ...]
     difftune demo  [--dir DIR]
+    difftune server [--host 127.0.0.1] [--port 8001] [--root DIR ...] [--token TOKEN]
+    difftune configure [PATH]
 """
 
 from __future__ import annotations
@@ -99,6 +101,23 @@ def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_server(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError([f"command line: unexpected {' '.join(rest)!r} for difftune server"])
+    from difftune.ui.server import serve
+
+    serve(args.host, args.port, args.root or None, args.token, args.state_dir)
+    return 0
+
+
+def cmd_configure(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError([f"command line: unexpected {' '.join(rest)!r} for difftune configure"])
+    from difftune.ui.wizard import run_wizard
+
+    return run_wizard(args.path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="difftune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,8 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
     demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
+    server = sub.add_parser("server", help="web UI: set runs up, start, watch and stop them (http://127.0.0.1:8001)")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback needs a token)")
+    server.add_argument("--port", type=int, default=8001)
+    server.add_argument("--root", action="append", help="folder the UI may read and write (repeatable; default .)")
+    server.add_argument("--token", default=None, help="access token (default: generated when --host is not loopback)")
+    server.add_argument("--state-dir", default=None, help="where the run registry lives (default $DIFFTUNE_HOME/ui)")
+    configure = sub.add_parser("configure", help="terminal wizard that writes config.json and its dataset list")
+    configure.add_argument("path", nargs="?", default=None, help=f"config to edit (default: new {DEFAULT_CONFIG})")
     args, rest = parser.parse_known_args(argv)
-    handler = {"train": cmd_train, "check": cmd_check, "cache": cmd_cache, "demo": cmd_demo}[args.command]
+    handler = {"train": cmd_train, "check": cmd_check, "cache": cmd_cache, "demo": cmd_demo,
+               "server": cmd_server, "configure": cmd_configure}[args.command]
     try:
         return handler(args, rest)
     except ConfigError as e:

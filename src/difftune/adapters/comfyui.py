@@ -57,7 +57,7 @@ Key mapping, Lumina2 (diffusers `Lumina2Transformer2DModel` -> ComfyUI `comfy.ld
 LoRA does not adapt gets zero rows in `lora_up` (and no rows in `lora_down`).
 
 Key mapping, Kandinsky 5 (diffusers `Kandinsky5Transformer3DModel` -> ComfyUI `comfy.ldm.kandinsky5.model.Kandinsky5`):
-the same name, e.g.
+the same name:
 
 | diffusers module = ComfyUI module (after `diffusion_model.`)                                  |
 |-----------------------------------------------------------------------------------------------|

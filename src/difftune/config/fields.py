@@ -14,8 +14,14 @@ from pydantic import Field
 GROUPS = ("model", "data", "training", "validation", "memory", "output")
 
 
-def field(default: Any, description: str, group: str, *, advanced: bool = False, **kwargs: Any) -> Any:
+def field(
+    default: Any, description: str, group: str, *, advanced: bool = False, choices: list[str] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`choices`: allowed values of a str field validated elsewhere (shown as an enum in the schema)."""
     if group not in GROUPS:
         raise ValueError(f"unknown UI group {group!r}")
-    extra = {"group": group, "advanced": advanced}
+    extra: dict[str, Any] = {"group": group, "advanced": advanced}
+    if choices is not None:
+        extra["enum"] = choices
     return Field(default, description=description, json_schema_extra=extra, **kwargs)

@@ -12,7 +12,6 @@ from typing import Any
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_ema": ((False, "false"), "EMA is not implemented yet; remove the key or set it to false"),
     "lora_type": (("standard",), "only lora_type 'standard' (peft LoRA) is implemented; LyCORIS is not yet"),
     "base_model_precision": (
         ("no_change",),

@@ -17,9 +17,8 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS, family_names
+from difftune.train.optimizers import OPTIMIZERS
 
-OPTIMIZERS_DONE = ("adamw",)
-OPTIMIZERS_PENDING = ("adamw_bf16", "lion", "optimi-stableadamw", "optimi-adamw", "prodigy", "adamw8bit")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -119,7 +118,21 @@ class TrainConfig(BaseModel):
     max_grad_norm: float | None = field(
         None, "Clip the gradient norm to this value (1.0 is usual); empty disables clipping.", "training", gt=0
     )
-    optimizer: str = field("adamw", "Optimizer: " + ", ".join(OPTIMIZERS_DONE) + ".", "training")
+    optimizer: str = field(
+        "adamw", "Optimizer. " + " ".join(f"'{k}': {v}" for k, v in OPTIMIZERS.items()), "training",
+        choices=list(OPTIMIZERS),
+    )
+    use_ema: bool = field(False, "Keep an exponential moving average of the trained weights.", "training")
+    ema_decay: float = field(0.995, "EMA decay per update (closer to 1: slower, smoother).", "training",
+                             ge=0.0, le=1.0, advanced=True)
+    ema_update_interval: int = field(1, "Update the EMA every N optimizer steps.", "training", ge=1, advanced=True)
+    ema_device: Literal["cpu", "accelerator"] = field(
+        "cpu", "Where the EMA copy lives: 'cpu' saves accelerator memory.", "memory", advanced=True
+    )
+    ema_validation: Literal["none", "ema_only", "comparison"] = field(
+        "comparison", "With use_ema: validate with the EMA weights ('ema_only'), both ('comparison'), "
+        "or only the live weights ('none').", "validation", advanced=True,
+    )
     adam_beta1: float = field(0.9, "AdamW beta1.", "training", advanced=True)
     adam_beta2: float = field(0.999, "AdamW beta2.", "training", advanced=True)
     adam_weight_decay: float = field(1e-2, "AdamW decoupled weight decay.", "training", advanced=True)
@@ -208,11 +221,9 @@ class TrainConfig(BaseModel):
     @field_validator("optimizer")
     @classmethod
     def _optimizer(cls, v: str) -> str:
-        if v in OPTIMIZERS_DONE:
-            return v
-        if v in OPTIMIZERS_PENDING:
-            raise ValueError(f"not implemented yet: optimizer {v!r}; use 'adamw'")
-        raise ValueError(f"unknown optimizer {v!r}; choose one of {', '.join(OPTIMIZERS_DONE)}")
+        if v not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {v!r}; choose one of {', '.join(OPTIMIZERS)}")
+        return v
 
     @field_validator("report_to")
     @classmethod

@@ -56,7 +56,14 @@ class TensorCache:
             return None
 
     def has(self, key: str) -> bool:
-        return self.path(key).exists()
+        """Present and whole (header and size checked, data not read); a damaged file is removed."""
+        path = self.path(key)
+        if not path.exists():
+            return False
+        if intact(path):
+            return True
+        path.unlink(missing_ok=True)
+        return False
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> Path:
         path = self.path(key)
@@ -70,6 +77,22 @@ class TensorCache:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return path
+
+
+def intact(path: Path) -> bool:
+    """A safetensors file whose header parses and whose size matches it: truncation is caught
+    without reading the tensors (startup checks every entry; reading them all would take long)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return False
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        return size == 8 + n + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -99,7 +122,7 @@ def fill_text_cache(
 
     Prompts with an image go one at a time: their token counts differ with the image size.
     """
-    todo = {job.key: job for job in jobs if cache.get(job.key) is None}  # get() also drops corrupt files
+    todo = {job.key: job for job in jobs if not cache.has(job.key)}  # has() also drops damaged files
     plain = [j for j in todo.values() if j.image is None]
     for start in range(0, len(plain), batch_size):
         chunk = plain[start : start + batch_size]

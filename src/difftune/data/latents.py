@@ -92,7 +92,7 @@ def fill_latent_cache(
         keys = [(sample.path, file_key(sample.path, sample.bucket, sample.downsample, uv))]
         if sample.conditioning is not None:
             keys.append((sample.conditioning, file_key(sample.conditioning, sample.bucket, None, uv)))
-        if all(cache.get(key) is not None for _, key in keys):
+        if all(cache.has(key) for _, key in keys):
             done.append(_cached(sample, cache, keys, crop_style, seed))
             if on_progress:
                 on_progress(1)

@@ -52,6 +52,10 @@ def save_checkpoint(run: Run) -> Path:
     torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
     torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
     save_adapter(run, tmp)
+    if run.ema is not None:
+        torch.save(run.ema.state_dict(), tmp / "ema.pt")
+        with run.ema.swap():
+            save_adapter(run, tmp / "ema")
     state = {"step": run.state.step, "sampler": run.data.sampler.state_dict()}
     (tmp / STATE_FILE).write_text(json.dumps(state))
     _fsync_tree(tmp)
@@ -67,6 +71,9 @@ def save_checkpoint(run: Run) -> Path:
 
 def _fsync_tree(folder: Path) -> None:
     for path in folder.iterdir():
+        if path.is_dir():
+            _fsync_tree(path)
+            continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     fd = os.open(folder, os.O_RDONLY)
@@ -115,6 +122,11 @@ def load_checkpoint(run: Run, path: Path) -> None:
     rng = torch.load(path / "rng.pt", weights_only=True)
     run.generator.set_state(rng["generator"])
     torch.set_rng_state(rng["torch"])
+    if run.ema is not None:
+        if not (path / "ema.pt").is_file():
+            raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "
+                             "or start a new output_dir")
+        run.ema.load_state_dict(torch.load(path / "ema.pt", map_location="cpu", weights_only=True))
     state = json.loads((path / STATE_FILE).read_text())
     run.state.step = state["step"]
     run.data.sampler.load_state_dict(state["sampler"])

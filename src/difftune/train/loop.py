@@ -108,6 +108,8 @@ def _train(run: Run) -> Path:
             loss = optimizer_step(run, batches)
             run.state.step += 1
             step = run.state.step
+            if run.ema is not None:
+                run.ema.step(step)
             run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
                             elapsed=time.perf_counter() - started)
             if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
@@ -120,6 +122,9 @@ def _train(run: Run) -> Path:
         raise
     run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)))
     adapter = save_adapter(run, run.output_dir)
+    if run.ema is not None:
+        with run.ema.swap():
+            run.events.emit("info", message=f"EMA adapter saved to {save_adapter(run, run.output_dir / 'ema')}")
     if stopped:
         run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
         return adapter

@@ -96,7 +96,7 @@ def _prodigy(mod: Any, params: list, lr: float, betas: tuple, weight_decay: floa
             f"prodigy estimates the step size itself and learning_rate multiplies it: 1.0 is usual, "
             f"got {lr:g}, which makes training about {1 / lr:.0f}x slower. It is used as given.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
     with contextlib.redirect_stdout(io.StringIO()):  # it prints "Using decoupled weight decay"
         return mod.Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decouple=True)

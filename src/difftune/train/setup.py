@@ -24,7 +24,9 @@ from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.train.caching import Cached, fill_caches
+from difftune.train.ema import EMA
 from difftune.train.events import Events
+from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, size_rules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,6 +53,7 @@ class Run:
     output_dir: Path
     total_steps: int
     generator: torch.Generator
+    ema: EMA | None = None
     state: TrainState = field(default_factory=TrainState)
 
 
@@ -165,18 +168,17 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
 
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
     params = attach_lora(cfg, family, comps.transformer)
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon,
-    )
+    optimizer = build_optimizer(cfg.optimizer, params, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                                cfg.adam_weight_decay, cfg.adam_epsilon)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
                                  num_training_steps=steps)
     transformer, optimizer = accelerator.prepare(comps.transformer, optimizer)
+    ema = EMA(params, cfg.ema_decay, cfg.ema_update_interval, cfg.ema_device) if cfg.use_ema else None
     events.total_steps = steps
     return Run(
         cfg=cfg, accelerator=accelerator, family=family, comps=comps, transformer=transformer, params=params,
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
         validation=prepared.validation, events=events, output_dir=output_dir,
-        total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed),
+        total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed), ema=ema,
     )

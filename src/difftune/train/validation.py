@@ -10,8 +10,18 @@ if TYPE_CHECKING:
 
 
 def validate(run: Run, label: str) -> list[Path]:
+    """Sample every validation request with the live weights and/or the EMA weights (ema_validation)."""
     if not run.validation:
         return []
+    mode = run.cfg.ema_validation if run.ema is not None else "none"
+    paths = [] if mode == "ema_only" else _sample_all(run, label, "")
+    if mode != "none":
+        with run.ema.swap():
+            paths += _sample_all(run, label, "-ema")
+    return paths
+
+
+def _sample_all(run: Run, label: str, suffix: str) -> list[Path]:
     model = run.accelerator.unwrap_model(run.transformer)
     device = run.accelerator.device
     vae = run.comps.vae
@@ -24,11 +34,13 @@ def validate(run: Run, label: str) -> list[Path]:
         for request in run.validation:
             image = run.family.sample(run.comps, model, request)
             name = f"-{request.name}" if request.name else ""
-            path = out_dir / f"{label}{name}-{request.width}x{request.height}.png"
+            path = out_dir / f"{label}{name}-{request.width}x{request.height}{suffix}.png"
             image.save(path)
             paths.append(path)
-            run.events.emit("sample", step=run.state.step, path=str(path), prompt=request.name or "validation")
+            run.events.emit("sample", step=run.state.step, path=str(path), prompt=request.name or "validation",
+                            ema=bool(suffix))
     finally:
         model.train()
-        vae.to("cpu")
+        if not run.data.encode:  # the VAE stays on the accelerator when it encodes on the fly
+            vae.to("cpu")
     return paths

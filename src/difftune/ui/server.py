@@ -29,7 +29,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from difftune.config.load import ConfigError, load_config, split_problem
+from difftune.config.load import ConfigError, load_config, load_datasets, split_problem
 from difftune.ui import dataset_fields, form_schema, path_problems, train_fields
 from difftune.ui.paths import PathRefused, Roots
 from difftune.ui.runs import Registry
@@ -172,6 +172,8 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, e: RequestValidationError):
         parts = []
+        if any(err.get("type") == "json_invalid" for err in e.errors()):
+            return _error(422, "bad request: the body is not valid JSON")
         for err in e.errors()[:5]:
             loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             parts.append(f"{loc + ': ' if loc else ''}{err.get('msg', 'invalid')}")
@@ -248,8 +250,14 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             try:
                 load_config(tmp_cfg)
             except ConfigError as e:
-                for p in e.problems:
-                    problems.append(p.replace(str(tmp_cfg), str(config_path)).replace(str(tmp_data), str(data_path)))
+                problems = list(e.problems)
+            if not any(p.startswith(f"{tmp_data}: ") for p in problems):
+                try:  # check stops at a bad config.json; the form shows the dataset problems too
+                    load_datasets(tmp_data, problems)
+                except ConfigError as e:
+                    problems += e.problems
+            problems = [p.replace(str(tmp_cfg), str(config_path)).replace(str(tmp_data), str(data_path))
+                        for p in dict.fromkeys(problems)]
         problems += outside_roots(config_path, config, data_path, datasets)
         return {"ok": not problems, "config_path": str(config_path), "datasets_path": str(data_path),
                 "problems": [structured(p, config_path, data_path, datasets) for p in problems]}

@@ -1,0 +1,196 @@
+"""LyCORIS adapters (LoKr, LoHa, LoCon, ...) through the `lycoris-lora` package.
+
+The config is the content of a `lycoris_config` JSON file as SimpleTuner users write it, e.g.
+
+    {"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 16,
+     "apply_preset": {"target_module": ["Attention"], "module_algo_map": {"Attention": {"factor": 16}}}}
+
+- `multiplier`, `linear_dim`, `linear_alpha` are `create_lycoris`'s positional arguments (defaults 1.0, 4, 1);
+- every other top-level key is a keyword of `lycoris.create_lycoris` (`algo`, `factor`, `full_matrix`,
+  `decompose_both`, `use_tucker`, `use_scalar`, `dora_wd`, `dropout`, `rank_dropout`, `module_dropout`, `conv_dim`,
+  `conv_alpha`, `block_size`, `rescaled`, `constraint`, `bypass_mode`, `unbalanced_factorization`, `preset`, ...);
+  an unknown key is an error (LyCORIS itself would ignore it silently);
+- `apply_preset` is what `LycorisNetwork.apply_preset` takes: `target_module` (module class names whose Linear/Conv
+  children are wrapped), `target_name` (module paths, `re.match` patterns or fnmatch ones with `use_fnmatch`),
+  `module_algo_map` / `name_algo_map` (per class / per name overrides such as `{"algo": "lora", "factor": 8}`),
+  `exclude_name`, `lora_prefix`, `enable_conv`.
+
+Targets. When the preset names no target (no `target_module`, `target_name`, `module_algo_map` or `name_algo_map`),
+the family's attention projections are wrapped, the same modules its LoRA adapts (`Family.lora_target_modules`):
+Lumina2 `to_q`, `to_k`, `to_v`, `to_out.0` of every `attn`, Kandinsky 5 `to_query`, `to_key`, `to_value`,
+`out_layer` of every `self_attention` / `cross_attention`. When it names targets, exactly those are wrapped: a key it
+leaves out is empty, not LyCORIS's class default (which targets every Linear, Conv and LayerNorm of the model).
+
+`LycorisNetwork.apply_preset` sets class attributes, i.e. process-wide state. `attach_lycoris` and `load_lycoris`
+apply a preset only for the duration of the network's construction, starting from LyCORIS's defaults, and restore the
+previous class state afterwards, so one network's preset never leaks into the next.
+
+Saving writes what `LycorisNetwork.save_weights` writes (safetensors; keys `<lora_prefix>_<module path with _>.<param>`,
+e.g. `lycoris_layers_0_attn_to_q.lokr_w1`) with SimpleTuner's metadata key `lycoris_config` (the config as JSON).
+Loading rebuilds the network from the file with `lycoris.create_lycoris_from_weights` (module types and shapes come
+from the weights) and applies it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lycoris import LycorisNetwork, create_lycoris, create_lycoris_from_weights
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+METADATA_KEY = "lycoris_config"  # SimpleTuner's metadata key for the config
+POSITIONAL = {"multiplier": 1.0, "linear_dim": 4, "linear_alpha": 1.0}
+# Keywords create_lycoris (lycoris-lora 4.1.3, lycoris/wrapper.py) reads; anything else it would silently drop.
+CREATE_KWARGS = frozenset({
+    "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker", "use_cp",
+    "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint", "constrain", "rescaled",
+    "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "unbalanced_factorization", "train_llm_adapter",
+    "preset", "decompose_both", "factor",
+})
+TARGET_KEYS = ("target_module", "target_name", "module_algo_map", "name_algo_map")
+# Class attributes LycorisNetwork.apply_preset writes (lycoris/wrapper.py), and their values as the library defines
+# them, captured when this module is first imported.
+_PRESET_ATTRS = ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "LORA_PREFIX", "MODULE_ALGO_MAP",
+                 "NAME_ALGO_MAP", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
+_LIBRARY_DEFAULTS = {a: copy.deepcopy(getattr(LycorisNetwork, a)) for a in _PRESET_ATTRS}
+# The transformer class of each family (the attention projections come from the family's lora_target_modules).
+FAMILY_OF_CLASS = {"Lumina2Transformer2DModel": "lumina2", "Kandinsky5Transformer3DModel": "kandinsky5-image"}
+
+
+@contextmanager
+def preset_applied(preset: Mapping[str, Any]) -> Iterator[None]:
+    """LycorisNetwork's class state = library defaults + `preset`, restored to what it was on exit."""
+    saved = {a: getattr(LycorisNetwork, a) for a in _PRESET_ATTRS}
+    try:
+        for attr, value in _LIBRARY_DEFAULTS.items():
+            setattr(LycorisNetwork, attr, copy.deepcopy(value))
+        LycorisNetwork.apply_preset(dict(preset))
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(LycorisNetwork, attr, value)
+
+
+def _matches(targets: tuple[str, ...] | str, name: str) -> bool:
+    """peft's target_modules rule: a string is a full-match regex, a sequence holds module-name suffixes."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def default_target_names(transformer: torch.nn.Module, family: str | None = None) -> list[str]:
+    """Paths of the family's LoRA target modules (attention projections) in `transformer`."""
+    from difftune.models import get_family
+
+    name = family or FAMILY_OF_CLASS.get(type(transformer).__name__)
+    if name is None:
+        raise ValueError(f"no default LyCORIS targets for {type(transformer).__name__}: pass family= or give "
+                         "apply_preset a target_module/target_name")
+    targets = get_family(name).lora_target_modules
+    found = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and _matches(targets, n)]
+    if not found:
+        raise ValueError(f"the {name} targets {targets!r} match no Linear module of {type(transformer).__name__}")
+    return found
+
+
+def resolve_preset(transformer: torch.nn.Module, preset: Mapping[str, Any] | None,
+                   family: str | None = None) -> dict[str, Any]:
+    """The preset actually applied: the user's, with the family's attention projections when it names no target."""
+    preset = dict(preset or {})
+    if not any(preset.get(k) for k in TARGET_KEYS):
+        # exact module paths: they match whether use_fnmatch is on or off
+        preset["target_name"] = default_target_names(transformer, family)
+    preset.setdefault("target_module", [])
+    preset.setdefault("target_name", [])
+    return preset
+
+
+def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(positional args, create_lycoris keywords, apply_preset) of a lycoris_config."""
+    config = dict(config)
+    unknown = sorted(set(config) - set(POSITIONAL) - CREATE_KWARGS - {"apply_preset"})
+    if unknown:
+        raise ValueError(f"unknown lycoris_config key(s) {unknown}; known: "
+                         f"{sorted(set(POSITIONAL) | CREATE_KWARGS | {'apply_preset'})}")
+    positional = {
+        "multiplier": float(config.pop("multiplier", POSITIONAL["multiplier"])),
+        "linear_dim": int(config.pop("linear_dim", POSITIONAL["linear_dim"])),
+        "linear_alpha": float(config.pop("linear_alpha", POSITIONAL["linear_alpha"])),
+    }
+    preset = config.pop("apply_preset", None) or {}
+    if not isinstance(preset, Mapping):
+        raise ValueError("lycoris_config apply_preset must be an object")
+    return positional, config, dict(preset)
+
+
+def attach_lycoris(transformer: torch.nn.Module, config: Mapping[str, Any], *, family: str | None = None
+                   ) -> tuple[LycorisNetwork, list[torch.nn.Parameter]]:
+    """Wrap `transformer`'s target modules with a LyCORIS network built from a lycoris_config; returns the network
+    (applied: the transformer's forward now includes it) and its trainable parameters. The transformer is frozen and
+    the adapter is fp32 on the transformer's device (as difftune's LoRA)."""
+    positional, kwargs, preset = split_config(config)
+    transformer.requires_grad_(False)
+    with preset_applied(resolve_preset(transformer, preset, family)):
+        network = create_lycoris(transformer, positional["multiplier"], positional["linear_dim"],
+                                 positional["linear_alpha"], **kwargs)
+    if not network.loras:
+        raise ValueError("the LyCORIS config matched no module of the transformer; check apply_preset")
+    network.apply_to()
+    device = next(transformer.parameters()).device
+    network.to(device=device, dtype=torch.float32)
+    network.requires_grad_(True)
+    network.difftune_lycoris_config = copy.deepcopy(dict(config))
+    params = [p for p in network.parameters() if p.requires_grad]
+    return network, params
+
+
+def save_lycoris(network: LycorisNetwork, path: str | Path, metadata: Mapping[str, Any] | None = None) -> Path:
+    """`network.save_weights` to a .safetensors file, with the config under `lycoris_config` (as SimpleTuner does)
+    unless `metadata` has one; non-string metadata values are written as JSON."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: LyCORIS weights are saved as .safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    config = getattr(network, "difftune_lycoris_config", None)
+    if config is not None:
+        meta.setdefault(METADATA_KEY, json.dumps(config))
+    network.save_weights(str(path), None, meta)
+    return path
+
+
+def read_config(path: str | Path) -> dict[str, Any] | None:
+    """The lycoris_config stored in a LyCORIS file's metadata, if any."""
+    with safe_open(str(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get(METADATA_KEY)
+    return json.loads(raw) if raw else None
+
+
+def load_lycoris(transformer: torch.nn.Module, path: str | Path, multiplier: float | None = None) -> LycorisNetwork:
+    """Rebuild the LyCORIS network saved at `path` on `transformer` and apply it. The multiplier defaults to the
+    stored config's (else 1.0). Raises if the file holds modules the transformer does not have."""
+    path = Path(path)
+    weights = load_file(str(path))
+    config = read_config(path) or {}
+    if multiplier is None:
+        multiplier = float(config.get("multiplier", 1.0))
+    prefix = (config.get("apply_preset") or {}).get("lora_prefix", _LIBRARY_DEFAULTS["LORA_PREFIX"])
+    with preset_applied({"lora_prefix": prefix}):
+        network, _ = create_lycoris_from_weights(multiplier, str(path), transformer, weights_sd=weights)
+    stored = {k.split(".", 1)[0] for k in weights if "." in k}
+    built = {lora.lora_name for lora in network.loras}
+    if stored != built:
+        raise ValueError(f"{path}: modules not in {type(transformer).__name__} (or not loadable): "
+                         f"{sorted(stored - built)[:5]}")
+    network.apply_to()
+    network.to(device=next(transformer.parameters()).device)
+    network.difftune_lycoris_config = config
+    return network

@@ -1,0 +1,138 @@
+"""LyCORIS (lycoris-lora) adapters on the tiny models: attach from a SimpleTuner-style lycoris_config, train one step
+(only LyCORIS parameters change, the output changes), save in LyCORIS's format, load into a fresh transformer and get
+the trained model's output back."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from difftune.models import get_family, tiny_model
+from difftune.train import objective
+
+# lycoris-lora is a new dependency (.whl-notes.txt); skip rather than fail where it is not installed yet.
+lycoris = pytest.importorskip("lycoris", reason="lycoris-lora is not installed")
+from difftune.adapters.lycoris import attach_lycoris, load_lycoris, save_lycoris  # noqa: E402
+
+LycorisNetwork = lycoris.LycorisNetwork
+
+# Attention projections that each family's LoRA targets (models/lumina2.py, models/kandinsky5_image.py).
+ATTENTION = {
+    "lumina2": r"(layers|noise_refiner|context_refiner)_\d+_attn_(to_q|to_k|to_v|to_out_0)",
+    "kandinsky5-image": r"(text|visual)_transformer_blocks_\d+_(self|cross)_attention_(to_query|to_key|to_value|out_layer)",
+}
+PARAM_NAMES = {"lokr": "lokr_w1", "loha": "hada_w1_a", "locon": "lora_down.weight"}
+
+
+def load(family_name):
+    family = get_family(family_name)
+    comps = family.load(str(tiny_model(family_name, "tiny-random")), torch.float32)
+    return family, comps
+
+
+def config_for(algo):
+    config = {"algo": algo, "multiplier": 1.0, "linear_dim": 4, "linear_alpha": 2}
+    if algo == "lokr":
+        config["factor"] = 4
+    return config
+
+
+def predict(family, comps, net):
+    torch.manual_seed(3)
+    x = torch.randn(1, comps.vae.config.latent_channels, 4, 4)
+    text = family.collate_text([family.encode_text(comps, ["a red square"])[0]])
+    return family.predict(net, x, torch.tensor([0.5]), text)
+
+
+@pytest.mark.parametrize(
+    "family_name,algo",
+    [("lumina2", "lokr"), ("lumina2", "loha"), ("lumina2", "locon"), ("kandinsky5-image", "lokr")],
+)
+def test_train_save_load_roundtrip(family_name, algo, tmp_path):
+    family, comps = load(family_name)
+    net = comps.transformer
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        base_out = predict(family, comps, net)
+
+    config = config_for(algo)
+    network, params = attach_lycoris(net, config)
+    # default targets: exactly the attention projections, none twice
+    names = [lora.lora_name for lora in network.loras]
+    assert names and len(set(names)) == len(names)
+    assert all(re.fullmatch(rf"lycoris_{ATTENTION[family_name]}", n) for n in names), names
+    n_attn = sum(1 for n, m in net.named_modules() if type(m) is torch.nn.Linear
+                 and re.fullmatch(ATTENTION[family_name], n.replace(".", "_")))
+    assert len(names) == n_attn
+    assert all(p.requires_grad for p in params) and not any(p.requires_grad for p in net.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(predict(family, comps, net), base_out)  # LyCORIS starts as the identity
+
+    lyco_before = {k: v.clone() for k, v in network.state_dict().items()}
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    loss = objective.flow_loss(predict(family, comps, net), torch.randn_like(base_out))
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    opt.step()
+
+    # only LyCORIS parameters changed
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert set(net.state_dict()) == set(before)
+    changed = [k for k, v in network.state_dict().items() if not torch.equal(v, lyco_before[k])]
+    assert changed
+    with torch.no_grad():
+        trained_out = predict(family, comps, net)
+    assert not torch.allclose(trained_out, base_out, atol=1e-6)
+
+    path = save_lycoris(network, tmp_path / "lycoris.safetensors", {"difftune_step": 1})
+    saved = load_file(str(path))
+    assert set(saved) == set(network.state_dict())
+    assert any(k.endswith(PARAM_NAMES[algo]) for k in saved)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["lycoris_config"]) == config and meta["difftune_step"] == "1"
+
+    _, fresh_comps = load(family_name)
+    fresh = fresh_comps.transformer
+    loaded = load_lycoris(fresh, path)
+    assert sorted(lora.lora_name for lora in loaded.loras) == sorted(names)
+    with torch.no_grad():
+        torch.testing.assert_close(predict(family, comps, fresh), trained_out, atol=1e-6, rtol=1e-6)
+
+
+def test_preset_targets_replace_the_default_and_class_state_is_restored():
+    family, comps = load("lumina2")
+    net = comps.transformer
+    state = {a: getattr(LycorisNetwork, a) for a in ("TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP")}
+    config = {"algo": "lokr", "linear_dim": 10000, "linear_alpha": 1, "factor": 4,
+              "apply_preset": {"target_module": ["LuminaFeedForward"],
+                               "module_algo_map": {"LuminaFeedForward": {"factor": 8}}}}
+    network, _ = attach_lycoris(net, config)
+    names = {lora.lora_name for lora in network.loras}
+    assert names and all("_feed_forward_linear_" in n for n in names)
+    assert len(names) == 3 * 4  # linear_1/2/3 in 2 layers + 2 refiner blocks
+    assert {a: getattr(LycorisNetwork, a) for a in state} == state
+
+    # a preset naming targets by name (regex), with the LyCORIS default algo map left out
+    net2 = load("lumina2")[1].transformer
+    network2, _ = attach_lycoris(net2, {"algo": "locon", "apply_preset": {"target_name": [r"layers\.1\.attn\.to_v$"]}})
+    assert [lora.lora_name for lora in network2.loras] == ["lycoris_layers_1_attn_to_v"]
+
+
+def test_bad_configs_are_refused(tmp_path):
+    _, comps = load("lumina2")
+    with pytest.raises(ValueError, match="unknown lycoris_config key"):
+        attach_lycoris(comps.transformer, {"algo": "lokr", "linera_dim": 4})
+    with pytest.raises(ValueError, match="matched no module"):
+        attach_lycoris(comps.transformer, {"algo": "lokr", "apply_preset": {"target_name": ["nothing_here"]}})
+    # a file for another architecture does not load silently
+    _, k_comps = load("kandinsky5-image")
+    network, _ = attach_lycoris(k_comps.transformer, {"algo": "locon"})
+    path = save_lycoris(network, tmp_path / "k.safetensors")
+    with pytest.raises(ValueError, match="modules not in"):
+        load_lycoris(load("lumina2")[1].transformer, path)

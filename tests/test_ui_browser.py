@@ -1,0 +1,153 @@
+"""The page in a real headless Chromium (Debian's `chromium`, driven by Playwright through its
+executable_path): fill the generated form, see a problem at its field, pick the dataset folder, start a
+run on the tiny model, watch progress and a sample appear, stop it, and see a broken run reported as
+failed. The server is the real `difftune server`. Screenshots go to test-artifacts/ui/.
+
+Skipped when Chromium is not installed (`.ci/run` installs it with apt-get)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import write_config
+from difftune.demo import make_dataset
+
+pytestmark = pytest.mark.browser
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
+
+
+def chromium_path() -> str | None:
+    for candidate in (os.environ.get("CHROMIUM_PATH"), "/usr/lib/chromium/chromium", shutil.which("chromium"),
+                      shutil.which("chromium-browser")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    path = chromium_path()
+    if path is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def server(tmp_path, lumina2_dir):
+    """`difftune server` in a process of its own, with the test's folder as its only root."""
+    root = tmp_path / "project"
+    make_dataset(root / "images", count=4)
+    (root / "empty-model").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "difftune.cli", "server", "--port", str(port), "--root", ".",
+                             "--state-dir", str(tmp_path / "state")], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "api/roots", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError("the server did not start: " + (proc.stdout.read() if proc.stdout else "")) from None
+            time.sleep(0.3)
+    yield url, root
+    from difftune.ui.runs import Registry
+
+    registry = Registry(tmp_path / "state", root)
+    for run in registry.list():
+        if run.status()[0] in ("starting", "running", "stopping"):
+            registry.command(run, "kill")
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def field(name: str) -> str:
+    return f"#config-form fieldset [name={name}]"
+
+
+def test_form_run_watch_stop_and_a_failed_run(browser, server):
+    url, root = server
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+    assert page.input_value("#config-path") == f"{root}/config/config.json"
+    for group in ("model", "data", "training", "validation", "memory", "output"):
+        assert page.locator(f"fieldset[data-group={group}]").count() == 1
+    assert "Peak learning rate" in page.inner_text("[data-field=learning_rate]")  # the schema's description
+
+    page.select_option(field("model_family"), '"lumina2"')
+    page.fill(field("model_flavour"), "tiny-random")
+    page.select_option(field("mixed_precision"), '"no"')
+    for name, value in (("max_train_steps", "2000"), ("lora_rank", "4"), ("validation_prompt", "a red circle"),
+                        ("validation_resolution", "64x64"), ("validation_step_interval", "3")):
+        page.fill(field(name), value)
+    page.locator("summary", has_text="Advanced validation").click()
+    page.fill(field("validation_num_inference_steps"), "2")
+    page.fill(field("learning_rate"), "abc")  # a problem, shown at its field with the text of `difftune check`
+    page.wait_for_selector("[data-field=learning_rate].has-error")
+    assert "Input should be a valid number" in page.inner_text("[data-field=learning_rate] .error")
+    page.fill(field("learning_rate"), "0.001")
+
+    card = page.locator(".dataset[data-index='0']")
+    card.locator("[data-field=instance_data_dir] button.browse").click()  # the folder picker
+    page.locator("#picker-list li", has_text="images").click()
+    page.wait_for_selector("#picker-choose:has-text('4 images')")
+    page.click("#picker-choose")
+    assert card.locator("[name=instance_data_dir]").input_value() == str(root / "images")
+    card.locator("[name=resolution]").fill("64")
+    shot(page, "1-form")
+    page.click("#btn-save")
+    page.wait_for_selector("#problems.ok")
+    assert (root / "config" / "config.json").exists() and (root / "config" / "multidatabackend.json").exists()
+
+    page.click("#btn-start")
+    page.wait_for_selector("#run-status.running", timeout=120_000)
+    page.wait_for_function("document.querySelector('[data-stat=step]').textContent.match(/^[1-9]\\d* \\/ 2000/)",
+                           timeout=60_000)
+    page.wait_for_function("[...document.querySelectorAll('#run-samples img')].some(i => i.naturalWidth > 0)",
+                           timeout=60_000)
+    page.wait_for_selector("#run-curve polyline")
+    assert page.inner_text("[data-stat=loss]") != "–" and page.inner_text("[data-stat=its]") != "–"
+    shot(page, "2-run-live")
+    page.click("[data-command=stop]")
+    page.wait_for_selector("#run-status.stopped", timeout=60_000)
+    page.wait_for_selector("#run-outputs a:has-text('pytorch_lora_weights.safetensors')")
+    shot(page, "3-run-stopped")
+
+    # a broken run: the base model folder is empty, so loading fails after the config checks pass
+    page.click(".tab[data-tab=configure]")
+    page.fill("#config-path", f"{root}/config/broken.json")
+    page.fill(field("pretrained_model_name_or_path"), str(root / "empty-model"))
+    page.fill(field("output_dir"), str(root / "output-broken"))
+    page.click("#btn-start")
+    page.wait_for_selector("#run-status.failed", timeout=120_000)
+    assert page.is_visible("#run-failure")
+    assert page.inner_text("#run-log").strip()  # the last lines of its log
+    shot(page, "4-run-failed")
+    assert page.locator("#run-list li .badge.stopped").count() == 1  # the past run is listed too
+    assert not errors, errors
