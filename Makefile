@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow test-browser lint bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m "slow"
+
+# The web UI in headless Chromium (Debian's `chromium`; skipped when it is not installed).
+test-browser: setup
+	$(BIN)/python -m pytest -q -m "browser"
 
 lint: setup
 	$(BIN)/ruff check src tests

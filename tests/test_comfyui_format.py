@@ -9,9 +9,9 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from difftune.adapters import comfyui
+from difftune.adapters.kinds import LoraAdapter
 from difftune.config.schema import TrainConfig
 from difftune.models import get_family, tiny_model
-from difftune.train.setup import attach_lora
 
 RANK, ALPHA = 4, 12.0  # scale 3: a lost alpha (ComfyUI's default scale is 1) would show
 
@@ -135,7 +135,7 @@ def trained(request, tmp_path_factory):
     net = comps.transformer
     base = linear_weights(net)
     torch.manual_seed(0)
-    attach_lora(TrainConfig(model_family=family_name, max_train_steps=1, lora_rank=RANK, lora_alpha=ALPHA),
+    LoraAdapter(TrainConfig(model_family=family_name, max_train_steps=1, lora_rank=RANK, lora_alpha=ALPHA),
                 family, net)
     with torch.no_grad():
         for n, p in net.named_parameters():

@@ -10,13 +10,14 @@ from peft.utils import get_peft_model_state_dict
 from PIL import Image
 
 from conftest import write_config
+from difftune.adapters.kinds import LoraAdapter
 from difftune.config import load_config
 from difftune.config.schema import TrainConfig
 from difftune.models import get_family, tiny_model
 from difftune.models.base import SampleRequest
 from difftune.train import objective
 from difftune.train.loop import train
-from difftune.train.setup import attach_lora, build_run
+from difftune.train.setup import build_run
 from families import CASES, make_pairs
 
 IMAGE = Image.new("RGB", (64, 48), (200, 40, 40))
@@ -75,7 +76,7 @@ def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
     family, _, comps = setup(case)
     net = comps.transformer
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    params = attach_lora(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4), family, net)
+    params = LoraAdapter(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4), family, net).parameters()
     wrapped = [n for n, m in net.named_modules() if hasattr(m, "lora_A")]
     assert wrapped
     for name in wrapped:
@@ -97,7 +98,7 @@ def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
 def test_save_reload_identical_and_pipeline_runs(case, tmp_path):
     family, folder, comps = setup(case)
     net = comps.transformer
-    attach_lora(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4, lora_alpha=16), family, net)
+    LoraAdapter(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4, lora_alpha=16), family, net).parameters()
     with torch.no_grad():
         for n, p in net.named_parameters():
             if "lora_B" in n:

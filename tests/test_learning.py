@@ -2,14 +2,18 @@
 
 Metric: MSE in the model's latent space between a 20-step sample of the stock pipeline (no guidance)
 and the training image's latents. Margin: the LoRA sample's error is under 70% of the base model's.
-Measured on the tiny models: Lumina2 about 0.59 vs 1.05.
+Measured on the tiny models: Lumina2 LoRA 0.56 vs 1.05, Kandinsky 5 LoRA 1.12 vs 2.35 (see the test
+output for LyCORIS and full fine-tuning).
 """
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import write_config
+from difftune.adapters.lycoris import load_lycoris
 from difftune.config import load_config
 from difftune.data.images import load_rgb, prepare
 from difftune.demo import make_dataset
@@ -19,19 +23,26 @@ from difftune.train.setup import build_run
 from families import Case
 from test_train import losses
 
-SETTINGS = {
-    "lumina2": dict(max_train_steps=300, learning_rate=5e-3, lora_rank=16, flow_schedule_shift=3.0),
-    "kandinsky5-image": dict(max_train_steps=300, learning_rate=5e-3, lora_rank=16, flow_schedule_shift=3.0),
+LORA = dict(max_train_steps=300, learning_rate=5e-3, lora_rank=16, flow_schedule_shift=3.0)
+LYCORIS = {"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 4}
+KINDS = {
+    "lora": ("lumina2", {}),
+    "k5-lora": ("kandinsky5-image", {}),
+    "lycoris-lokr": ("lumina2", {"lora_type": "lycoris", "learning_rate": 3e-2}),
+    "full": ("lumina2", {"model_type": "full", "learning_rate": 1e-3, "max_train_steps": 100}),
 }
 
 
-@pytest.mark.parametrize("case", [Case("lumina2", "tiny-random"), Case("kandinsky5-image", "tiny-random")],
-                         ids=lambda c: c.id)
-def test_learns_one_image(case, tmp_path):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_learns_one_image(kind, tmp_path):
+    family_name, extra = KINDS[kind]
+    case = Case(family_name, "tiny-random")
     images = tmp_path / "one"
     make_dataset(images, count=1)
-    path = write_config(tmp_path, images, model_family=case.family, model_flavour=case.flavour,
-                        **SETTINGS[case.family])
+    if extra.get("lora_type") == "lycoris":
+        (tmp_path / "lycoris.json").write_text(json.dumps(LYCORIS))
+        extra = {**extra, "lycoris_config": str(tmp_path / "lycoris.json")}
+    path = write_config(tmp_path, images, model_family=case.family, model_flavour=case.flavour, **{**LORA, **extra})
     run = build_run(load_config(path))
     adapter = train(run)
     family = get_family(case.family)
@@ -48,9 +59,15 @@ def test_learns_one_image(case, tmp_path):
         return torch.mean((out - target) ** 2).item()
 
     base_error = error()
-    pipe.load_lora_weights(adapter.parent)
+    if kind == "full":
+        pipe.transformer = type(pipe.transformer).from_pretrained(adapter)
+    elif kind.startswith("lycoris"):
+        load_lycoris(pipe.transformer, adapter)
+    else:
+        pipe.load_lora_weights(adapter.parent)
     tuned_error = error()
     print(f"{case.id}: base {base_error:.3f}, tuned {tuned_error:.3f}")
     assert tuned_error < 0.7 * base_error, (tuned_error, base_error)
     history = losses(run.output_dir)
-    assert np.mean([history[s] for s in range(251, 301)]) < np.mean([history[s] for s in range(1, 51)])
+    steps = max(history)
+    assert np.mean([history[s] for s in range(steps - 29, steps + 1)]) < np.mean([history[s] for s in range(1, 31)])

@@ -66,6 +66,7 @@ def test_schema_is_generated_from_the_config_models(client):
     assert fields["model_family"]["kind"] == "choice" and fields["model_family"]["required"]
     assert fields["learning_rate"]["default"] == 1e-4
     assert fields["output_dir"]["path"] == "folder" and fields["data_backend_config"]["path"] == "file"
+    assert all(f["path"] is None for f in schema["train"] if f["kind"] in ("choice", "const", "boolean"))
     image = {f["name"]: f for f in schema["datasets"]["image"]["fields"]}
     assert image["instance_data_dir"]["path"] == "folder"
     assert "tiny-random" in schema["flavours"]["lumina2"]
@@ -176,6 +177,7 @@ def test_without_a_token_only_loopback_names_and_same_origin_json(root, tmp_path
 def test_bad_requests_get_4xx_json_never_a_traceback(client, root):
     (root / "broken.json").write_text("{not json")
     (root / "list.json").write_text("[1, 2]")
+    image = str(next((root / "images").glob("*.png")))
     requests = [
         ("POST", "/api/config/check", {"content": "{nope", "headers": JSON}),
         ("POST", "/api/config/check", {"json": [1, 2]}),
@@ -184,11 +186,13 @@ def test_bad_requests_get_4xx_json_never_a_traceback(client, root):
         ("PUT", "/api/config", {"json": {"path": str(root / "x\x00.json"), "config": {}, "datasets": []}}),
         ("PUT", "/api/config", {"json": {"path": str(root / "images"), "config": {}, "datasets": []}}),
         ("PUT", "/api/config", {"json": {"path": "a" * 5000, "config": {}, "datasets": []}}),
+        ("PUT", "/api/config", {"json": {"path": str(root / "c.json"), "datasets": [],
+                                         "config": {"data_backend_config": image}}}),
         ("GET", "/api/config?path=" + str(root / "missing.json"), {}),
         ("GET", "/api/config?path=" + str(root / "broken.json"), {}),
         ("GET", "/api/config?path=" + str(root / "list.json"), {}),
         ("GET", "/api/config", {}),
-        ("GET", "/api/browse?path=" + str(root / "images" / "000-blue-circle.png"), {}),
+        ("GET", "/api/browse?path=" + image, {}),
         ("GET", "/api/runs/nope", {}),
         ("GET", "/api/runs/..%2F..%2Fetc", {}),
         ("POST", "/api/runs", {"json": {"path": str(root / "broken.json")}}),

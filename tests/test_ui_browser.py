@@ -8,6 +8,7 @@ Skipped when Chromium is not installed (`.ci/run` installs it with apt-get)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
 from difftune.demo import make_dataset
 
 pytestmark = pytest.mark.browser
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
+expect = None  # playwright's, set when the browser starts (the module imports without playwright)
 
 
 def chromium_path() -> str | None:
@@ -39,6 +40,8 @@ def browser():
     if path is None:
         pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run installs it)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
+    global expect
+    expect = sync_api.expect
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu"])
         yield browser
@@ -88,11 +91,21 @@ def field(name: str) -> str:
     return f"#config-form fieldset [name={name}]"
 
 
-def test_form_run_watch_stop_and_a_failed_run(browser, server):
-    url, root = server
+@pytest.fixture
+def page(browser, request):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
+    failed_before = request.session.testsfailed
+    yield page
+    if request.session.testsfailed > failed_before:
+        shot(page, f"failure-{request.node.name}")  # what the page showed when the test failed
+    page.close()
+
+
+def test_form_run_watch_stop_and_a_failed_run(page, server):
+    url, root = server
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.goto(url)
     page.wait_for_selector("body[data-ready='1']")
     assert page.input_value("#config-path") == f"{root}/config/config.json"
@@ -111,6 +124,8 @@ def test_form_run_watch_stop_and_a_failed_run(browser, server):
     page.fill(field("learning_rate"), "abc")  # a problem, shown at its field with the text of `difftune check`
     page.wait_for_selector("[data-field=learning_rate].has-error")
     assert "Input should be a valid number" in page.inner_text("[data-field=learning_rate] .error")
+    page.locator("[data-field=learning_rate]").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "1-form-problem-at-field.png"))
     page.fill(field("learning_rate"), "0.001")
 
     card = page.locator(".dataset[data-index='0']")
@@ -120,24 +135,28 @@ def test_form_run_watch_stop_and_a_failed_run(browser, server):
     page.click("#picker-choose")
     assert card.locator("[name=instance_data_dir]").input_value() == str(root / "images")
     card.locator("[name=resolution]").fill("64")
-    shot(page, "1-form")
     page.click("#btn-save")
-    page.wait_for_selector("#problems.ok")
+    page.wait_for_selector("#notice:has-text('saved')")
+    assert page.is_visible("#problems.ok")
+    shot(page, "2-form-saved")
     assert (root / "config" / "config.json").exists() and (root / "config" / "multidatabackend.json").exists()
 
     page.click("#btn-start")
     page.wait_for_selector("#run-status.running", timeout=120_000)
-    page.wait_for_function("document.querySelector('[data-stat=step]').textContent.match(/^[1-9]\\d* \\/ 2000/)",
-                           timeout=60_000)
-    page.wait_for_function("[...document.querySelectorAll('#run-samples img')].some(i => i.naturalWidth > 0)",
-                           timeout=60_000)
+    # polled from here: the page's CSP (script-src 'self') forbids the eval behind wait_for_function
+    expect(page.locator("[data-stat=step]")).to_have_text(re.compile(r"^[1-9]\d* / 2000$"), timeout=60_000)
+    expect(page.locator("#run-samples img").first).to_be_visible(timeout=60_000)
+    deadline = time.time() + 30
+    while page.locator("#run-samples img").first.evaluate("img => img.naturalWidth") == 0:
+        assert time.time() < deadline, "the sample image did not load"
+        time.sleep(0.2)
     page.wait_for_selector("#run-curve polyline")
     assert page.inner_text("[data-stat=loss]") != "–" and page.inner_text("[data-stat=its]") != "–"
-    shot(page, "2-run-live")
+    shot(page, "3-run-live")
     page.click("[data-command=stop]")
     page.wait_for_selector("#run-status.stopped", timeout=60_000)
     page.wait_for_selector("#run-outputs a:has-text('pytorch_lora_weights.safetensors')")
-    shot(page, "3-run-stopped")
+    shot(page, "4-run-stopped")
 
     # a broken run: the base model folder is empty, so loading fails after the config checks pass
     page.click(".tab[data-tab=configure]")
@@ -148,6 +167,6 @@ def test_form_run_watch_stop_and_a_failed_run(browser, server):
     page.wait_for_selector("#run-status.failed", timeout=120_000)
     assert page.is_visible("#run-failure")
     assert page.inner_text("#run-log").strip()  # the last lines of its log
-    shot(page, "4-run-failed")
+    shot(page, "5-run-failed")
     assert page.locator("#run-list li .badge.stopped").count() == 1  # the past run is listed too
     assert not errors, errors

@@ -80,7 +80,8 @@ def test_new_config_from_first_question_to_files_that_pass_check(tmp_path, datas
     assert "learning_rate: 'abc': Input should be a valid number" in transcript
     assert "'nope' is not a folder" in transcript and "4 images found" in transcript
     assert "Peak learning rate" in transcript  # descriptions come from the schema
-    assert "-> lora (the only choice)" in transcript
+    # LoRA or full: asked when the schema offers both, told when it offers one
+    assert "model_type" in asked.split() or "-> lora (the only choice)" in transcript
     assert "mixed_precision: no" in transcript  # the memory offer for a machine without a GPU
     assert "difftune check accepts this configuration." in transcript
     config = json.loads((tmp_path / "config" / "config.json").read_text())

@@ -26,7 +26,6 @@ from difftune.config.schema import TrainConfig
 from difftune.models.registry import FAMILY_FACTS
 
 PENDING_VALUES = {
-    ("model_type", "full"): "not implemented yet: full fine-tuning; use model_type 'lora'",
     ("dataset_type", "video"): "not implemented yet: video datasets",
 }
 

@@ -12,7 +12,6 @@ from typing import Any
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "lora_type": (("standard",), "only lora_type 'standard' (peft LoRA) is implemented; LyCORIS is not yet"),
     "base_model_precision": (
         ("no_change",),
         "quantized training (int8-quanto, int8-torchao, ...) is not implemented yet; use 'no_change'",
@@ -37,11 +36,9 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "offload_during_startup": ((False,), "offload_during_startup is not implemented yet; set it to false"),
     "vae_enable_patch_conv": ((False,), "patched VAE convolutions come with video support, not implemented yet"),
     "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
-    "lycoris_config": ((None,), "LyCORIS is not implemented yet; remove lycoris_config"),
     "checkpoints_total_limit": ((None,), "checkpoints_total_limit is not implemented yet; remove it"),
     "validation_num_video_frames": ((None,), "video families are not implemented yet"),
     "frame_rate": ((None,), "video families are not implemented yet; remove frame_rate"),
-    "lora_dropout": ((None, 0, 0.0), "LoRA dropout is not implemented yet; use 0.0"),
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -70,8 +70,30 @@ class TrainConfig(BaseModel):
     pretrained_model_name_or_path: str | None = field(
         None, "Hub id or local folder (hub layout) of the base model. Overrides model_flavour.", "model"
     )
-    model_type: Literal["lora"] = field(
-        "lora", "What trains: 'lora' (an adapter). 'full' is not implemented yet.", "model"
+    model_type: Literal["lora", "full"] = field(
+        "lora", "What trains: 'lora' (an adapter, see lora_type) or 'full' (every transformer weight; saved "
+        "as a diffusers transformer folder).", "model"
+    )
+    lora_type: Literal["standard", "lycoris"] = field(
+        "standard", "'standard': a peft LoRA. 'lycoris': a LyCORIS network described by lycoris_config.", "model"
+    )
+    lycoris_config: str | None = field(
+        None, "JSON file for lora_type 'lycoris': algo (lokr, loha, locon, ...), linear_dim, linear_alpha, "
+        "factor, apply_preset.", "model", advanced=True,
+    )
+    lora_dropout: float = field(0.0, "Dropout on the LoRA path during training.", "model", ge=0.0, lt=1.0,
+                                advanced=True)
+    lora_target_modules: list[str] | None = field(
+        None, "Module names (suffixes) to put LoRA on, instead of the family's attention projections; "
+        "comma-separated on the command line.", "model", advanced=True,
+    )
+    init_lora: str | None = field(
+        None, "Start from an existing LoRA (a diffusers-layout .safetensors or its folder).", "model",
+        advanced=True,
+    )
+    lora_format: Literal["diffusers", "comfyui"] = field(
+        "diffusers", "Layout of the saved LoRA: 'diffusers' (load_lora_weights), or 'comfyui' "
+        "(also writes comfyui_lora.safetensors, loadable in ComfyUI without conversion).", "output",
     )
     lora_rank: int = field(16, "LoRA rank (size of the adapter matrices).", "model", gt=0)
     lora_alpha: float | None = field(
@@ -205,6 +227,37 @@ class TrainConfig(BaseModel):
     tracker_project_name: str | None = field(None, "Project name, recorded in the event log.", "output", advanced=True)
     tracker_run_name: str | None = field(None, "Run name, recorded in the event log.", "output", advanced=True)
 
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _targets(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [part.strip() for part in v.split(",") if part.strip()] or None
+        return v
+
+    @field_validator("lycoris_config")
+    @classmethod
+    def _lycoris_file(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        try:
+            data = json.loads(Path(v).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {v}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{v} is not valid JSON (line {e.lineno}): {e.msg}") from e
+        if not isinstance(data, dict) or "algo" not in data:
+            raise ValueError(f"{v} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
+        return v
+
+    @field_validator("init_lora")
+    @classmethod
+    def _init_lora(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if not Path(v).exists():
+            raise ValueError(f"{v} does not exist; give a LoRA .safetensors file or the folder holding one")
+        return v
+
     @field_validator("user_prompt_library")
     @classmethod
     def _library(cls, v: str | None) -> str | None:
@@ -248,6 +301,13 @@ class TrainConfig(BaseModel):
                 f"model_flavour {self.model_flavour!r} is not a flavour of {self.model_family}; "
                 f"choose one of {', '.join(facts.flavours)}"
             )
+        if self.lora_type == "lycoris" and self.lycoris_config is None and self.model_type == "lora":
+            raise ValueError("lora_type 'lycoris' needs lycoris_config: a JSON file such as "
+                             '{"algo": "lokr", "linear_dim": 16, "linear_alpha": 1, "factor": 16}')
+        if self.lycoris_config is not None and self.lora_type != "lycoris":
+            raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
+        if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):
+            raise ValueError("lora_format 'comfyui' applies to standard LoRA (model_type lora, lora_type standard)")
         if self.validation_using_datasets and not facts.needs_conditioning(self.flavour()):
             raise ValueError("validation_using_datasets only applies to image-to-image flavours; remove it")
         if self.validation_using_datasets and self.eval_dataset_id is None:

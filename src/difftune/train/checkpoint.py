@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 if TYPE_CHECKING:
@@ -29,15 +28,8 @@ def checkpoints_dir(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
-def trainable_state(run: Run) -> dict[str, torch.Tensor]:
-    model = run.accelerator.unwrap_model(run.transformer)
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def save_adapter(run: Run, folder: Path) -> Path:
-    model = run.accelerator.unwrap_model(run.transformer)
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    return run.family.save_lora(folder, state, model.peft_config["default"].to_dict())
+    return run.adapter.save(folder)
 
 
 def save_checkpoint(run: Run) -> Path:
@@ -47,7 +39,7 @@ def save_checkpoint(run: Run) -> Path:
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(trainable_state(run), tmp / "trainable.safetensors")
+    save_file(run.adapter.state_dict(), tmp / "trainable.safetensors")
     torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
     torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
@@ -105,18 +97,10 @@ def resolve_resume(output_dir: Path, value: str) -> Path | None:
 
 
 def load_checkpoint(run: Run, path: Path) -> None:
-    model = run.accelerator.unwrap_model(run.transformer)
-    weights = load_file(path / "trainable.safetensors")
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    if set(weights) != trainable:
-        raise ValueError(
-            f"{path} does not match this run's adapter ({len(weights)} tensors saved, {len(trainable)} "
-            "trainable); was lora_rank or the model changed? Start a new output_dir or restore the settings"
-        )
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
+    try:
+        run.adapter.load_state_dict(load_file(path / "trainable.safetensors"))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)

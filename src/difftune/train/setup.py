@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from diffusers.optimization import get_scheduler
-from peft import LoraConfig
 
+from difftune.adapters.kinds import Adapter, build_adapter
 from difftune.config import RunConfig, TrainConfig
 from difftune.data.batches import TrainingData
 from difftune.data.latents import CachedSample
@@ -44,6 +44,7 @@ class Run:
     family: Family
     comps: Components
     transformer: Any  # prepared (possibly wrapped) module
+    adapter: Adapter
     params: list[torch.nn.Parameter]
     optimizer: Any
     lr_scheduler: Any
@@ -106,21 +107,6 @@ def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
     return int(min(by_steps, by_epochs))
 
 
-def attach_lora(cfg: TrainConfig, family: Family, transformer: Any) -> list[torch.nn.Parameter]:
-    transformer.requires_grad_(False)
-    targets = family.lora_target_modules
-    transformer.add_adapter(
-        LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.effective_lora_alpha(), init_lora_weights=True,
-                   target_modules=targets if isinstance(targets, str) else list(targets))
-    )
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:  # adapters train in fp32 even when the base is bf16
-        p.data = p.data.float()
-    if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    return params
-
-
 @dataclass
 class Prepared:
     family: Family
@@ -167,7 +153,11 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     family, comps, data = prepared.family, prepared.comps, prepared.data
 
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
-    params = attach_lora(cfg, family, comps.transformer)
+    adapter = build_adapter(cfg, family, comps.transformer)
+    params = adapter.parameters()
+    if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer == "adamw":
+        events.emit("warning", message="full fine-tune of bf16/fp16 weights with optimizer 'adamw' loses small "
+                                       "updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
     optimizer = build_optimizer(cfg.optimizer, params, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
                                 cfg.adam_weight_decay, cfg.adam_epsilon)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
@@ -177,7 +167,8 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     ema = EMA(params, cfg.ema_decay, cfg.ema_update_interval, cfg.ema_device) if cfg.use_ema else None
     events.total_steps = steps
     return Run(
-        cfg=cfg, accelerator=accelerator, family=family, comps=comps, transformer=transformer, params=params,
+        cfg=cfg, accelerator=accelerator, family=family, comps=comps, transformer=transformer, adapter=adapter,
+        params=params,
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
         validation=prepared.validation, events=events, output_dir=output_dir,
         total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed), ema=ema,

@@ -101,9 +101,11 @@ def path_kind(name: str, prop: dict[str, Any]) -> str | None:
 
 
 def _is_string(prop: dict[str, Any]) -> bool:
-    if prop.get("type") == "string":
-        return True
-    return any(option.get("type") == "string" for option in prop.get("anyOf", []))
+    """A free string (a fixed list of choices is never a path)."""
+    options = [prop, *prop.get("anyOf", [])]
+    if any("enum" in o or "const" in o for o in options):
+        return False
+    return any(o.get("type") == "string" for o in options)
 
 
 def may_be_remote(prop: dict[str, Any]) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -158,9 +159,18 @@ class Run:
                 name = f"signal {-code}"
             hint = " (the out-of-memory killer does this)" if -code == signal.SIGKILL else ""
             return "failed", f"the training process was killed by {name}{hint}"
+        cause = self.last_exception()
         if code == 2:
-            return "failed", "the configuration or the datasets cannot be used (see the log)"
-        return "failed", f"the training process exited with status {code} before finishing (see the log)"
+            return "failed", "the configuration or the datasets cannot be used" + (f": {cause}" if cause else " (see the log)")
+        return "failed", f"the training process exited with status {code} before finishing" + (
+            f": {cause}" if cause else " (see the log)")
+
+    def last_exception(self) -> str | None:
+        """The last 'SomeError: message' (or 'error: ...') line of the log, the crash's own words."""
+        for line in reversed(self.log_tail(60)):
+            if re.match(r"(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*|error: ", line.strip()):
+                return line.strip()[:500]
+        return None
 
     def summary(self, detail: bool = False) -> dict[str, Any]:
         status, message = self.status()

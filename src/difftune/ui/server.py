@@ -238,8 +238,12 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
 
     def check(config_path: Path, config: dict[str, Any], datasets: list[Any]) -> dict[str, Any]:
         """Validate with `load_config` (the same messages as `difftune check`), files in a temp folder."""
-        data_path = datasets_location(config_path, config)
         problems: list[str] = []
+        try:
+            data_path = datasets_location(config_path, config)
+        except PathRefused as e:  # shown at the field; saving there is refused
+            problems.append(f"{config_path}: data_backend_config: {e}")
+            data_path = config_path.parent / "(outside the roots)"
         with tempfile.TemporaryDirectory(prefix="difftune-ui-") as tmp:
             tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
             tmp_data.write_text(json.dumps(datasets))
@@ -250,7 +254,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             try:
                 load_config(tmp_cfg)
             except ConfigError as e:
-                problems = list(e.problems)
+                problems += e.problems
             if not any(p.startswith(f"{tmp_data}: ") for p in problems):
                 try:  # check stops at a bad config.json; the form shows the dataset problems too
                     load_datasets(tmp_data, problems)
@@ -258,7 +262,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                     problems += e.problems
             problems = [p.replace(str(tmp_cfg), str(config_path)).replace(str(tmp_data), str(data_path))
                         for p in dict.fromkeys(problems)]
-        problems += outside_roots(config_path, config, data_path, datasets)
+        problems = list(dict.fromkeys(problems + outside_roots(config_path, config, data_path, datasets)))
         return {"ok": not problems, "config_path": str(config_path), "datasets_path": str(data_path),
                 "problems": [structured(p, config_path, data_path, datasets) for p in problems]}
 
@@ -290,9 +294,12 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         config = _read_json(config_path, "config file")
         if not isinstance(config, dict):
             raise ApiError(422, f"{config_path}: the config must be a JSON object of keys and values")
-        data_path = datasets_location(config_path, config)
         datasets: list[Any] = []
-        if data_path.exists():
+        try:
+            data_path = datasets_location(config_path, config)
+        except PathRefused:
+            data_path = None  # the check below shows the problem at data_backend_config
+        if data_path is not None and data_path.exists():
             loaded = _read_json(data_path, "dataset list")
             datasets = loaded if isinstance(loaded, list) else []
         result = check(config_path, config, datasets)
@@ -308,6 +315,8 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         if config_path.suffix != ".json":
             raise ApiError(400, f"{body.path!r}: a config file name ends with .json")
         data_path = datasets_location(config_path, body.config)
+        if data_path.suffix != ".json":
+            raise ApiError(400, f"data_backend_config {str(data_path)!r}: a dataset list file name ends with .json")
         if config_path.is_dir() or data_path.is_dir():
             raise ApiError(400, "a folder of that name is in the way; choose another file name")
         _write_json(data_path, body.datasets)

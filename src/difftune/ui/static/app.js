@@ -215,7 +215,7 @@ function addDataset(kind) {
   let id = kind === "text_embeds" ? "text-embeds" : kind, n = 2;
   while (ids.has(id)) id = `${kind}-${n++}`;
   const entry = { id };
-  for (const f of model.fields) if (f.kind === "const") entry[f.name] = f.choices[0];
+  for (const f of model.fields) if (f.kind === "const" && !f.advanced) entry[f.name] = f.choices[0];
   S.datasets.push(entry);
   renderDatasets(); changed();
 }
@@ -360,7 +360,7 @@ function pick(kind, start) {
     };
     $("#picker-choose").onclick = () => { if (current) { dialog.close(); resolve(current); } };
     dialog.onclose = () => resolve(null);
-    const startDir = start && kind === "folder" ? start : start ? start.replace(/\/[^/]*$/, "") : "";
+    const startDir = start && kind === "folder" ? start : start ? start.replace(/\/[^/]*$/, "") : S.roots.length === 1 ? S.roots[0] : "";
     go(startDir);
     dialog.showModal();
   });
@@ -457,7 +457,15 @@ function renderRun(run) {
     $("#run-error").textContent = run.message || "failed";
     $("#run-traceback").hidden = !run.traceback;
     $("#run-traceback").textContent = run.traceback || "";
-    $("#run-log").textContent = (run.log_tail || []).slice(-25).join("\n") || "(the log is empty)";
+    const log = $("#run-log");
+    log.textContent = (run.log_tail || []).slice(-25).join("\n") || "(the log is empty)";
+    log.scrollTop = log.scrollHeight; // the last lines say what went wrong
+  }
+  const li = $(`#run-list li[data-run="${CSS.escape(run.id)}"]`);
+  if (li) {
+    li.querySelector(".badge").className = `badge ${run.status}`;
+    li.querySelector(".badge").textContent = run.status;
+    li.querySelector(".sub").textContent = `${run.step || 0}/${run.total_steps ?? "?"} steps · ${run.config_path}`;
   }
   drawCurve(run.losses || []);
   const key = (run.samples || []).map((s) => s.path).join("|");

@@ -1,0 +1,161 @@
+"""What trains: a peft LoRA, a LyCORIS network, or the whole transformer (full fine-tune).
+
+The loop and checkpoints only see an `Adapter`: its trainable parameters, its state for checkpoints,
+and `save(folder)` for the result a user loads (diffusers LoRA, ComfyUI LoRA, LyCORIS file, or a
+diffusers transformer folder).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from difftune.config import TrainConfig
+from difftune.models.base import Family
+
+
+class Adapter(Protocol):
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything that trains, for checkpoints (CPU tensors)."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def save(self, folder: Path) -> Path:
+        """Write the result in its loadable format; returns the main file or folder."""
+
+
+class LoraAdapter:
+    """peft LoRA on the family's attention projections (or `lora_target_modules`)."""
+
+    def __init__(self, cfg: TrainConfig, family: Family, transformer: Any):
+        self.cfg, self.family, self.transformer = cfg, family, transformer
+        transformer.requires_grad_(False)
+        targets = cfg.lora_target_modules or family.lora_target_modules
+        transformer.add_adapter(LoraConfig(
+            r=cfg.lora_rank, lora_alpha=cfg.effective_lora_alpha(), lora_dropout=cfg.lora_dropout,
+            init_lora_weights=True, target_modules=targets if isinstance(targets, str) else list(targets),
+        ))
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"lora_target_modules {targets!r} matched no module of the transformer")
+        for p in self.params:  # adapters train in fp32 even when the base is bf16
+            p.data = p.data.float()
+        if cfg.init_lora:
+            self.load_lora_file(Path(cfg.init_lora))
+
+    def load_lora_file(self, path: Path) -> None:
+        """Start from an existing LoRA in the diffusers layout (what `save` writes)."""
+        state = load_file(path if path.is_file() else path / "pytorch_lora_weights.safetensors")
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+        result = set_peft_model_state_dict(self.transformer, state)
+        unexpected = getattr(result, "unexpected_keys", []) or []
+        if unexpected:
+            raise ValueError(f"init_lora {path}: {len(unexpected)} tensors match no LoRA module here "
+                             f"(first: {unexpected[0]}); was it trained with other targets or another model?")
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.transformer.named_parameters() if p.requires_grad}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _copy_into(self.transformer, state)
+
+    def save(self, folder: Path) -> Path:
+        state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.transformer).items()}
+        config = self.transformer.peft_config["default"]
+        path = self.family.save_lora(folder, state, config.to_dict())
+        if self.cfg.lora_format == "comfyui":
+            from difftune.adapters.comfyui import save_comfyui
+
+            prefixed = {f"transformer.{k}": v for k, v in state.items()}
+            return save_comfyui(folder / "comfyui_lora.safetensors", self.cfg.model_family, prefixed,
+                                config.lora_alpha, config.r)
+        return path
+
+
+class LycorisAdapter:
+    """A LyCORIS network (lokr, loha, locon, ...) from the `lycoris_config` JSON file."""
+
+    def __init__(self, cfg: TrainConfig, family: Family, transformer: Any):
+        from difftune.adapters.lycoris import attach_lycoris
+
+        self.config = json.loads(Path(cfg.lycoris_config).read_text())
+        self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.network.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _copy_into(self.network, state)
+
+    def save(self, folder: Path) -> Path:
+        from difftune.adapters.lycoris import save_lycoris
+
+        folder.mkdir(parents=True, exist_ok=True)
+        return save_lycoris(self.network, folder / "pytorch_lora_weights.safetensors", {"lycoris_config": self.config})
+
+
+class FullAdapter:
+    """Every transformer weight trains; the result is a diffusers transformer folder."""
+
+    def __init__(self, cfg: TrainConfig, family: Family, transformer: Any):
+        self.transformer = transformer
+        transformer.requires_grad_(True)
+        self.params = list(transformer.parameters())
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.transformer.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        _copy_into(self.transformer, state)
+
+    def save(self, folder: Path) -> Path:
+        target = folder / "transformer"
+        self.transformer.save_pretrained(target, safe_serialization=True)
+        return target
+
+
+def _copy_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy checkpoint tensors into the live parameters and buffers themselves (a module's state_dict()
+    may hand out copies: LyCORIS does), checking that the checkpoint fits this adapter."""
+    live = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    unknown = [k for k in state if k not in live]
+    if unknown:
+        raise ValueError(f"the checkpoint does not match this run's adapter ({unknown[0]} is unknown here; "
+                         "different rank, targets, adapter type or model?); start a new output_dir or "
+                         "restore the settings")
+    missing = sorted({n for n, p in module.named_parameters() if p.requires_grad} - set(state))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} trainable tensors (first: {missing[0]}); "
+                         "start a new output_dir or restore the settings")
+    with torch.no_grad():
+        for name, value in state.items():
+            live[name].copy_(value)
+
+
+def build_adapter(cfg: TrainConfig, family: Family, transformer: Any) -> Adapter:
+    if cfg.model_type == "full":
+        adapter: Adapter = FullAdapter(cfg, family, transformer)
+    elif cfg.lora_type == "lycoris":
+        adapter = LycorisAdapter(cfg, family, transformer)
+    else:
+        adapter = LoraAdapter(cfg, family, transformer)
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return adapter

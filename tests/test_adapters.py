@@ -1,0 +1,113 @@
+"""Adapter kinds end to end: full fine-tune, LyCORIS, LoRA options, ComfyUI format; save/reload."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import write_config
+from difftune.adapters.lycoris import load_lycoris
+from difftune.config import load_config
+from difftune.models import get_family
+from difftune.train import loop
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+from test_train import Crash, losses
+
+VALIDATION = dict(validation_prompt="a red circle", validation_negative_prompt="blurry",
+                  validation_resolution="64x48", validation_num_inference_steps=3, validation_guidance=4.0,
+                  validation_seed=11)
+
+
+def stock_image(pipe):
+    return np.asarray(pipe("a red circle", negative_prompt="blurry", height=48, width=64, num_inference_steps=3,
+                           guidance_scale=4.0, generator=torch.Generator().manual_seed(11)).images[0])
+
+
+def test_full_finetune_saves_a_transformer_the_stock_pipeline_loads(tmp_path, dataset):
+    path = write_config(tmp_path, dataset, model_type="full", max_train_steps=3, learning_rate=1e-3, **VALIDATION)
+    run = build_run(load_config(path))
+    before = {k: v.clone() for k, v in run.comps.transformer.state_dict().items()}
+    train(run)
+    folder = run.output_dir / "transformer"
+    transformer = Lumina2Transformer2DModel.from_pretrained(folder)
+    changed = [k for k, v in transformer.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) > len(before) // 2  # the whole network trained, not an adapter
+    pipe = Lumina2Pipeline.from_pretrained(run.comps.source, transformer=transformer)
+    ours = np.asarray(Image.open(run.output_dir / "validation" / "final-step-000003-64x48.png"))
+    assert np.abs(ours.astype(int) - stock_image(pipe).astype(int)).max() <= 1
+
+
+def test_lycoris_trains_saves_loads_and_resumes(tmp_path, dataset, monkeypatch):
+    config = tmp_path / "lycoris.json"
+    config.write_text(json.dumps({"algo": "lokr", "multiplier": 1.0, "linear_dim": 8, "linear_alpha": 4, "factor": 4}))
+    common = dict(lora_type="lycoris", lycoris_config=str(config), max_train_steps=5, checkpoint_step_interval=2,
+                  resume_from_checkpoint="latest", learning_rate=1e-2)
+    run = build_run(load_config(write_config(tmp_path / "a", dataset, **common)))
+    train(run)
+    saved = tmp_path / "a" / "output" / "pytorch_lora_weights.safetensors"
+    assert any("lokr" in k for k in load_file(saved))
+    fresh = get_family("lumina2").load(run.comps.source, torch.float32).transformer
+    load_lycoris(fresh, saved)
+    x = torch.randn(1, 4, 4, 4)
+    text = {"prompt_embeds": torch.randn(1, 5, 32), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    family = get_family("lumina2")
+    with torch.no_grad():
+        torch.testing.assert_close(family.predict(fresh, x, torch.tensor([0.5]), text),
+                                   family.predict(run.comps.transformer, x, torch.tensor([0.5]), text))
+    expected = losses(tmp_path / "a" / "output")
+    real_step = loop.optimizer_step
+
+    def dying_step(run, batches):
+        if run.state.step == 3:
+            raise Crash()
+        return real_step(run, batches)
+
+    cut = write_config(tmp_path / "b", dataset, **common)
+    monkeypatch.setattr(loop, "optimizer_step", dying_step)
+    with pytest.raises(Crash):
+        train(build_run(load_config(cut)))
+    monkeypatch.setattr(loop, "optimizer_step", real_step)
+    train(build_run(load_config(cut)))
+    resumed = losses(tmp_path / "b" / "output")
+    assert all(resumed[s] == pytest.approx(expected[s], rel=1e-6, abs=1e-7) for s in expected)
+
+
+def test_lora_options_targets_dropout_init_and_comfyui(tmp_path, dataset):
+    path = write_config(tmp_path / "a", dataset, max_train_steps=2, lora_target_modules="to_q,to_v",
+                        lora_dropout=0.1, lora_format="comfyui", learning_rate=1e-2)
+    run = build_run(load_config(path))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in run.comps.transformer.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == {"to_q", "to_v"}
+    assert run.comps.transformer.peft_config["default"].lora_dropout == 0.1
+    train(run)
+    comfy = load_file(tmp_path / "a" / "output" / "comfyui_lora.safetensors")
+    assert comfy and all(k.startswith("diffusion_model.") for k in comfy)
+    assert any(k.endswith(".alpha") for k in comfy)
+    # init_lora: a new run starts from the saved adapter, weight for weight.
+    first = load_file(tmp_path / "a" / "output" / "pytorch_lora_weights.safetensors")
+    again = build_run(load_config(write_config(tmp_path / "b", dataset, max_train_steps=1, lora_target_modules="to_q,to_v",
+                                               init_lora=str(tmp_path / "a" / "output"))))
+    live = {k: v for k, v in again.comps.transformer.named_parameters() if "lora_" in k}
+    for key, value in first.items():
+        name = key.removeprefix("transformer.").replace(".weight", ".default.weight")
+        torch.testing.assert_close(live[name].detach(), value)
+
+
+def test_adapter_config_errors(tmp_path, dataset):
+    from difftune.config import ConfigError
+
+    with pytest.raises(ConfigError, match="lycoris_config"):
+        load_config(write_config(tmp_path, dataset, lora_type="lycoris"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="algo"):
+        load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(bad)))
+    with pytest.raises(ConfigError, match="comfyui"):
+        load_config(write_config(tmp_path, dataset, model_type="full", lora_format="comfyui"))
+    with pytest.raises(ConfigError, match="init_lora"):
+        load_config(write_config(tmp_path, dataset, init_lora=str(tmp_path / "nope")))
