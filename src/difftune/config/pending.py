@@ -36,7 +36,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "offload_during_startup": ((False,), "offload_during_startup is not implemented yet; set it to false"),
     "vae_enable_patch_conv": ((False,), "patched VAE convolutions come with video support, not implemented yet"),
     "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
-    "checkpoints_total_limit": ((None,), "checkpoints_total_limit is not implemented yet; remove it"),
     "validation_num_video_frames": ((None,), "video families are not implemented yet"),
     "frame_rate": ((None,), "video families are not implemented yet; remove frame_rate"),
 }

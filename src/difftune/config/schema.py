@@ -171,6 +171,25 @@ class TrainConfig(BaseModel):
         "sampling time. Replaces flow_schedule_shift.",
         "training",
     )
+    timestep_sampling: Literal["logit_normal", "uniform", "mode"] = field(
+        "logit_normal", "How training noise levels are drawn (before the shift): 'logit_normal' (SD3's default), "
+        "'uniform', or 'mode' (heavier tails).", "training", advanced=True,
+    )
+    logit_mean: float = field(0.0, "Mean of the logit-normal distribution.", "training", advanced=True)
+    logit_std: float = field(1.0, "Standard deviation of the logit-normal distribution.", "training", gt=0,
+                             advanced=True)
+    mode_scale: float = field(1.29, "Scale of the 'mode' distribution.", "training", advanced=True)
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = field(
+        "none", "Per-sample loss weighting by noise level (SD3 paper's schemes).", "training", advanced=True
+    )
+    max_nonfinite_steps: int = field(
+        5, "A step whose loss or gradient is not finite is skipped and reported; this many in a row stop "
+        "training (the last checkpoint stays intact).", "training", ge=1, advanced=True,
+    )
+    checkpoints_total_limit: int | None = field(
+        None, "Keep only the newest N checkpoints (older ones are deleted after a new one is complete).",
+        "output", ge=1,
+    )
     mixed_precision: Literal["bf16", "fp16", "no"] = field(
         "bf16", "Autocast precision of the forward pass ('no' for full fp32; use 'no' on CPU).", "training"
     )

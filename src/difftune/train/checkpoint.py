@@ -58,7 +58,21 @@ def save_checkpoint(run: Run) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    prune_checkpoints(run.output_dir, run.cfg.checkpoints_total_limit)
     return final
+
+
+def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
+    """Delete all but the newest `keep` complete checkpoints (called after a new one is in place)."""
+    if keep is None:
+        return
+    root = checkpoints_dir(output_dir)
+    done = sorted((p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()),
+                  key=lambda p: int(p.name[len(PREFIX):]))
+    for old in done[:-keep]:
+        trash = root / f".old-{old.name}-{os.getpid()}"
+        os.replace(old, trash)  # renamed first: a kill mid-delete never leaves a half checkpoint named as whole
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
@@ -32,16 +33,23 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     if run.cfg.flow_schedule_auto_shift:
         shift = run.family.auto_shift(run.comps, tuple(x0.shape[-2:]))
     noise = torch.randn(x0.shape, generator=run.generator)
-    sigmas = objective.sample_sigmas(x0.shape[0], shift, run.generator)
+    sigmas = objective.sample_sigmas(x0.shape[0], shift, run.generator, run.sampling)
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     x_t = objective.noisy_input(x0, noise, sigmas)
     with run.accelerator.autocast():
         conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
         pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text, conditioning)
-    return objective.flow_loss(pred, objective.velocity_target(x0, noise).to(device))
+    weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
+    return objective.flow_loss(pred, objective.velocity_target(x0, noise).to(device), weights)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
 
 
 def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches. Returns the mean loss; a
+    step whose loss or gradient is not finite changes no weight (and returns that non-finite loss)."""
     accum = run.cfg.gradient_accumulation_steps
     total = 0.0
     for micro in range(accum):
@@ -50,8 +58,11 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
             loss = micro_step(run, next(batches))
             run.accelerator.backward(loss / accum)
         total += loss.item() / accum
-    if run.cfg.max_grad_norm is not None:
-        run.accelerator.clip_grad_norm_(run.params, run.cfg.max_grad_norm)
+    limit = run.cfg.max_grad_norm if run.cfg.max_grad_norm is not None else math.inf
+    norm = run.accelerator.clip_grad_norm_(run.params, limit)  # with no limit: only measures
+    if not math.isfinite(total) or (norm is not None and not torch.isfinite(torch.as_tensor(norm)).item()):
+        run.optimizer.zero_grad(set_to_none=True)
+        return math.nan if math.isfinite(total) else total
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -103,11 +114,22 @@ def _train(run: Run) -> Path:
     batches = iter(run.data)
     started = time.perf_counter()
     stopped = False
+    bad_steps = 0
     try:
         while run.state.step < run.total_steps and not stopped:
             loss = optimizer_step(run, batches)
             run.state.step += 1
             step = run.state.step
+            bad_steps = bad_steps + 1 if not math.isfinite(loss) else 0
+            if bad_steps:
+                run.events.emit("warning", message=f"step {step}: loss or gradient not finite ({loss}); "
+                                                   "step skipped, weights unchanged")
+                if bad_steps >= cfg.max_nonfinite_steps:
+                    raise NonFiniteError(
+                        f"{bad_steps} steps in a row had a non-finite loss or gradient; training stopped. The "
+                        "last checkpoint is intact: lower learning_rate, set max_grad_norm, or check the data"
+                    )
+                continue
             if run.ema is not None:
                 run.ema.step(step)
             run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],

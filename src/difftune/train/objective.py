@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 
 def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -13,10 +16,30 @@ def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
-def sample_sigmas(batch: int, shift: float, generator: torch.Generator) -> torch.Tensor:
-    """Noise levels [B]: logit-normal(0, 1) (the SD3 default), then shifted."""
-    u = torch.sigmoid(torch.randn(batch, generator=generator))
+@dataclass(frozen=True)
+class TimestepSampling:
+    """How training noise levels are drawn: 'logit_normal' (SD3's default), 'uniform' or 'mode'
+    (the SD3 paper's mode sampling with heavy tails), before the shift."""
+
+    distribution: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+
+
+def sample_sigmas(batch: int, shift: float, generator: torch.Generator,
+                  sampling: TimestepSampling = TimestepSampling()) -> torch.Tensor:
+    """Noise levels [B] in (0, 1), drawn from the run's generator, then shifted."""
+    u = compute_density_for_timestep_sampling(
+        sampling.distribution, batch, sampling.logit_mean, sampling.logit_std, sampling.mode_scale,
+        generator=generator,
+    )
     return shift_sigmas(u, shift)
+
+
+def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Per-sample loss weights [B]: 'none', 'sigma_sqrt' or 'cosmap' (SD3 paper)."""
+    return compute_loss_weighting_for_sd3(scheme, sigmas).float()
 
 
 def noisy_input(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
@@ -28,6 +51,10 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def flow_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error in float32, averaged over every element."""
-    return torch.nn.functional.mse_loss(prediction.float(), target.float())
+def flow_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error in float32, averaged over every element; `weights` [B] scale each sample."""
+    error = (prediction.float() - target.float()) ** 2
+    if weights is None:
+        return error.mean()
+    per_sample = error.reshape(error.shape[0], -1).mean(dim=1)
+    return (per_sample * weights.to(per_sample.device)).mean()

@@ -26,6 +26,7 @@ from difftune.models.base import Components, Family, SampleRequest
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.ema import EMA
 from difftune.train.events import Events
+from difftune.train.objective import TimestepSampling
 from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, size_rules
 
@@ -55,6 +56,7 @@ class Run:
     total_steps: int
     generator: torch.Generator
     ema: EMA | None = None
+    sampling: TimestepSampling = field(default_factory=TimestepSampling)
     state: TrainState = field(default_factory=TrainState)
 
 
@@ -172,4 +174,5 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
         validation=prepared.validation, events=events, output_dir=output_dir,
         total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed), ema=ema,
+        sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
     )
