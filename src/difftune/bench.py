@@ -1,17 +1,19 @@
-"""`make bench`: a quick performance check of the trainer on the tiny random Lumina2 model.
+"""`make bench`: a quick performance check of the trainer on the tiny random-init models.
 
 Measures, in a temporary folder that is removed afterwards:
   - import time of the training stack in a fresh interpreter;
-  - time to first step: build_run (discovery, model load, text and latent caches from cold, LoRA,
-    optimizer) until the first optimizer step has finished;
-  - median optimizer step time over 50 steps (batch 2, 64x64 images);
-  - latent cache throughput (decode, crop, VAE encode, write) on 64 images, cold cache;
-  - discovery time of 2,000 small captioned images;
+  - time to first step on tiny Lumina2: build_run (discovery, model load, text and latent caches from
+    cold, LoRA, optimizer) until the first optimizer step has finished;
+  - median optimizer step time over 50 steps (batch 2, 64x64), on tiny Lumina2 and tiny Kandinsky 5 image;
+  - the batch source's per-batch overhead without the model: TrainingData iteration (sampler, cached
+    latents, cached text embeddings, collate) at batch 4;
+  - latent cache throughput on the tiny Lumina2 VAE with vae_batch_size 1 and 8, cold cache;
+  - discovery of 10,000 small captioned images, without and with the metadata cache;
   - peak RSS of the process.
 
-It calls the trainer's own functions (load_config, build_run, optimizer_step, fill_latent_cache,
-discover) so that the figures follow the code. The tiny model is built before any timing starts: it
-is a one-off per machine (kept under $DIFFTUNE_HOME), not part of a run.
+It calls the trainer's own functions (load_config, build_run, optimizer_step, TrainingData,
+BucketSampler, fill_latent_cache, discover) so that the figures follow the code. Tiny models are
+built before any timing starts: a one-off per machine (kept under $DIFFTUNE_HOME), not part of a run.
 """
 
 from __future__ import annotations
@@ -31,20 +33,28 @@ import psutil
 import torch
 
 from difftune.config import RunConfig, load_config
+from difftune.data.batches import TrainingData
 from difftune.data.cache import TensorCache
 from difftune.data.discovery import discover
 from difftune.data.latents import fill_latent_cache
+from difftune.data.sampler import BucketSampler
 from difftune.demo import make_dataset
 from difftune.models import get_family
 from difftune.train.events import Events
 from difftune.train.loop import optimizer_step
-from difftune.train.setup import DTYPES, build_run, resolve_source, size_rule
+from difftune.train.plan import dataset_spec, size_rules
+from difftune.train.setup import DTYPES, build_run, resolve_source
 
 TRAIN_IMAGES = 64
 IMAGE_SIZE = (64, 64)
 BATCH_SIZE = 2
 TIMED_STEPS = 50
-DISCOVERY_FILES = 2000
+KANDINSKY = ("kandinsky5-image", "tiny-random")
+CACHE_IMAGES = 256
+VAE_BATCH_SIZES = (1, 8)
+SAMPLER_BATCH = 4
+SAMPLER_BATCHES = 200
+DISCOVERY_FILES = 10_000
 DISCOVERY_REPEATS = 3
 
 
@@ -85,7 +95,8 @@ def peak_rss_mib() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def write_config(root: Path, data_dir: Path) -> Path:
+def write_config(root: Path, data_dir: Path, family: str = "lumina2", flavour: str = "tiny-random",
+                 vae_batch_size: int = 4) -> RunConfig:
     """A run like the demo's, without validation (sampling is not what we time) and without checkpoints."""
     datasets = [
         {"id": "bench", "type": "local", "dataset_type": "image", "instance_data_dir": str(data_dir),
@@ -98,14 +109,14 @@ def write_config(root: Path, data_dir: Path) -> Path:
     backend = root / "multidatabackend.json"
     backend.write_text(json.dumps(datasets, indent=2))
     config = {
-        "model_family": "lumina2", "model_flavour": "tiny-random", "model_type": "lora",
+        "model_family": family, "model_flavour": flavour, "model_type": "lora",
         "mixed_precision": "no", "output_dir": str(root / "output"), "data_backend_config": str(backend),
         "train_batch_size": BATCH_SIZE, "learning_rate": 1e-3, "lora_rank": 8,
-        "max_train_steps": TIMED_STEPS + 1, "seed": 42,
+        "max_train_steps": TIMED_STEPS + 1, "seed": 42, "vae_batch_size": vae_batch_size,
     }
     path = root / "config.json"
     path.write_text(json.dumps(config, indent=2))
-    return path
+    return load_config(path)
 
 
 def bench_import() -> dict[str, float]:
@@ -116,7 +127,7 @@ def bench_import() -> dict[str, float]:
     return {"import_s": time.perf_counter() - started}
 
 
-def bench_training(run_cfg: RunConfig) -> dict[str, float]:
+def bench_training(run_cfg: RunConfig, prefix: str) -> tuple[dict[str, float], TrainingData]:
     events = Events(Path(run_cfg.train.output_dir) / "events.jsonl", console=False)
     started = time.perf_counter()
     run = build_run(run_cfg, events)
@@ -132,64 +143,113 @@ def bench_training(run_cfg: RunConfig) -> dict[str, float]:
         optimizer_step(run, batches)
         times.append(time.perf_counter() - t)
     times.sort()
+    events.close()
     return {
-        "build_run_s": built - started,
-        "first_step_s": first - started,
-        "step_median_ms": statistics.median(times) * 1000,
-        "step_p90_ms": times[int(0.9 * (len(times) - 1))] * 1000,
-    }
+        f"{prefix}build_run_s": built - started,
+        f"{prefix}first_step_s": first - started,
+        f"{prefix}step_median_ms": statistics.median(times) * 1000,
+        f"{prefix}step_p90_ms": times[int(0.9 * (len(times) - 1))] * 1000,
+    }, run.data
 
 
-def bench_cache(root: Path, data_dir: Path) -> dict[str, float]:
-    """Latent cache fill alone, into a fresh cache folder: decode + crop + VAE encode + write."""
-    run_cfg = load_config(write_config(root, data_dir))
+def bench_sampler(data: TrainingData) -> dict[str, float]:
+    """TrainingData iteration without the model: sampler + load cached latents + text embeddings +
+    collate, over the training run's own items and caches (just written, so in the page cache)."""
+    parts = [(list(range(len(data.items))), [c.sample.bucket for c in data.items], None)]
+
+    def fresh() -> BucketSampler:
+        return BucketSampler(parts, SAMPLER_BATCH, data.seed, keep_partial=False)
+
+    def per_batch(source) -> list[float]:
+        it, times = iter(source), []
+        for _ in range(SAMPLER_BATCHES):
+            t = time.perf_counter()
+            next(it)
+            times.append(time.perf_counter() - t)
+        return times
+
+    source = TrainingData(data.items, data.text_caches, fresh(), data.collate_text, data.caption_dropout, data.seed)
+    full = per_batch(source)
+    alone = per_batch(fresh())  # the sampler alone: which indices, no file read
+    return {"sampler_median_ms": statistics.median(full) * 1000, "sampler_max_ms": max(full) * 1000,
+            "sampler_only_ms": statistics.median(alone) * 1000}
+
+
+def bench_cache(root: Path) -> dict[str, float]:
+    """Latent cache fill alone, into a fresh cache folder per vae_batch_size: decode + crop + VAE encode + write."""
+    data_dir = root / "images"
+    make_dataset(data_dir, count=CACHE_IMAGES, size=IMAGE_SIZE, seed=2)
+    run_cfg = write_config(root, data_dir)
     cfg, dataset = run_cfg.train, run_cfg.datasets.images[0]
     family = get_family(cfg.model_family)
-    comps = family.load(resolve_source(cfg, family), DTYPES[cfg.weight_dtype_name()])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    comps.vae.to(device)
-    samples = discover(dataset.id, data_dir, size_rule(dataset, family)).samples
-    cache = TensorCache(root / "cache-bench", family.identity(comps)["vae"])
-    started = time.perf_counter()
-    done, failed = fill_latent_cache(samples, cache, dataset.crop_style, cfg.seed,
-                                     lambda px: family.encode_images(comps, px), cfg.vae_batch_size)
-    elapsed = time.perf_counter() - started
-    if failed or len(done) != len(samples):
-        raise RuntimeError(f"latent cache bench: {len(failed)} image(s) failed: {failed[:3]}")
-    return {"cache_images": len(done), "cache_s": elapsed, "cache_images_per_s": len(done) / elapsed,
-            "vae_batch_size": cfg.vae_batch_size}
+    comps = family.load(resolve_source(cfg), DTYPES[cfg.weight_dtype_name()])
+    comps.vae.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    samples = discover(dataset_spec(run_cfg, dataset, size_rules(run_cfg)[0])).samples
+
+    def encode(px: torch.Tensor) -> torch.Tensor:
+        return family.encode_images(comps, px)
+
+    with torch.no_grad():  # one-off warm-up (allocator, kernels) outside the timings
+        encode(torch.zeros(8, 3, *IMAGE_SIZE))
+    results: dict[str, float] = {}
+    for batch in VAE_BATCH_SIZES:
+        cache = TensorCache(root / f"cache-bs{batch}", family.identity(comps)["vae"])
+        started = time.perf_counter()
+        done, failed = fill_latent_cache(samples, cache, dataset.crop_style, cfg.seed, encode, batch)
+        elapsed = time.perf_counter() - started
+        if failed or len(done) != CACHE_IMAGES:
+            raise RuntimeError(f"latent cache bench: {len(done)} of {CACHE_IMAGES} cached, failed: {failed[:3]}")
+        results[f"cache_bs{batch}_per_s"] = len(done) / elapsed
+    return results
 
 
 def bench_discovery(root: Path) -> dict[str, float]:
-    folder = root / "discovery"
+    """discover() over 10,000 files: cold (no metadata cache: every header read), then warm (the
+    metadata file the cold scan wrote). The files were just written, so they are in the page cache."""
+    folder = root / "images"
     make_dataset(folder, count=DISCOVERY_FILES, size=(32, 32), seed=1)
-    run_cfg = load_config(write_config(root, folder))
-    dataset = run_cfg.datasets.images[0]
-    rule = size_rule(dataset, get_family(run_cfg.train.model_family))
-    times = []
-    for _ in range(DISCOVERY_REPEATS):
-        t = time.perf_counter()
-        found = discover(dataset.id, folder, rule)
-        times.append(time.perf_counter() - t)
-    if len(found.samples) != DISCOVERY_FILES:
-        raise RuntimeError(f"discovery bench: found {len(found.samples)} of {DISCOVERY_FILES} images")
-    return {"discovery_s": statistics.median(times), "discovery_files": DISCOVERY_FILES}
+    run_cfg = write_config(root, folder)
+    spec = dataset_spec(run_cfg, run_cfg.datasets.images[0], size_rules(run_cfg)[0])
+    results: dict[str, float] = {}
+    for kind in ("cold", "warm"):
+        times = []
+        for _ in range(DISCOVERY_REPEATS):
+            if kind == "cold" and spec.metadata_file.exists():
+                spec.metadata_file.unlink()
+            t = time.perf_counter()
+            found = discover(spec)
+            times.append(time.perf_counter() - t)
+            expected = DISCOVERY_FILES if kind == "cold" else 0
+            if len(found.samples) != DISCOVERY_FILES or found.probed != expected:
+                raise RuntimeError(f"discovery bench ({kind}): {len(found.samples)} of {DISCOVERY_FILES} "
+                                   f"images, {found.probed} probed (expected {expected})")
+        results[f"discovery_{kind}_s"] = statistics.median(times)
+    return results
 
 
 def rows(r: dict[str, float]) -> list[tuple[str, str, str]]:
+    size = f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]}"
+    steps = f"{TIMED_STEPS} steps, batch {BATCH_SIZE}, {size}, fp32, LoRA rank 8"
     return [
         ("import of training stack", f"{r['import_s']:.2f} s",
          "fresh interpreter: import difftune.train.loop (torch, diffusers, transformers, peft)"),
         ("time to first step", f"{r['first_step_s']:.2f} s",
-         f"build_run + 1 step, cold caches, {TRAIN_IMAGES} images (build_run alone {r['build_run_s']:.2f} s)"),
+         f"tiny Lumina2, build_run + 1 step, cold caches, {TRAIN_IMAGES} images {size} "
+         f"(build_run alone {r['build_run_s']:.2f} s)"),
         ("optimizer step, median", f"{r['step_median_ms']:.1f} ms",
-         f"{TIMED_STEPS} steps, batch {BATCH_SIZE}, {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]}, fp32 "
-         f"(p90 {r['step_p90_ms']:.1f} ms)"),
-        ("latent cache fill", f"{r['cache_images_per_s']:.1f} images/s",
-         f"{r['cache_images']} images {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]}, cold cache, "
-         f"vae_batch_size {r['vae_batch_size']} ({r['cache_s']:.2f} s)"),
-        ("discovery", f"{r['discovery_s'] * 1000:.0f} ms",
-         f"{r['discovery_files']} images 32x32 with .txt captions, median of {DISCOVERY_REPEATS}"),
+         f"tiny Lumina2, {steps} (p90 {r['step_p90_ms']:.1f} ms)"),
+        ("optimizer step, median (Kandinsky 5)", f"{r['k5_step_median_ms']:.1f} ms",
+         f"tiny Kandinsky 5 image (t2i), {steps} (p90 {r['k5_step_p90_ms']:.1f} ms; "
+         f"first step {r['k5_first_step_s']:.2f} s)"),
+        (f"batch source, per batch of {SAMPLER_BATCH}", f"{r['sampler_median_ms']:.2f} ms",
+         f"TrainingData iteration without the model, tiny Lumina2 caches, median of {SAMPLER_BATCHES} "
+         f"(max {r['sampler_max_ms']:.1f} ms; sampler alone {r['sampler_only_ms'] * 1000:.1f} us)"),
+        *((f"latent cache fill, vae_batch_size {b}", f"{r[f'cache_bs{b}_per_s']:.0f} images/s",
+           f"tiny Lumina2 VAE, {CACHE_IMAGES} images {size}, cold cache") for b in VAE_BATCH_SIZES),
+        ("discovery, cold", f"{r['discovery_cold_s']:.2f} s",
+         f"{DISCOVERY_FILES:,} images 32x32 + .txt, no metadata cache, median of {DISCOVERY_REPEATS}"),
+        ("discovery, warm", f"{r['discovery_warm_s']:.2f} s",
+         f"same files, metadata cache from the cold scan, median of {DISCOVERY_REPEATS}"),
         ("peak RSS", f"{r['peak_rss_mib']:.0f} MiB", "whole benchmark process (ru_maxrss)"),
     ]
 
@@ -211,18 +271,25 @@ def main() -> int:
         root = Path(tmp)
         data_dir = root / "data"
         make_dataset(data_dir, count=TRAIN_IMAGES, size=IMAGE_SIZE)
-        run_cfg = load_config(write_config(root / "train", data_dir))
-        family = get_family(run_cfg.train.model_family)
-        # A one-off per machine; built before timing so that "first step" measures a run, not a build.
-        resolve_source(run_cfg.train, family)
+        lumina = write_config(root / "train", data_dir)
+        kandinsky = write_config(root / "train-k5", data_dir, *KANDINSKY)
+        # One-offs per machine; built before timing so that "first step" measures a run, not a build.
+        resolve_source(lumina.train)
+        resolve_source(kandinsky.train)
         started = time.perf_counter()
         snapshot = cpu_snapshot()
         print("\nimport ...", flush=True)
         results: dict[str, float] = bench_import()
-        print("training (time to first step, step time) ...", flush=True)
-        results |= bench_training(run_cfg)
+        print("training, tiny Lumina2 (time to first step, step time) ...", flush=True)
+        lumina_results, data = bench_training(lumina, "")
+        results |= lumina_results
+        print(f"batch source (batch {SAMPLER_BATCH}) ...", flush=True)
+        results |= bench_sampler(data)
+        del data
+        print("training, tiny Kandinsky 5 image (step time) ...", flush=True)
+        results |= bench_training(kandinsky, "k5_")[0]
         print("latent cache fill ...", flush=True)
-        results |= bench_cache(root / "cache", data_dir)
+        results |= bench_cache(root / "cache")
         print("discovery ...", flush=True)
         results |= bench_discovery(root / "discovery")
         results["peak_rss_mib"] = peak_rss_mib()
@@ -235,7 +302,7 @@ def main() -> int:
     if others > 0.2:
         print("  warning: the machine was busy with other work; these figures are likely too slow\n")
     for name, value, detail in table:
-        print(f"  {name:<24} {value:>14}   {detail}")
+        print(f"  {name:<38} {value:>12}   {detail}")
     print("\nmarkdown:\n")
     print(f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, device {info['device']}\n")
     print("| measure | value | conditions |")

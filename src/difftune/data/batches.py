@@ -28,6 +28,8 @@ class Batch:
     text: dict[str, torch.Tensor]  # family-specific, collated
     captions: list[str]
     conditioning: torch.Tensor | None = None  # [B, C, h, w] latents of the input images (image-to-image)
+    offset: int = 0  # where this process's slice starts in the global batch (several processes)
+    global_size: int = 0  # samples in the global batch (all processes); noise is drawn for all of them
 
 
 class TrainingData:
@@ -35,9 +37,10 @@ class TrainingData:
         self, items: list[CachedSample], text_caches: dict[str, TensorCache], sampler: BucketSampler,
         collate_text: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
         caption_dropout: float = 0.0, seed: int = 0, encode: Encoder | None = None,
-        on_skip: Callable[[str], None] | None = None,
+        on_skip: Callable[[str], None] | None = None, rank: int = 0, ranks: int = 1,
     ):
-        """`text_caches`: dataset id -> its text cache. `encode`: the VAE, for on-the-fly items."""
+        """`text_caches`: dataset id -> its text cache. `encode`: the VAE, for on-the-fly items.
+        With `ranks` processes the sampler yields global batches and this process takes slice `rank`."""
         self.items = items
         self.text_caches = text_caches
         self.sampler = sampler
@@ -46,6 +49,7 @@ class TrainingData:
         self.seed = seed
         self.encode = encode
         self.on_skip = on_skip
+        self.rank, self.ranks = rank, ranks
 
     def _text(self, item: CachedSample, key: str) -> dict[str, torch.Tensor]:
         cache = self.text_caches[item.sample.dataset_id]
@@ -57,16 +61,17 @@ class TrainingData:
             )
         return tensors
 
-    def _latents(self, chosen: list[CachedSample]) -> tuple[list[CachedSample], torch.Tensor, torch.Tensor | None]:
+    def _latents(self, chosen: list[CachedSample]) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """(positions in `chosen` that loaded, their latents, their input-image latents)."""
         if chosen[0].latent_file is not None:
             latents = torch.stack([load_file(c.latent_file)["latents"] for c in chosen])
             cond = None
             if chosen[0].conditioning_file is not None:
                 cond = torch.stack([load_file(c.conditioning_file)["latents"] for c in chosen])
-            return chosen, latents, cond
+            return list(range(len(chosen))), latents, cond
         assert self.encode is not None, "items without cached latents need an encoder"
         kept, pixels, cond_pixels = [], [], []
-        for c in chosen:  # on the fly: a file that fails now is skipped and reported, never fatal
+        for position, c in enumerate(chosen):  # on the fly: a file that fails now is skipped and reported
             s = c.sample
             try:
                 pixels.append(prepare(load_rgb(s.path), s.bucket, c.crop_style, c.uv, s.downsample))
@@ -77,7 +82,7 @@ class TrainingData:
                 if self.on_skip:
                     self.on_skip(f"skipped {s.path}: {e}")
                 continue
-            kept.append(c)
+            kept.append(position)
         if not kept:
             return [], torch.empty(0), None
         with torch.no_grad():
@@ -89,14 +94,21 @@ class TrainingData:
         for indices in self.sampler:
             state = self.sampler.state
             rng = np.random.default_rng([self.seed, 3_000_017, state.epoch, state.index])
-            chosen, latents, cond = self._latents([self.items[i] for i in indices])
-            if not chosen:
+            draws = {}  # drawn for the whole global batch, in order, so every process agrees
+            for i in indices:
+                pick = int(rng.integers(len(self.items[i].text_keys)))
+                draws[i] = (pick, self.caption_dropout > 0 and rng.random() < self.caption_dropout)
+            share = len(indices) // self.ranks
+            offset = self.rank * share
+            mine = indices[offset : offset + share]
+            kept, latents, cond = self._latents([self.items[i] for i in mine])
+            if not kept:
                 continue
+            chosen = [self.items[mine[k]] for k in kept]
             keys, captions = [], []
-            for c in chosen:
-                pick = int(rng.integers(len(c.text_keys)))
-                dropped = self.caption_dropout > 0 and rng.random() < self.caption_dropout
+            for i, c in zip((mine[k] for k in kept), chosen, strict=True):
+                pick, dropped = draws[i]
                 keys.append(c.empty_key if dropped else c.text_keys[pick])
                 captions.append("" if dropped else c.sample.captions[pick])
             text = self.collate_text([self._text(c, k) for c, k in zip(chosen, keys, strict=True)])
-            yield Batch(latents, text, captions, cond)
+            yield Batch(latents, text, captions, cond, offset, len(indices))

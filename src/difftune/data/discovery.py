@@ -124,6 +124,7 @@ class DatasetSpec:
     conditioning_root: Path | None = None
     metadata_file: Path | None = None
     seed: int = 0
+    write_metadata: bool = True  # several processes: only one writes the shared metadata file
 
 
 def discover(spec: DatasetSpec) -> Discovery:
@@ -166,5 +167,6 @@ def discover(spec: DatasetSpec) -> Discovery:
         result.samples.append(
             Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning)
         )
-    metadata.save()
+    if spec.write_metadata:
+        metadata.save()
     return result

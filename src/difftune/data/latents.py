@@ -46,6 +46,11 @@ def file_key(path: Path, bucket: tuple[int, int], extra: object, uv: tuple[float
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{bucket}|{extra}|{uv}"
 
 
+def latent_key(sample: Sample, crop_style: str, seed: int) -> str:
+    """The cache key of a sample's latents."""
+    return file_key(sample.path, sample.bucket, sample.downsample, crop_position(sample, crop_style, seed))
+
+
 def text_key(sample: Sample, caption: str, crop_style: str, seed: int) -> str:
     """Captions alone key the text cache, except with an input image, which the encoder also sees."""
     if sample.conditioning is None:
@@ -89,7 +94,7 @@ def fill_latent_cache(
 
     for sample in samples:
         uv = crop_position(sample, crop_style, seed)
-        keys = [(sample.path, file_key(sample.path, sample.bucket, sample.downsample, uv))]
+        keys = [(sample.path, latent_key(sample, crop_style, seed))]
         if sample.conditioning is not None:
             keys.append((sample.conditioning, file_key(sample.conditioning, sample.bucket, None, uv)))
         if all(cache.has(key) for _, key in keys):

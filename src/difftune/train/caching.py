@@ -21,8 +21,9 @@ from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import Discovery, image_files
 from difftune.data.images import load_rgb
-from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs, uncached
+from difftune.data.latents import CachedSample, fill_latent_cache, latent_key, text_jobs, uncached
 from difftune.models.base import Components, Family, SampleRequest
+from difftune.train.distributed import Ranks
 from difftune.train.events import Events
 
 
@@ -95,8 +96,11 @@ def text_cache_for(run_cfg: RunConfig, ds, identity: dict) -> tuple[TensorCache,
 
 def fill_caches(
     run_cfg: RunConfig, family: Family, comps: Components, found: list[Discovery], rules: list[SizeRule],
-    device: torch.device, events: Events,
+    device: torch.device, events: Events, ranks: Ranks | None = None,
 ) -> Cached:
+    """With several processes each encodes its share (`ranks.shard`), then all wait and take the whole
+    cache: a second pass finds everything present (only entries that failed are tried again)."""
+    ranks = ranks or Ranks()
     cfg = run_cfg.train
     datasets = run_cfg.datasets.images
     identity = family.identity(comps)
@@ -104,18 +108,28 @@ def fill_caches(
     for module in comps.text_modules():
         module.to(device)
     encoded, text_failed, total = 0, [], 0
+    all_jobs = {}
     for ds, d in zip(datasets, found, strict=True):
         cache, batch = text_cache_for(run_cfg, ds, identity["text"])
         text_caches[ds.id] = cache
         jobs = text_jobs(d.samples, ds.crop_style, cfg.seed, with_empty=cfg.caption_dropout_probability > 0)
+        unique = sorted({job.key: job for job in jobs}.values(), key=lambda job: job.key)
+        all_jobs[ds.id] = (cache, batch, unique)
         total += len(jobs)
-        n, bad = fill_text_cache(
-            cache, jobs, lambda prompts, images: family.encode_text(comps, prompts, images=images), batch,
-            on_progress=progress(events, f"text embeddings ({ds.id})", len(jobs)),
+        mine = ranks.shard(unique)
+        n, _ = fill_text_cache(  # failures are reported by the second pass
+            cache, mine, lambda prompts, images: family.encode_text(comps, prompts, images=images), batch,
+            on_progress=progress(events, f"text embeddings ({ds.id})", len(mine)),
         )
+        encoded += n
+    ranks.barrier()
+    for cache, batch, unique in all_jobs.values():  # after the others' shares: only failures are retried
+        n, bad = fill_text_cache(cache, unique, lambda p, i: family.encode_text(comps, p, images=i), batch)
         encoded, text_failed = encoded + n, text_failed + bad
-    validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found)
-    events.emit("info", message=f"text cache: {total} captions, {encoded} newly encoded")
+    validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found) if ranks.main else []
+    per_process = ranks.gather(encoded)
+    events.emit("info", message=f"text cache: {total} captions, {sum(per_process)} newly encoded"
+                + (f" (per process: {per_process})" if ranks.count > 1 else ""))
     comps.text = {}  # the text encoders' job is done: free the memory before training
     _free(device)
 
@@ -123,6 +137,7 @@ def fill_caches(
     cached: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
     on_the_fly = False
+    latents_encoded = 0
     for ds, disc, rule in zip(datasets, found, rules, strict=True):
         if cfg.vae_cache_disable or ds.vae_cache_disable:
             on_the_fly = True  # encoded during training: nothing written, the VAE stays loaded
@@ -130,11 +145,18 @@ def fill_caches(
             continue
         cache = TensorCache(Path(ds.vae_cache_root(cfg.model_family)),
                             {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style})
-        done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed,
-                                      lambda px: family.encode_images(comps, px), cfg.vae_batch_size,
-                                      on_progress=progress(events, f"latents ({ds.id})", len(disc.samples)))
+        encode = lambda px: family.encode_images(comps, px)  # noqa: E731
+        mine = ranks.shard(disc.samples)
+        latents_encoded += sum(1 for s in mine if not cache.has(latent_key(s, ds.crop_style, cfg.seed)))
+        fill_latent_cache(mine, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
+                          on_progress=progress(events, f"latents ({ds.id})", len(mine)))
+        ranks.barrier()
+        done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size)
         cached += done
         failed += bad
+    per_process = ranks.gather(latents_encoded)
+    events.emit("info", message=f"latent cache: {sum(len(d.samples) for d in found)} images, {sum(per_process)} "
+                "newly encoded" + (f" (per process: {per_process})" if ranks.count > 1 else ""))
     cached = [c for c in cached if all(text_caches[c.sample.dataset_id].has(k) for k in c.text_keys)]
     failed += [(Path(key.split("\x00")[-1].split("|")[0]), f"input image: {why}") for key, why in text_failed]
     for path, reason in failed:

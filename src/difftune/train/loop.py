@@ -32,8 +32,11 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     shift = run.cfg.flow_schedule_shift
     if run.cfg.flow_schedule_auto_shift:
         shift = run.family.auto_shift(run.comps, tuple(x0.shape[-2:]))
-    noise = torch.randn(x0.shape, generator=run.generator)
-    sigmas = objective.sample_sigmas(x0.shape[0], shift, run.generator, run.sampling)
+    # Noise and noise levels are drawn for the global batch, then this process's slice is taken: the
+    # same numbers as a single process training the whole batch.
+    size, lo = max(batch.global_size, x0.shape[0]), batch.offset
+    noise = torch.randn((size, *x0.shape[1:]), generator=run.generator)[lo : lo + x0.shape[0]]
+    sigmas = objective.sample_sigmas(size, shift, run.generator, run.sampling)[lo : lo + x0.shape[0]]
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     x_t = objective.noisy_input(x0, noise, sigmas)
     with run.accelerator.autocast():
@@ -58,6 +61,7 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
             loss = micro_step(run, next(batches))
             run.accelerator.backward(loss / accum)
         total += loss.item() / accum
+    total = run.ranks.mean(total)  # every process logs, and decides on non-finite steps, alike
     limit = run.cfg.max_grad_norm if run.cfg.max_grad_norm is not None else math.inf
     norm = run.accelerator.clip_grad_norm_(run.params, limit)  # with no limit: only measures
     if not math.isfinite(total) or (norm is not None and not torch.isfinite(torch.as_tensor(norm)).item()):
@@ -73,15 +77,30 @@ def _due(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
 
 
+def checkpoint(run: Run, **extra: object) -> None:
+    """Process 0 writes; every process waits, so none runs ahead of a checkpoint."""
+    if run.ranks.main:
+        run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), **extra)
+    run.ranks.barrier()
+
+
+def sample(run: Run, label: str) -> list[Path]:
+    paths = validate(run, label) if run.ranks.main else []
+    run.ranks.barrier()
+    return paths
+
+
 def handle_commands(run: Run) -> bool:
-    """Act on queued commands (see train/commands.py). Returns True when the run must stop."""
+    """Act on queued commands (see train/commands.py); process 0 reads them and tells the others.
+    Returns True when the run must stop."""
+    commands = run.ranks.broadcast(poll_commands(run.output_dir) if run.ranks.main else None)
     stop = False
-    for command in poll_commands(run.output_dir):
+    for command in commands:
         run.events.emit("command", command=command, step=run.state.step)
         if command == "save":
-            run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)))
+            checkpoint(run)
         elif command == "sample":
-            validate(run, f"manual-step-{run.state.step:06d}")
+            sample(run, f"manual-step-{run.state.step:06d}")
         elif command == "stop":
             stop = True
     return stop
@@ -104,12 +123,14 @@ def train(run: Run) -> Path:
 
 def _train(run: Run) -> Path:
     cfg = run.cfg
-    clean_partial(run.output_dir)
+    if run.ranks.main:
+        clean_partial(run.output_dir)
+    run.ranks.barrier()
     if cfg.resume_from_checkpoint and (ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint)):
         load_checkpoint(run, ckpt)
         run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
     run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
-                    project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
+                    processes=run.ranks.count, project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
     run.transformer.train()
     batches = iter(run.data)
     started = time.perf_counter()
@@ -135,21 +156,22 @@ def _train(run: Run) -> Path:
             run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
                             elapsed=time.perf_counter() - started)
             if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
-                run.events.emit("checkpoint", step=step, path=str(save_checkpoint(run)))
+                checkpoint(run)
             if _due(step, cfg.validation_step_interval) and step < run.total_steps:
-                validate(run, f"step-{step:06d}")
+                sample(run, f"step-{step:06d}")
             stopped = handle_commands(run)
     except KeyboardInterrupt:
-        run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), reason="interrupted")
+        checkpoint(run, reason="interrupted")
         raise
-    run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)))
-    adapter = save_adapter(run, run.output_dir)
-    if run.ema is not None:
+    checkpoint(run)
+    adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
+    if run.ema is not None and run.ranks.main:
         with run.ema.swap():
             run.events.emit("info", message=f"EMA adapter saved to {save_adapter(run, run.output_dir / 'ema')}")
     if stopped:
         run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
+        run.ranks.barrier()
         return adapter
-    samples = validate(run, f"final-step-{run.state.step:06d}")
+    samples = sample(run, f"final-step-{run.state.step:06d}")
     run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
     return adapter

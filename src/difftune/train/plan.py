@@ -49,7 +49,7 @@ def caption_table(ds: ImageDataset) -> CaptionTable | None:
         raise DataError(f"dataset {ds.id!r}: parquet: {e}") from e
 
 
-def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule) -> DatasetSpec:
+def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
     pairs = run_cfg.datasets.conditioning_dir(ds)
     return DatasetSpec(
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
@@ -57,7 +57,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule) -> Datase
                              ds.only_instance_prompt),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
-        seed=run_cfg.train.seed,
+        seed=run_cfg.train.seed, write_metadata=write_metadata,
     )
 
 
@@ -76,9 +76,9 @@ def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
     return found
 
 
-def discover_all(run_cfg: RunConfig) -> list[Discovery]:
+def discover_all(run_cfg: RunConfig, write_metadata: bool = True) -> list[Discovery]:
     found = [
-        limit(discover(dataset_spec(run_cfg, ds, rule)), ds.max_num_samples)
+        limit(discover(dataset_spec(run_cfg, ds, rule, write_metadata)), ds.max_num_samples)
         for ds, rule in zip(run_cfg.datasets.images, size_rules(run_cfg), strict=True)
     ]
     empty = [d.dataset_id for d in found if not d.samples]

@@ -24,6 +24,7 @@ from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.train.caching import Cached, fill_caches
+from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
 from difftune.train.objective import TimestepSampling
@@ -57,6 +58,7 @@ class Run:
     generator: torch.Generator
     ema: EMA | None = None
     sampling: TimestepSampling = field(default_factory=TimestepSampling)
+    ranks: Ranks = field(default_factory=Ranks)
     state: TrainState = field(default_factory=TrainState)
 
 
@@ -68,9 +70,13 @@ def resolve_source(cfg: TrainConfig) -> str:
 
 def build_data(
     run_cfg: RunConfig, family: Family, cached: Cached, events: Events, encode: Any = None,
+    ranks: Ranks | None = None,
 ) -> tuple[TrainingData, dict[tuple[str, tuple[int, int]], int]]:
-    """Items with repeats, bucket pruning per dataset, the sampler and the batch source."""
+    """Items with repeats, bucket pruning per dataset, the sampler and the batch source. With several
+    processes the sampler draws global batches (train_batch_size per process) and each takes a slice."""
+    ranks = ranks or Ranks()
     cfg = run_cfg.train
+    global_batch = cfg.train_batch_size * ranks.count
     datasets = run_cfg.datasets.images
     lost = sorted({ds.id for ds in datasets} - {c.sample.dataset_id for c in cached.samples})
     if lost:
@@ -82,7 +88,7 @@ def build_data(
         counts[key] = counts.get(key, 0) + 1
     repeats = {ds.id: ds.repeats for ds in datasets}
     pruned = {k: n for k, n in counts.items()
-              if n * (1 + repeats[k[0]]) < cfg.train_batch_size and not cfg.disable_bucket_pruning}
+              if n * (1 + repeats[k[0]]) < global_batch and not cfg.disable_bucket_pruning}
     items: list[CachedSample] = []
     parts = []
     for ds in datasets:
@@ -92,13 +98,16 @@ def build_data(
         parts.append((list(range(start, len(items))), [c.sample.bucket for c in items[start:]], ds.probability))
     if not items:
         raise DataError(
-            f"every aspect bucket holds fewer images than train_batch_size={cfg.train_batch_size}; "
+            f"every aspect bucket holds fewer images than one global batch ({global_batch}); "
             "lower train_batch_size, add images, or set disable_bucket_pruning"
         )
-    sampler = BucketSampler(parts, cfg.train_batch_size, cfg.seed, keep_partial=cfg.disable_bucket_pruning)
+    # Partial batches cannot be split evenly between processes: with several, only full ones are used.
+    keep_partial = cfg.disable_bucket_pruning and ranks.count == 1
+    sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=keep_partial)
     data = TrainingData(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
+        rank=ranks.index, ranks=ranks.count,
     )
     return data, pruned
 
@@ -117,16 +126,20 @@ class Prepared:
     validation: list[SampleRequest]
 
 
-def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device) -> Prepared:
+def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks: Ranks | None = None) -> Prepared:
     """Discover, load the model, fill every cache, free the encoders, build the batch source."""
+    ranks = ranks or Ranks()
     cfg = run_cfg.train
     family = get_family(cfg.model_family)
-    found = discover_all(run_cfg)
+    found = discover_all(run_cfg, write_metadata=ranks.main)
     for path, reason in (item for d in found for item in d.skipped):
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
     events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} images "
                                 f"({sum(d.probed for d in found)} read now, the rest from the metadata cache)")
 
+    if ranks.main:  # a tiny model is built once, by one process (libraries save weights from process 0 only)
+        resolve_source(cfg)
+    ranks.barrier()
     source = resolve_source(cfg)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
     comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
@@ -136,9 +149,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device) -> Pr
             f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
             f"set model_flavour to a matching flavour of {cfg.model_family}"
         )
-    cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events)
+    cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
-    data, pruned = build_data(run_cfg, family, cached, events, encode)
+    data, pruned = build_data(run_cfg, family, cached, events, encode, ranks)
     report = DataReport(found, cached.failed, pruned, data).render()
     events.write(report)
     events.emit("data_report", quiet=True, text=report)
@@ -149,9 +162,11 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     cfg = run_cfg.train
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    events = events or Events(output_dir / "events.jsonl")
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
-    prepared = prepare_data(run_cfg, events, accelerator.device)
+    ranks = ranks_of(accelerator)
+    if events is None:  # one event log and one progress bar: process 0's
+        events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
+    prepared = prepare_data(run_cfg, events, accelerator.device, ranks)
     family, comps, data = prepared.family, prepared.comps, prepared.data
 
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
@@ -175,4 +190,5 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         validation=prepared.validation, events=events, output_dir=output_dir,
         total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed), ema=ema,
         sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
+        ranks=ranks,
     )

@@ -1,0 +1,93 @@
+"""Two processes on CPU (torchrun, gloo): the same training as one process with the same global
+batch, caching split without duplicate work, checkpoints and resume, commands reach every process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import write_config
+from difftune.demo import make_dataset
+from test_train import losses
+
+
+def launch(config, port, processes=2, **popen):
+    if processes == 1:
+        command = [sys.executable, "-m", "difftune.cli", "train", "--config", str(config)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                   "--master_port", str(port), "-m", "difftune.cli", "train", "--config", str(config)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def finish(proc, timeout=300):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.fixture
+def images(tmp_path):
+    folder = tmp_path / "images"
+    make_dataset(folder, count=8)
+    return folder
+
+
+def test_two_processes_equal_one_with_the_global_batch(tmp_path, images):
+    two = write_config(tmp_path / "two", images, max_train_steps=4, train_batch_size=1, lr_scheduler="linear")
+    one = write_config(tmp_path / "one", images, max_train_steps=4, train_batch_size=2, lr_scheduler="linear")
+    finish(launch(two, 29601))
+    finish(launch(one, 0, processes=1))
+    a, b = losses(tmp_path / "one" / "output"), losses(tmp_path / "two" / "output")
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a)
+    wa = load_file(tmp_path / "one" / "output" / "pytorch_lora_weights.safetensors")
+    wb = load_file(tmp_path / "two" / "output" / "pytorch_lora_weights.safetensors")
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], atol=1e-6, rtol=1e-5)
+    log = (tmp_path / "two" / "output" / "events.jsonl").read_text()
+    infos = [e["message"] for e in map(json.loads, log.splitlines()) if e["event"] == "info"]
+    text = next(m for m in infos if m.startswith("text cache"))
+    latent = next(m for m in infos if m.startswith("latent cache"))
+    shares = json.loads(latent.split("per process: ")[1].rstrip(")"))
+    assert sum(shares) == 8 and min(shares) > 0  # each image encoded once, by one of the two
+    assert min(json.loads(text.split("per process: ")[1].rstrip(")"))) > 0
+
+
+def test_two_processes_killed_then_resumed(tmp_path, images):
+    common = dict(max_train_steps=6, train_batch_size=1, checkpoint_step_interval=2, resume_from_checkpoint="latest")
+    reference = write_config(tmp_path / "ref", images, **common)
+    finish(launch(reference, 29611))
+    cut = write_config(tmp_path / "cut", images, **common)
+    proc = launch(cut, 29612, start_new_session=True)
+    checkpoints = tmp_path / "cut" / "output" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (checkpoints / "checkpoint-0000004" / "training_state.json").exists():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both trainers at once
+    proc.communicate()
+    assert (checkpoints / "checkpoint-0000004").exists()
+    finish(launch(cut, 29613))
+    a, b = losses(tmp_path / "ref" / "output"), losses(tmp_path / "cut" / "output")
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
+
+
+def test_stop_command_stops_every_process(tmp_path, images):
+    from difftune.train.commands import send_command
+
+    config = write_config(tmp_path, images, max_train_steps=10_000, train_batch_size=1)
+    proc = launch(config, 29621)
+    log = tmp_path / "output" / "events.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.exists() and '"event": "step"' in log.read_text()):
+        time.sleep(0.05)
+    send_command(tmp_path / "output", "stop")
+    finish(proc, timeout=120)
+    events = [json.loads(x) for x in log.read_text().splitlines()]
+    assert events[-1]["event"] == "stopped" and events[-1]["step"] < 10_000

@@ -1,0 +1,419 @@
+"""SIGKILL at any moment: real kills of a `difftune train` subprocess, then relaunches with
+`resume_from_checkpoint latest` until it finishes.
+
+The kill moments are found by polling the output folder every millisecond: during startup (model load
+and caching), in the middle of an optimizer step, while a checkpoint's temporary folder is being
+written, and while validation samples. After every kill each `checkpoint-*` folder must be complete
+(state file, loadable tensors), the next launch must resume from the newest of them and must have
+removed the leftovers of the killed save before it starts. At the end every step's loss and learning
+rate (every "step" line of the log, not only the last one per step) and the final LoRA equal those of a
+run that was never stopped.
+
+Each kill point records where it landed; one that misses its moment (the process got further than
+intended, or had already exited) is retried with a fresh launch, a few times at most.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import write_config
+from difftune.demo import make_dataset
+
+STEPS, CKPT_EVERY, VAL_EVERY = 12, 2, 3
+COMMON = dict(
+    max_train_steps=STEPS, checkpoint_step_interval=CKPT_EVERY, validation_step_interval=VAL_EVERY,
+    validation_prompt="a red circle", validation_resolution="32x32", validation_num_inference_steps=4,
+    resume_from_checkpoint="latest", train_batch_size=2, lr_scheduler="linear", lr_warmup_steps=3,
+)
+POLL_S = 0.001
+LAUNCH_TIMEOUT_S = 240.0  # one launch (imports dominate: ~8 s on 2 CPU cores)
+ATTEMPTS = 3  # launches per kill point before giving up on hitting its moment
+CHECKPOINT_FILES = ("training_state.json", "trainable.safetensors", "pytorch_lora_weights.safetensors",
+                    "optimizer.pt", "lr_scheduler.pt", "rng.pt")
+
+
+# ---------------------------------------------------------------------------------------------- log
+
+
+class EventLog:
+    """The complete lines of output_dir/events.jsonl, read incrementally. A line still being written
+    (no newline yet) is left for the next read."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.events: list[dict] = []
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.events
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            self.events.append(json.loads(line))  # a torn line would fail here: the log must stay valid
+        self.offset += end
+        return self.events
+
+
+def step_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["event"] == "step"]
+
+
+def final_losses(events: list[dict]) -> dict[int, float]:
+    """Loss per step; later lines of the log win (a resumed run repeats the steps after its checkpoint)."""
+    return {e["step"]: e["loss"] for e in step_events(events)}
+
+
+# ------------------------------------------------------------------------------------ kill points
+
+
+@dataclass
+class Probe:
+    """What a kill point sees of one launch: its events so far and the checkpoint folder."""
+
+    pid: int
+    events: list[dict]
+    ckpt_root: Path
+
+    def has(self, kind: str, step: int | None = None) -> bool:
+        return any(e["event"] == kind and (step is None or e.get("step") == step) for e in self.events)
+
+    def last_step(self) -> int | None:
+        steps = step_events(self.events)
+        return steps[-1]["step"] if steps else None
+
+    def own_tmp(self) -> list[str]:
+        try:
+            names = os.listdir(self.ckpt_root)
+        except FileNotFoundError:
+            return []
+        return [n for n in names if n.startswith(".tmp-checkpoint-") and n.endswith(f"-{self.pid}")]
+
+
+@dataclass
+class KillPoint:
+    """`trigger` returns a target (what the kill aims at) once the moment has come; the kill follows
+    after a random delay in `delay_s`; `landed` says, after the kill, whether it hit that target."""
+
+    name: str
+    trigger: Callable[[Probe], object | None]
+    landed: Callable[[Probe, object], bool]
+    delay_s: tuple[float, float] = (0.0, 0.0)
+
+
+def _startup_trigger(p: Probe):
+    loading = any(e["event"] == "info" and e["message"].startswith("loading ") for e in p.events)
+    return "startup" if loading and not p.has("start") else None
+
+
+STARTUP = KillPoint(  # model load, text cache, latent cache: the first step has not started
+    "startup", _startup_trigger, lambda p, _: not p.has("start"), delay_s=(0.0, 0.5))
+
+
+def _mid_step_trigger(min_step: int):
+    def trigger(p: Probe):
+        s = p.last_step()
+        plain = s is not None and s % CKPT_EVERY and s % VAL_EVERY and min_step <= s < STEPS
+        return s if plain and p.events[-1]["event"] == "step" else None
+    return trigger
+
+
+def mid_step(min_step: int) -> KillPoint:
+    """Killed while step s+1 computes: after the event of a step s that has no checkpoint or validation."""
+    return KillPoint(f"mid-step (after step >= {min_step})", _mid_step_trigger(min_step),
+                     lambda p, s: p.last_step() == s and not p.has("checkpoint", s + 1), delay_s=(0.0, 0.015))
+
+
+MID_SAVE = KillPoint(  # the temporary folder exists: the kill leaves it behind, half written
+    "mid-save", lambda p: (p.own_tmp() or [None])[0], lambda p, tmp: tmp in p.own_tmp(), delay_s=(0.0, 0.004))
+
+
+def _mid_validation_trigger(p: Probe):
+    s = p.last_step()
+    if s is None or s % VAL_EVERY or s >= STEPS or p.has("sample", s):
+        return None
+    if s % CKPT_EVERY == 0 and not p.has("checkpoint", s):  # validation follows that step's checkpoint
+        return None
+    return s
+
+
+MID_VALIDATION = KillPoint(
+    "mid-validation", _mid_validation_trigger, lambda p, s: p.last_step() == s and not p.has("sample", s),
+    delay_s=(0.0, 0.03))
+
+
+def _final_trigger(p: Probe):
+    return STEPS if p.has("checkpoint", STEPS) and not p.has("done") else None
+
+
+FINAL = KillPoint(  # after the last checkpoint, during the adapter save or the final validation
+    "final (after the last checkpoint)", _final_trigger, lambda p, _: not p.has("done"), delay_s=(0.0, 0.05))
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+
+def checkpoint_step(name: str) -> int:
+    return int(name[len("checkpoint-"):])
+
+
+def check_checkpoints(ckpt_root: Path) -> int:
+    """Every folder named checkpoint-* is complete and loadable; returns the newest step (0: none)."""
+    if not ckpt_root.is_dir():
+        return 0
+    names = sorted(n for n in os.listdir(ckpt_root) if n.startswith("checkpoint-"))
+    for name in names:
+        folder = ckpt_root / name
+        missing = [f for f in CHECKPOINT_FILES if not (folder / f).is_file()]
+        assert not missing, f"{folder} is named as complete but lacks {missing}"
+        state = json.loads((folder / "training_state.json").read_text())
+        assert state["step"] == checkpoint_step(name), (folder, state)
+        for f in ("trainable.safetensors", "pytorch_lora_weights.safetensors"):
+            assert load_file(folder / f), folder / f
+        for f in ("optimizer.pt", "lr_scheduler.pt", "rng.pt"):
+            torch.load(folder / f, weights_only=True)
+    return max((checkpoint_step(n) for n in names), default=0)
+
+
+def leftovers(ckpt_root: Path, but_pid: int | None = None) -> list[str]:
+    if not ckpt_root.is_dir():
+        return []
+    return [n for n in os.listdir(ckpt_root)
+            if n.startswith((".tmp-", ".old-")) and (but_pid is None or not n.endswith(f"-{but_pid}"))]
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+
+def launch(config: Path, log_file: Path) -> subprocess.Popen:
+    # One thread each: the reference runs beside the first launch, and the polling loop shares the
+    # cores too; torch's spinning worker threads slow down badly on a busy machine. The reference and
+    # every launch use the same setting, so their losses stay comparable bit for bit.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(log_file, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "difftune.cli", "train", "--config", str(config)],
+                                cwd=config.parent, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+@dataclass
+class Launch:
+    pid: int
+    point: str  # the kill point it aimed at, or "to the end"
+    resumed_at: int  # the step it was expected to resume from
+    seconds: float = 0.0
+    rc: int | None = None
+    target: object = None  # what the kill aimed at (a step, a folder), None: the trigger never fired
+    landed: bool = False
+    where: str = ""
+
+
+@dataclass
+class Chain:
+    """Launches of one output folder: each one runs until its kill point (or to the end)."""
+
+    root: Path
+    config: Path
+    rng: random.Random
+    launches: list[Launch] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.out = self.root / "output"
+        self.ckpt_root = self.out / "checkpoints"
+        self.log = EventLog(self.out / "events.jsonl")
+        self.stdout = self.root / "stdout.txt"
+        self.resume_step = 0  # the newest complete checkpoint: where the next launch must start
+
+    def run(self, point: KillPoint | None) -> Launch:
+        """One launch. With a kill point: SIGKILL at its moment. Without: it must finish (exit 0)."""
+        first = len(self.log.read())
+        started = time.monotonic()
+        proc = launch(self.config, self.stdout)
+        rec = Launch(proc.pid, point.name if point else "to the end", self.resume_step)
+        probe = Probe(proc.pid, [], self.ckpt_root)
+        saw_start = False
+        try:
+            while True:
+                probe.events = self.log.read()[first:]
+                if not saw_start and probe.has("start"):
+                    saw_start = True  # clean_partial ran just before "start": older leftovers are gone
+                    stale = leftovers(self.ckpt_root, but_pid=proc.pid)
+                    assert not stale, f"launch {proc.pid} started with leftovers of killed saves: {stale}"
+                if point is not None and (target := point.trigger(probe)) is not None:
+                    time.sleep(self.rng.uniform(*point.delay_s))
+                    os.kill(proc.pid, signal.SIGKILL)
+                    rec.target = target
+                    break
+                if proc.poll() is not None:
+                    break
+                assert time.monotonic() - started < LAUNCH_TIMEOUT_S, f"launch {proc.pid} timed out:\n{tail(self.stdout)}"
+                time.sleep(POLL_S)
+            rec.rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        rec.seconds = time.monotonic() - started
+        probe.events = self.log.read()[first:]
+        self.check_start(probe, rec)
+        if point is None:
+            assert rec.rc == 0, f"the final launch failed (rc {rec.rc}):\n{tail(self.stdout)}"
+            assert probe.has("done"), probe.events[-3:]
+        else:
+            assert rec.rc in (0, -signal.SIGKILL), f"launch {proc.pid} failed (rc {rec.rc}):\n{tail(self.stdout)}"
+            rec.landed = rec.rc == -signal.SIGKILL and rec.target is not None and point.landed(probe, rec.target)
+            last = probe.events[-1] if probe.events else {}
+            rec.where = f"target {rec.target!r}; last event {last.get('event')} {last.get('step', last.get('message', ''))!s:.60}"
+            if MID_SAVE is point and rec.landed:
+                rec.where += f"; left {sorted(os.listdir(self.ckpt_root / rec.target))} in {rec.target}"
+        self.resume_step = check_checkpoints(self.ckpt_root)
+        self.launches.append(rec)
+        return rec
+
+    def check_start(self, probe: Probe, rec: Launch) -> None:
+        """The launch resumed from the newest complete checkpoint (never a temporary folder)."""
+        starts = [e for e in probe.events if e["event"] == "start"]
+        if not starts:
+            return  # killed before the start
+        assert starts[0]["step"] == rec.resumed_at, (rec, starts[0])
+        resumed = [e["message"] for e in probe.events if e["event"] == "info" and e["message"].startswith("resumed from ")]
+        if rec.resumed_at == 0:
+            assert not resumed, resumed
+            return
+        path = self.ckpt_root / f"checkpoint-{rec.resumed_at:07d}"
+        assert resumed == [f"resumed from {path} at step {rec.resumed_at}"], resumed
+
+    def kill_at(self, point: KillPoint) -> Launch:
+        """Launch until the kill lands on its moment (retrying a kill that came too late)."""
+        for _ in range(ATTEMPTS):
+            rec = self.run(point)
+            if rec.landed:
+                return rec
+            assert rec.rc != 0, f"the run finished before {point.name} could be hit: {self.report()}"
+        pytest.fail(f"{point.name}: no kill landed in {ATTEMPTS} launches: {self.report()}")
+
+    def report(self) -> str:
+        return "\n".join(f"  pid {r.pid} {r.point}: resumed at {r.resumed_at}, rc {r.rc}, "
+                         f"{'landed' if r.landed else 'missed'} ({r.where}), {r.seconds:.1f}s"
+                         for r in self.launches)
+
+
+# --------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("kill-images")
+    make_dataset(folder, count=6)  # 3 batches an epoch: checkpoints fall mid-epoch too
+    return folder
+
+
+class Reference:
+    """The uninterrupted run, started as a subprocess at once; `.events` waits for it."""
+
+    def __init__(self, root: Path, images: Path):
+        self.root = root
+        self.config = write_config(root, images, **COMMON)
+        self.stdout = root / "stdout.txt"
+        self.started = time.monotonic()
+        self.proc = launch(self.config, self.stdout)
+        self._events: list[dict] | None = None
+        self.seconds = 0.0
+
+    @property
+    def events(self) -> list[dict]:
+        if self._events is None:
+            rc = self.proc.wait(timeout=LAUNCH_TIMEOUT_S)
+            self.seconds = time.monotonic() - self.started
+            assert rc == 0, f"reference run failed (rc {rc}):\n{tail(self.stdout)}"
+            self._events = EventLog(self.root / "output" / "events.jsonl").read()
+            assert sorted(final_losses(self._events)) == list(range(1, STEPS + 1))
+        return self._events
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        self.events  # noqa: B018 - waits for the run
+        return load_file(self.root / "output" / "pytorch_lora_weights.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, images):
+    ref = Reference(tmp_path_factory.mktemp("kill-reference"), images)
+    yield ref
+    if ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.wait()
+
+
+def assert_same_as_reference(chain: Chain, ref: Reference) -> None:
+    by_step = {e["step"]: e for e in step_events(ref.events)}
+    events = chain.log.read()
+    for e in step_events(events):  # every step line of every launch, killed ones included
+        want = by_step[e["step"]]
+        assert e["loss"] == pytest.approx(want["loss"], rel=1e-6), (e, want, chain.report())
+        assert e["lr"] == pytest.approx(want["lr"], rel=1e-6, abs=1e-12), (e, want, chain.report())
+    resumed = final_losses(events)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    expected = final_losses(ref.events)
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
+    got, want = load_file(chain.out / "pytorch_lora_weights.safetensors"), ref.adapter()
+    assert sorted(got) == sorted(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
+    assert not leftovers(chain.ckpt_root), leftovers(chain.ckpt_root)
+    assert check_checkpoints(chain.ckpt_root) == STEPS
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
+    """One output folder, killed five times in a row, each time at a different kind of moment:
+    startup -> (from scratch) mid-step after step 5 -> (from 4) mid-save of checkpoint 6 -> (from 4)
+    mid-validation of step 6 -> (from 6) after the last checkpoint -> (from 12) to the end."""
+    rng = random.Random()
+    chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON), rng)
+
+    chain.kill_at(STARTUP)  # runs beside the reference run (its imports take most of the time)
+    assert not chain.ckpt_root.exists() or check_checkpoints(chain.ckpt_root) == 0
+
+    rec = chain.kill_at(mid_step(min_step=5))
+    assert rec.target % CKPT_EVERY and rec.resumed_at == 0 and chain.resume_step == rec.target - 1
+
+    rec = chain.kill_at(MID_SAVE)
+    tmp = chain.ckpt_root / rec.target
+    assert tmp.is_dir(), "the mid-save kill must leave its temporary folder behind"
+    half_step = int(rec.target.split("-")[2])
+    assert chain.resume_step == half_step - CKPT_EVERY  # the half-written checkpoint is not counted
+
+    rec = chain.kill_at(MID_VALIDATION)
+    assert not tmp.exists(), "the next launch must remove the killed save's temporary folder"
+    assert chain.resume_step == rec.target - rec.target % CKPT_EVERY  # its own checkpoint came first
+
+    rec = chain.kill_at(FINAL)
+    assert chain.resume_step == STEPS
+
+    chain.run(None)  # resumes from the last checkpoint, saves it again (replacing it), validates
+    reference.events  # noqa: B018 - waits for the reference run
+    print(f"\nreference run {reference.seconds:.1f}s\n{chain.report()}")
+    assert_same_as_reference(chain, reference)
