@@ -102,3 +102,27 @@ def test_epochs_and_steps(tmp_path, dataset, steps, epochs, batch, accum, expect
     run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=steps, num_train_epochs=epochs,
                                              train_batch_size=batch, gradient_accumulation_steps=accum)))
     assert run.total_steps == expected
+
+
+@pytest.mark.parametrize("options", [{"mixed_precision": "bf16"}, {"mixed_precision": "bf16", "base_model_default_dtype": "fp32"},
+                                     {"model_type": "full", "mixed_precision": "bf16", "optimizer": "adamw_bf16"}])
+def test_bf16_training_on_cpu(tmp_path, dataset, options):
+    run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=3, **options)))
+    expected = torch.float32 if options.get("base_model_default_dtype") == "fp32" else torch.bfloat16
+    assert run.comps.transformer.dtype == expected
+    train(run)
+    assert all(math.isfinite(v) for v in losses(tmp_path / "output").values())
+
+
+def test_max_grad_norm_clips(tmp_path, dataset):
+    run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=2, max_grad_norm=1e-6)))
+    seen = []
+    real_step = run.optimizer.step
+
+    def spy(*args, **kwargs):  # the gradient the optimizer is about to apply
+        seen.append(float(torch.nn.utils.get_total_norm([p.grad for p in run.params if p.grad is not None])))
+        return real_step(*args, **kwargs)
+
+    run.optimizer.step = spy
+    train(run)
+    assert len(seen) == 2 and all(0 < norm <= 1e-6 * 1.01 for norm in seen)

@@ -141,22 +141,33 @@ def mid_step(min_step: int) -> KillPoint:
                      lambda p, s: p.last_step() == s and not p.has("checkpoint", s + 1), delay_s=(0.0, 0.015))
 
 
-MID_SAVE = KillPoint(  # the temporary folder exists: the kill leaves it behind, half written
-    "mid-save", lambda p: (p.own_tmp() or [None])[0], lambda p, tmp: tmp in p.own_tmp(), delay_s=(0.0, 0.004))
+def mid_save(min_step: int = 0, first_file: str = "trainable.safetensors") -> KillPoint:
+    """Killed while a checkpoint's temporary folder is being filled, once `first_file` is in it: the
+    kill leaves the folder behind, half written (or, with training_state.json, written but not renamed)."""
 
-
-def _mid_validation_trigger(p: Probe):
-    s = p.last_step()
-    if s is None or s % VAL_EVERY or s >= STEPS or p.has("sample", s):
+    def trigger(p: Probe):
+        for name in p.own_tmp():
+            if int(name.split("-")[2]) >= min_step and os.path.exists(p.ckpt_root / name / first_file):
+                return name
         return None
-    if s % CKPT_EVERY == 0 and not p.has("checkpoint", s):  # validation follows that step's checkpoint
-        return None
-    return s
+
+    return KillPoint(f"mid-save (checkpoint >= {min_step}, once {first_file} is written)", trigger,
+                     lambda p, tmp: tmp in p.own_tmp(), delay_s=(0.0, 0.003))
 
 
-MID_VALIDATION = KillPoint(
-    "mid-validation", _mid_validation_trigger, lambda p, s: p.last_step() == s and not p.has("sample", s),
-    delay_s=(0.0, 0.03))
+def mid_validation(min_step: int = 0) -> KillPoint:
+    """Killed while validation samples after step s (it follows that step's checkpoint, if one is due)."""
+
+    def trigger(p: Probe):
+        s = p.last_step()
+        if s is None or s < min_step or s % VAL_EVERY or s >= STEPS or p.has("sample", s):
+            return None
+        if s % CKPT_EVERY == 0 and not p.has("checkpoint", s):
+            return None
+        return s
+
+    return KillPoint(f"mid-validation (step >= {min_step})", trigger,
+                     lambda p, s: p.last_step() == s and not p.has("sample", s), delay_s=(0.0, 0.03))
 
 
 def _final_trigger(p: Probe):
@@ -284,7 +295,7 @@ class Chain:
             rec.landed = rec.rc == -signal.SIGKILL and rec.target is not None and point.landed(probe, rec.target)
             last = probe.events[-1] if probe.events else {}
             rec.where = f"target {rec.target!r}; last event {last.get('event')} {last.get('step', last.get('message', ''))!s:.60}"
-            if MID_SAVE is point and rec.landed:
+            if rec.landed and point.name.startswith("mid-save"):
                 rec.where += f"; left {sorted(os.listdir(self.ckpt_root / rec.target))} in {rec.target}"
         self.resume_step = check_checkpoints(self.ckpt_root)
         self.launches.append(rec)
@@ -335,7 +346,7 @@ class Reference:
         self.root = root
         self.config = write_config(root, images, **COMMON)
         self.stdout = root / "stdout.txt"
-        self.started = time.monotonic()
+        self.started = time.time()
         self.proc = launch(self.config, self.stdout)
         self._events: list[dict] | None = None
         self.seconds = 0.0
@@ -344,9 +355,9 @@ class Reference:
     def events(self) -> list[dict]:
         if self._events is None:
             rc = self.proc.wait(timeout=LAUNCH_TIMEOUT_S)
-            self.seconds = time.monotonic() - self.started
             assert rc == 0, f"reference run failed (rc {rc}):\n{tail(self.stdout)}"
             self._events = EventLog(self.root / "output" / "events.jsonl").read()
+            self.seconds = self._events[-1]["time"] - self.started
             assert sorted(final_losses(self._events)) == list(range(1, STEPS + 1))
         return self._events
 
@@ -388,32 +399,47 @@ def assert_same_as_reference(chain: Chain, ref: Reference) -> None:
 
 
 def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
-    """One output folder, killed five times in a row, each time at a different kind of moment:
+    """One output folder killed four times in a row, each time at a different kind of moment:
     startup -> (from scratch) mid-step after step 5 -> (from 4) mid-save of checkpoint 6 -> (from 4)
-    mid-validation of step 6 -> (from 6) after the last checkpoint -> (from 12) to the end."""
-    rng = random.Random()
-    chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON), rng)
+    mid-validation of step 6 -> (from 6) to the end."""
+    chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON), random.Random())
 
-    chain.kill_at(STARTUP)  # runs beside the reference run (its imports take most of the time)
-    assert not chain.ckpt_root.exists() or check_checkpoints(chain.ckpt_root) == 0
+    chain.kill_at(STARTUP)  # runs beside the reference run: their imports take most of the time
+    assert check_checkpoints(chain.ckpt_root) == 0
 
     rec = chain.kill_at(mid_step(min_step=5))
-    assert rec.target % CKPT_EVERY and rec.resumed_at == 0 and chain.resume_step == rec.target - 1
+    assert chain.resume_step == rec.target - 1  # the step in progress is lost, the one before was saved
 
-    rec = chain.kill_at(MID_SAVE)
+    rec = chain.kill_at(mid_save())
     tmp = chain.ckpt_root / rec.target
     assert tmp.is_dir(), "the mid-save kill must leave its temporary folder behind"
-    half_step = int(rec.target.split("-")[2])
-    assert chain.resume_step == half_step - CKPT_EVERY  # the half-written checkpoint is not counted
+    assert chain.resume_step == int(rec.target.split("-")[2]) - CKPT_EVERY  # the half-written one does not count
 
-    rec = chain.kill_at(MID_VALIDATION)
+    rec = chain.kill_at(mid_validation())
     assert not tmp.exists(), "the next launch must remove the killed save's temporary folder"
     assert chain.resume_step == rec.target - rec.target % CKPT_EVERY  # its own checkpoint came first
 
-    rec = chain.kill_at(FINAL)
-    assert chain.resume_step == STEPS
-
-    chain.run(None)  # resumes from the last checkpoint, saves it again (replacing it), validates
-    reference.events  # noqa: B018 - waits for the reference run
-    print(f"\nreference run {reference.seconds:.1f}s\n{chain.report()}")
+    chain.run(None)
     assert_same_as_reference(chain, reference)
+    print(f"\nreference run {reference.seconds:.1f}s\n{chain.report()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", [
+    STARTUP,
+    mid_step(min_step=7),
+    mid_save(min_step=8, first_file="training_state.json"),  # written in full, killed before its rename
+    mid_validation(min_step=9),  # step 9 has no checkpoint: resumes from 8
+    FINAL,  # the next launch resumes from the last checkpoint and saves it again (the replace path)
+], ids=lambda p: p.name.split(" ")[0])
+def test_single_sigkill_resumes_exactly(tmp_path, images, reference, point):
+    """A fresh output folder per kill point: one kill there, then relaunched until it finishes."""
+    chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON), random.Random())
+    rec = chain.kill_at(point)
+    if point.name.startswith("mid-save"):
+        tmp = chain.ckpt_root / rec.target
+        assert (tmp / "training_state.json").is_file(), "killed after the state file, before the rename"
+        assert chain.resume_step == int(rec.target.split("-")[2]) - CKPT_EVERY
+    chain.run(None)
+    assert_same_as_reference(chain, reference)
+    print(f"\n{chain.report()}")
