@@ -13,10 +13,9 @@ from conftest import write_config
 from difftune.adapters.lycoris import load_lycoris
 from difftune.config import load_config
 from difftune.models import get_family
-from difftune.train import loop
 from difftune.train.loop import train
 from difftune.train.setup import build_run
-from test_train import Crash, losses
+from test_train import crash_then_resume, losses
 
 VALIDATION = dict(validation_prompt="a red circle", validation_negative_prompt="blurry",
                   validation_resolution="64x48", validation_num_inference_steps=3, validation_guidance=4.0,
@@ -60,19 +59,7 @@ def test_lycoris_trains_saves_loads_and_resumes(tmp_path, dataset, monkeypatch):
         torch.testing.assert_close(family.predict(fresh, x, torch.tensor([0.5]), text),
                                    family.predict(run.comps.transformer, x, torch.tensor([0.5]), text))
     expected = losses(tmp_path / "a" / "output")
-    real_step = loop.optimizer_step
-
-    def dying_step(run, batches):
-        if run.state.step == 3:
-            raise Crash()
-        return real_step(run, batches)
-
-    cut = write_config(tmp_path / "b", dataset, **common)
-    monkeypatch.setattr(loop, "optimizer_step", dying_step)
-    with pytest.raises(Crash):
-        train(build_run(load_config(cut)))
-    monkeypatch.setattr(loop, "optimizer_step", real_step)
-    train(build_run(load_config(cut)))
+    crash_then_resume(monkeypatch, write_config(tmp_path / "b", dataset, **common), at_step=3)
     resumed = losses(tmp_path / "b" / "output")
     assert all(resumed[s] == pytest.approx(expected[s], rel=1e-6, abs=1e-7) for s in expected)
 

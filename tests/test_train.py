@@ -22,6 +22,22 @@ class Crash(Exception):
     pass
 
 
+def crash_then_resume(monkeypatch, config, at_step: int, error: type[BaseException] = Crash) -> None:
+    """Run `config` until `at_step` steps are done, fail there, then run it again (it resumes)."""
+    real_step = loop.optimizer_step
+
+    def dying_step(run, batches):
+        if run.state.step == at_step:
+            raise error()
+        return real_step(run, batches)
+
+    monkeypatch.setattr(loop, "optimizer_step", dying_step)
+    with pytest.raises(error):
+        train(build_run(load_config(config)))
+    monkeypatch.setattr(loop, "optimizer_step", real_step)
+    train(build_run(load_config(config)))
+
+
 @pytest.mark.parametrize("stop", ["crash", "interrupt"])
 def test_resume_gives_same_losses(tmp_path, monkeypatch, stop):
     images = tmp_path / "images"
@@ -125,19 +141,7 @@ def test_optimizers_train_and_resume_exactly(tmp_path, dataset, monkeypatch, opt
                   learning_rate=1.0 if optimizer == "prodigy" else 1e-3)
     train(build_run(load_config(write_config(tmp_path / "a", dataset, **common))))
     expected = losses(tmp_path / "a" / "output")
-    cut = write_config(tmp_path / "b", dataset, **common)
-    real_step = loop.optimizer_step
-
-    def dying_step(run, batches):
-        if run.state.step == 3:
-            raise Crash()
-        return real_step(run, batches)
-
-    monkeypatch.setattr(loop, "optimizer_step", dying_step)
-    with pytest.raises(Crash):
-        train(build_run(load_config(cut)))
-    monkeypatch.setattr(loop, "optimizer_step", real_step)
-    train(build_run(load_config(cut)))
+    crash_then_resume(monkeypatch, write_config(tmp_path / "b", dataset, **common), at_step=3)
     resumed = losses(tmp_path / "b" / "output")
     assert all(resumed[s] == pytest.approx(expected[s], rel=1e-6, abs=1e-7) for s in expected)
 
@@ -157,19 +161,7 @@ def test_ema_saved_validated_and_resumed(tmp_path, dataset, monkeypatch):
         "final-step-000005-32x32.png", "final-step-000005-32x32-ema.png"}
     live, ema = load_file(out / "pytorch_lora_weights.safetensors"), load_file(out / "ema" / "pytorch_lora_weights.safetensors")
     assert any(not torch.equal(live[k], ema[k]) for k in live)
-    cut = write_config(tmp_path / "b", dataset, **common)
-    real_step = loop.optimizer_step
-
-    def dying_step(run, batches):
-        if run.state.step == 3:
-            raise Crash()
-        return real_step(run, batches)
-
-    monkeypatch.setattr(loop, "optimizer_step", dying_step)
-    with pytest.raises(Crash):
-        train(build_run(load_config(cut)))
-    monkeypatch.setattr(loop, "optimizer_step", real_step)
-    train(build_run(load_config(cut)))
+    crash_then_resume(monkeypatch, write_config(tmp_path / "b", dataset, **common), at_step=3)
     resumed = load_file(tmp_path / "b" / "output" / "ema" / "pytorch_lora_weights.safetensors")
     for key in ema:
         torch.testing.assert_close(resumed[key], ema[key], rtol=1e-6, atol=1e-7)

@@ -1,19 +1,12 @@
 """`make bench`: a quick performance check of the trainer on the tiny random-init models.
 
-Measures, in a temporary folder that is removed afterwards:
-  - import time of the training stack in a fresh interpreter;
-  - time to first step on tiny Lumina2: build_run (discovery, model load, text and latent caches from
-    cold, LoRA, optimizer) until the first optimizer step has finished;
-  - median optimizer step time over 50 steps (batch 2, 64x64), on tiny Lumina2 and tiny Kandinsky 5 image;
-  - the batch source's per-batch overhead without the model: TrainingData iteration (sampler, cached
-    latents, cached text embeddings, collate) at batch 4;
-  - latent cache throughput on the tiny Lumina2 VAE with vae_batch_size 1 and 8, cold cache;
-  - discovery of 10,000 small captioned images, without and with the metadata cache;
-  - peak RSS of the process.
-
-It calls the trainer's own functions (load_config, build_run, optimizer_step, TrainingData,
-BucketSampler, fill_latent_cache, discover) so that the figures follow the code. Tiny models are
-built before any timing starts: a one-off per machine (kept under $DIFFTUNE_HOME), not part of a run.
+Measures, in a temporary folder that is removed afterwards: import time of the training stack; time to
+first step on tiny Lumina2 (build_run from cold caches, then one optimizer step); median step time on
+tiny Lumina2 and tiny Kandinsky 5 image; the batch source's per-batch cost without the model
+(TrainingData at batch 4: sampler, cached latents and text embeddings, collate); latent cache
+throughput with vae_batch_size 1 and 8; discovery of 10,000 small files without and with the metadata
+cache; peak RSS. It calls the trainer's own functions so that the figures follow the code. Tiny models
+are built before any timing starts: a one-off per machine (kept under $DIFFTUNE_HOME), not part of a run.
 """
 
 from __future__ import annotations
@@ -63,14 +56,9 @@ def machine_info() -> dict[str, str]:
     names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
              if ln.startswith("model name")] if cpuinfo.exists() else []
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no CUDA device)"
-    return {
-        "cpu": names[0] if names else platform.processor() or platform.machine(),
-        "cores": str(os.cpu_count()),
-        "torch threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": device,
-    }
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "torch threads": str(torch.get_num_threads()),
+            "python": platform.python_version(), "torch": torch.__version__, "device": device}
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
@@ -95,8 +83,7 @@ def peak_rss_mib() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def write_config(root: Path, data_dir: Path, family: str = "lumina2", flavour: str = "tiny-random",
-                 vae_batch_size: int = 4) -> RunConfig:
+def write_config(root: Path, data_dir: Path, family="lumina2", flavour="tiny-random") -> RunConfig:
     """A run like the demo's, without validation (sampling is not what we time) and without checkpoints."""
     datasets = [
         {"id": "bench", "type": "local", "dataset_type": "image", "instance_data_dir": str(data_dir),
@@ -112,7 +99,7 @@ def write_config(root: Path, data_dir: Path, family: str = "lumina2", flavour: s
         "model_family": family, "model_flavour": flavour, "model_type": "lora",
         "mixed_precision": "no", "output_dir": str(root / "output"), "data_backend_config": str(backend),
         "train_batch_size": BATCH_SIZE, "learning_rate": 1e-3, "lora_rank": 8,
-        "max_train_steps": TIMED_STEPS + 1, "seed": 42, "vae_batch_size": vae_batch_size,
+        "max_train_steps": TIMED_STEPS + 1, "seed": 42,
     }
     path = root / "config.json"
     path.write_text(json.dumps(config, indent=2))
@@ -120,8 +107,7 @@ def write_config(root: Path, data_dir: Path, family: str = "lumina2", flavour: s
 
 
 def bench_import() -> dict[str, float]:
-    """A fresh interpreter importing the training stack: every `difftune train` pays this before
-    build_run starts, so it belongs beside time to first step (files are in the page cache by now)."""
+    """A fresh interpreter importing the training stack, as every `difftune train` does first."""
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import difftune.train.loop"], check=True)
     return {"import_s": time.perf_counter() - started}
@@ -156,27 +142,26 @@ def bench_sampler(data: TrainingData) -> dict[str, float]:
     """TrainingData iteration without the model: sampler + load cached latents + text embeddings +
     collate, over the training run's own items and caches (just written, so in the page cache)."""
     parts = [(list(range(len(data.items))), [c.sample.bucket for c in data.items], None)]
-
-    def fresh() -> BucketSampler:
-        return BucketSampler(parts, SAMPLER_BATCH, data.seed, keep_partial=False)
-
-    def per_batch(source) -> list[float]:
-        it, times = iter(source), []
-        for _ in range(SAMPLER_BATCHES):
-            t = time.perf_counter()
-            next(it)
-            times.append(time.perf_counter() - t)
-        return times
-
-    source = TrainingData(data.items, data.text_caches, fresh(), data.collate_text, data.caption_dropout, data.seed)
-    full = per_batch(source)
-    alone = per_batch(fresh())  # the sampler alone: which indices, no file read
+    samplers = [BucketSampler(parts, SAMPLER_BATCH, data.seed, keep_partial=False) for _ in range(2)]
+    source = TrainingData(data.items, data.text_caches, samplers[0], data.collate_text, data.caption_dropout,
+                          data.seed)
+    full, alone = timed_next(source, SAMPLER_BATCHES), timed_next(samplers[1], SAMPLER_BATCHES)
     return {"sampler_median_ms": statistics.median(full) * 1000, "sampler_max_ms": max(full) * 1000,
-            "sampler_only_ms": statistics.median(alone) * 1000}
+            "sampler_only_ms": statistics.median(alone) * 1000}  # the sampler alone: indices, no file read
+
+
+def timed_next(source, n: int) -> list[float]:
+    """Seconds taken by each of the first n items of iter(source)."""
+    it, times = iter(source), []
+    for _ in range(n):
+        t = time.perf_counter()
+        next(it)
+        times.append(time.perf_counter() - t)
+    return times
 
 
 def bench_cache(root: Path) -> dict[str, float]:
-    """Latent cache fill alone, into a fresh cache folder per vae_batch_size: decode + crop + VAE encode + write."""
+    """Latent cache fill alone (decode, crop, VAE encode, write), into a fresh cache per vae_batch_size."""
     data_dir = root / "images"
     make_dataset(data_dir, count=CACHE_IMAGES, size=IMAGE_SIZE, seed=2)
     run_cfg = write_config(root, data_dir)
@@ -198,7 +183,7 @@ def bench_cache(root: Path) -> dict[str, float]:
         done, failed = fill_latent_cache(samples, cache, dataset.crop_style, cfg.seed, encode, batch)
         elapsed = time.perf_counter() - started
         if failed or len(done) != CACHE_IMAGES:
-            raise RuntimeError(f"latent cache bench: {len(done)} of {CACHE_IMAGES} cached, failed: {failed[:3]}")
+            raise RuntimeError(f"cache bench: {len(done)} of {CACHE_IMAGES} cached; failed {failed[:3]}")
         results[f"cache_bs{batch}_per_s"] = len(done) / elapsed
     return results
 
@@ -259,48 +244,46 @@ def main() -> int:
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.set_verbosity_error()
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
+    for library in (diffusers_logging, transformers_logging):
+        library.set_verbosity_error()
+        library.disable_progress_bar()
 
     info = machine_info()
-    for key, value in info.items():
-        print(f"{key:>14}: {value}")
+    print("\n".join(f"{key:>14}: {value}" for key, value in info.items()) + "\n")
     with tempfile.TemporaryDirectory(prefix="difftune-bench-") as tmp:
         root = Path(tmp)
         data_dir = root / "data"
         make_dataset(data_dir, count=TRAIN_IMAGES, size=IMAGE_SIZE)
         lumina = write_config(root / "train", data_dir)
         kandinsky = write_config(root / "train-k5", data_dir, *KANDINSKY)
-        # One-offs per machine; built before timing so that "first step" measures a run, not a build.
-        resolve_source(lumina.train)
-        resolve_source(kandinsky.train)
-        started = time.perf_counter()
-        snapshot = cpu_snapshot()
-        print("\nimport ...", flush=True)
-        results: dict[str, float] = bench_import()
-        print("training, tiny Lumina2 (time to first step, step time) ...", flush=True)
-        lumina_results, data = bench_training(lumina, "")
-        results |= lumina_results
-        print(f"batch source (batch {SAMPLER_BATCH}) ...", flush=True)
-        results |= bench_sampler(data)
-        del data
-        print("training, tiny Kandinsky 5 image (step time) ...", flush=True)
-        results |= bench_training(kandinsky, "k5_")[0]
-        print("latent cache fill ...", flush=True)
-        results |= bench_cache(root / "cache")
-        print("discovery ...", flush=True)
-        results |= bench_discovery(root / "discovery")
+        for run_cfg in (lumina, kandinsky):  # a one-off per machine: "first step" measures a run, not a build
+            resolve_source(run_cfg.train)
+        started, snapshot, loads = time.perf_counter(), cpu_snapshot(), {}
+
+        def phase(name: str, fn):  # runs one measurement, noting how busy other processes kept the cores
+            print(f"{name} ...", flush=True)
+            before = cpu_snapshot()
+            out = fn()
+            loads[name] = other_cores(before)
+            return out
+
+        results: dict[str, float] = phase("import", bench_import)
+        lumina_results, data = phase("Lumina2 training", lambda: bench_training(lumina, ""))
+        results |= lumina_results | phase("batch source", lambda: bench_sampler(data))
+        results |= phase("Kandinsky 5 training", lambda: bench_training(kandinsky, "k5_")[0])
+        results |= phase("latent cache fill", lambda: bench_cache(root / "cache"))
+        results |= phase("discovery", lambda: bench_discovery(root / "discovery"))
         results["peak_rss_mib"] = peak_rss_mib()
         results["other_cores"] = other_cores(snapshot)
         total = time.perf_counter() - started
 
     table = rows(results)
-    others = results["other_cores"]
-    print(f"\nresults (benchmark took {total:.0f} s; other processes kept {others:.2f} cores busy meanwhile)\n")
-    if others > 0.2:
-        print("  warning: the machine was busy with other work; these figures are likely too slow\n")
+    per_phase = ", ".join(f"{name} {load:.2f}" for name, load in loads.items())
+    print(f"\nresults (benchmark took {total:.0f} s; other processes kept {results['other_cores']:.2f} "
+          f"cores busy meanwhile; per phase: {per_phase})\n")
+    if busy := [name for name, load in loads.items() if load > 0.2]:
+        print(f"  warning: the machine was busy with other work during {', '.join(busy)}; those figures are "
+              "likely too slow\n")
     for name, value, detail in table:
         print(f"  {name:<38} {value:>12}   {detail}")
     print("\nmarkdown:\n")

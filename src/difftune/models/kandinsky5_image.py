@@ -12,7 +12,6 @@ Conventions of the stock `Kandinsky5T2IPipeline` / `Kandinsky5I2IPipeline` that 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,13 @@ from diffusers import (
     Kandinsky5T2IPipeline,
     Kandinsky5Transformer3DModel,
 )
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from PIL import Image
 from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from difftune.models.base import Components, SampleRequest
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image, load_qwen_processor
+from difftune.train.objective import resolution_shift
 
 # Self- and cross-attention projections only: not feed-forward, modulation or embedding layers.
 ATTENTION_PROJECTIONS = r".*(self_attention|cross_attention)\.(to_query|to_key|to_value|out_layer)"
@@ -143,13 +142,8 @@ class Kandinsky5ImageFamily:
         return out.squeeze(1).permute(0, 3, 1, 2)
 
     def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
-        cfg = comps.scheduler.config
-        seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
-        mu = calculate_shift(
-            seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
-        )
-        return math.exp(mu)
+        tokens = (latent_hw[0] // 2) * (latent_hw[1] // 2)  # 2x2 patches
+        return resolution_shift(dict(comps.scheduler.config), tokens)
 
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
         cls = Kandinsky5I2IPipeline if request.image is not None else Kandinsky5T2IPipeline

@@ -10,7 +10,6 @@ Conventions of the stock `Lumina2Pipeline` that training must follow:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,13 @@ from diffusers import (
     Lumina2Pipeline,
     Lumina2Transformer2DModel,
 )
-from diffusers.pipelines.lumina2.pipeline_lumina2 import calculate_shift
 from PIL import Image
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from difftune.models.base import Components, SampleRequest
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny import gemma_tokenizer
+from difftune.train.objective import resolution_shift
 
 MAX_SEQUENCE_LENGTH = 256  # the pipeline's default; validation pads to it so samples match the stock pipeline
 
@@ -142,13 +141,8 @@ class Lumina2Family:
         return -out
 
     def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
-        cfg = comps.scheduler.config
-        seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
-        mu = calculate_shift(
-            seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-            cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
-        )
-        return math.exp(mu)
+        tokens = (latent_hw[0] // 2) * (latent_hw[1] // 2)  # 2x2 patches
+        return resolution_shift(dict(comps.scheduler.config), tokens)
 
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
         pipe = Lumina2Pipeline(

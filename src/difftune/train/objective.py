@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 
@@ -25,6 +27,17 @@ class TimestepSampling:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
+
+
+def resolution_shift(scheduler_config: dict, image_tokens: int) -> float:
+    """The shift a flow pipeline applies at this many image tokens (Flux's rule, from the scheduler's
+    base/max sequence lengths and shifts): more tokens, more shift."""
+    cfg = scheduler_config
+    mu = calculate_shift(
+        image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
+    )
+    return math.exp(mu)
 
 
 def sample_sigmas(batch: int, shift: float, generator: torch.Generator,
