@@ -165,3 +165,19 @@ def test_ema_saved_validated_and_resumed(tmp_path, dataset, monkeypatch):
     resumed = load_file(tmp_path / "b" / "output" / "ema" / "pytorch_lora_weights.safetensors")
     for key in ema:
         torch.testing.assert_close(resumed[key], ema[key], rtol=1e-6, atol=1e-7)
+
+
+def test_resaved_checkpoint_survives_a_kill_between_renames(tmp_path):
+    from difftune.train.checkpoint import STATE_FILE, clean_partial, find_latest
+
+    root = tmp_path / "checkpoints"
+    for step in (10, 12):
+        folder = root / f"checkpoint-{step:07d}"
+        folder.mkdir(parents=True)
+        (folder / STATE_FILE).write_text("{}")
+    # Killed mid re-save of step 12: the old copy set aside, the new one still a temp folder.
+    (root / "checkpoint-0000012").rename(root / ".replaced-checkpoint-0000012-123")
+    (root / ".tmp-checkpoint-0000012-123").mkdir()
+    clean_partial(tmp_path)
+    assert find_latest(tmp_path).name == "checkpoint-0000012"
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-0000010", "checkpoint-0000012"]

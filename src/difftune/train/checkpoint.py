@@ -52,10 +52,12 @@ def save_checkpoint(run: Run) -> Path:
     (tmp / STATE_FILE).write_text(json.dumps(state))
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (for example at the end): replace it whole
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
+        # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it
+        # back under its name instead of deleting the only copy of that step.
+        replaced = root / f".replaced-{final.name}-{os.getpid()}"
+        os.replace(final, replaced)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(replaced, ignore_errors=True)
     else:
         os.replace(tmp, final)
     prune_checkpoints(run.output_dir, run.cfg.checkpoints_total_limit)
@@ -131,9 +133,17 @@ def load_checkpoint(run: Run, path: Path) -> None:
 
 
 def clean_partial(output_dir: Path) -> None:
-    """Remove leftovers of saves that were killed before their rename."""
+    """Remove leftovers of saves killed before their rename. A complete checkpoint set aside while its
+    step was saved again (`.replaced-`) goes back under its name if the new copy never arrived."""
     root = checkpoints_dir(output_dir)
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith((".tmp-", ".old-")):
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(".replaced-"):
+            name = p.name.removeprefix(".replaced-").rsplit("-", 1)[0]
+            if not (root / name).exists() and (p / STATE_FILE).is_file():
+                os.replace(p, root / name)
+            else:
                 shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith((".tmp-", ".old-")):
+            shutil.rmtree(p, ignore_errors=True)

@@ -155,10 +155,12 @@ def _train(run: Run) -> Path:
                 run.ema.step(step)
             run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
                             elapsed=time.perf_counter() - started)
-            if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
-                checkpoint(run)
+            # Validation before the checkpoint of the same step: a kill while sampling then resumes
+            # from the previous checkpoint and samples again, instead of losing these images.
             if _due(step, cfg.validation_step_interval) and step < run.total_steps:
                 sample(run, f"step-{step:06d}")
+            if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
+                checkpoint(run)
             stopped = handle_commands(run)
     except KeyboardInterrupt:
         checkpoint(run, reason="interrupted")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,9 @@ def _sample_all(run: Run, label: str, suffix: str) -> list[Path]:
             image = run.family.sample(run.comps, model, request)
             name = f"-{request.name}" if request.name else ""
             path = out_dir / f"{label}{name}-{request.width}x{request.height}{suffix}.png"
-            image.save(path)
+            partial = path.with_name(f".{path.name}.tmp")
+            image.save(partial, format="PNG")
+            os.replace(partial, path)  # a kill mid-write never leaves a truncated image under the real name
             paths.append(path)
             run.events.emit("sample", step=run.state.step, path=str(path), prompt=request.name or "validation",
                             ema=bool(suffix))
