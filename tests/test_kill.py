@@ -160,13 +160,14 @@ def tmp_step(name: str) -> int:
 
 def mid_save(min_step: int = 0) -> KillPoint:
     """Killed while a checkpoint is being written, a few milliseconds after the event of a step that
-    saves (the save starts right after it). It landed when that checkpoint was never announced and
-    its temporary folder was left behind."""
+    saves (or after its validation sample, which comes first when both are due). It landed when that
+    checkpoint was never announced and its temporary folder was left behind."""
 
     def trigger(p: Probe):
         s = p.last_step()
         due = s is not None and s % CKPT_EVERY == 0 and min_step <= s < STEPS
-        return s if due and not p.has("checkpoint", s) else None
+        sampled = s is not None and (s % VAL_EVERY != 0 or p.has("sample", s))
+        return s if due and sampled and not p.has("checkpoint", s) else None
 
     return KillPoint(f"mid-save (checkpoint >= {min_step})", trigger, _save_landed, delay_s=(0.0, 0.008))
 
@@ -197,13 +198,11 @@ def before_rename(min_step: int) -> KillPoint:
 
 
 def mid_validation(min_step: int = 0) -> KillPoint:
-    """Killed while validation samples after step s (it follows that step's checkpoint, if one is due)."""
+    """Killed while validation samples after step s (before that step's checkpoint, if one is due)."""
 
     def trigger(p: Probe):
         s = p.last_step()
         if s is None or s < min_step or s % VAL_EVERY or s >= STEPS or p.has("sample", s):
-            return None
-        if s % CKPT_EVERY == 0 and not p.has("checkpoint", s):
             return None
         return s
 
@@ -504,7 +503,7 @@ def missing_samples(chain: Chain, ref: Reference) -> list[str]:
 def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
     """One output folder killed four times in a row, each time at a different kind of moment:
     startup -> (from scratch) mid-step after step 5 -> (from 4) mid-save of checkpoint 6 -> (from 4)
-    mid-validation of step 6 -> (from 6) to the end."""
+    mid-validation of step 6 -> (from 4: validation comes before that step's checkpoint) to the end."""
     chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON))
 
     chain.kill_at(STARTUP)  # runs beside the reference run: their imports take most of the time
@@ -520,10 +519,12 @@ def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
 
     rec = chain.kill_at(mid_validation())
     assert not tmp.exists(), "the next launch must remove the killed save's temporary folder"
-    assert chain.resume_step == rec.target - rec.target % CKPT_EVERY  # its own checkpoint came first
+    # Validation runs before its step's checkpoint: killed there, the run resumes from the one before.
+    assert chain.resume_step == rec.target - (rec.target % CKPT_EVERY or CKPT_EVERY)
 
     chain.run(None)
     assert_same_as_reference(chain, reference)
+    assert missing_samples(chain, reference) == []  # no validation image is lost to a kill
     print(f"\nreference run {reference.seconds:.1f}s\n{chain.report()}\n"
           f"  validation images never written: {missing_samples(chain, reference)}")
 
