@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import re
 
+# lycoris-lora is a new dependency (.whl-notes.txt); skip rather than fail where it is not installed yet.
+import lycoris  # noqa: E402,F401 - a dependency: a missing install must fail, not skip
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from difftune.adapters.lycoris import attach_lycoris, load_lycoris, save_lycoris  # noqa: E402
 from difftune.models import get_family, tiny_model
 from difftune.train import objective
-
-# lycoris-lora is a new dependency (.whl-notes.txt); skip rather than fail where it is not installed yet.
-lycoris = pytest.importorskip("lycoris", reason="lycoris-lora is not installed")
-from difftune.adapters.lycoris import attach_lycoris, load_lycoris, save_lycoris  # noqa: E402
 
 LycorisNetwork = lycoris.LycorisNetwork
 
