@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 
-# lycoris-lora is a new dependency (.whl-notes.txt); skip rather than fail where it is not installed yet.
 import lycoris  # noqa: E402,F401 - a dependency: a missing install must fail, not skip
 import pytest
 import torch
