@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from diffusers.optimization import get_scheduler
 
 from difftune.adapters.kinds import Adapter, build_adapter
@@ -162,6 +163,9 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     cfg = run_cfg.train
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    # accelerate keeps mixed precision in a process-wide singleton; a second run in the same process
+    # (the web UI's tests, a notebook) must be able to choose its own. The distributed state is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     ranks = ranks_of(accelerator)
     if events is None:  # one event log and one progress bar: process 0's
