@@ -163,13 +163,18 @@ def mid_save(min_step: int = 0) -> KillPoint:
     saves (or after its validation sample, which comes first when both are due). It landed when that
     checkpoint was never announced and its temporary folder was left behind."""
 
-    def trigger(p: Probe):
+    def approach(p: Probe) -> bool:  # the save is about to start: from here run in small slices
         s = p.last_step()
         due = s is not None and s % CKPT_EVERY == 0 and min_step <= s < STEPS
         sampled = s is not None and (s % VAL_EVERY != 0 or p.has("sample", s))
-        return s if due and sampled and not p.has("checkpoint", s) else None
+        return due and sampled and not p.has("checkpoint", s)
 
-    return KillPoint(f"mid-save (checkpoint >= {min_step})", trigger, _save_landed, delay_s=(0.0, 0.008))
+    def trigger(p: Probe):  # its temporary folder exists: the save is under way
+        s = p.last_step()
+        return s if approach(p) and any(tmp_step(n) == s for n in p.own_tmp()) else None
+
+    # Stopped and sliced (see KillPoint): a polling kill alone missed this window under load.
+    return KillPoint(f"mid-save (checkpoint >= {min_step})", trigger, _save_landed, approach=approach)
 
 
 def _save_landed(p: Probe, step: int) -> bool:

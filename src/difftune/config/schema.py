@@ -36,14 +36,19 @@ def parse_resolutions(value: str) -> list[tuple[int, int]]:
     return out
 
 
+def read_json_file(path: str, what: str) -> object:
+    """A JSON file named by a config key; ValueError with the reason (the schema turns it into the key's error)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} {path}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
+
+
 def prompt_library(path: str) -> dict[str, str]:
     """A user prompt library: a JSON object of name -> prompt."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read prompt library {path}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"prompt library {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
+    data = read_json_file(path, "prompt library")
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         raise ValueError(f"prompt library {path} must be a JSON object of name -> prompt text")
     bad = [k for k in data if not re.fullmatch(r"[\w.-]+", k)]
@@ -258,12 +263,7 @@ class TrainConfig(BaseModel):
     def _lycoris_file(cls, v: str | None) -> str | None:
         if v in (None, ""):
             return None
-        try:
-            data = json.loads(Path(v).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read {v}: {e}") from e
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{v} is not valid JSON (line {e.lineno}): {e.msg}") from e
+        data = read_json_file(v, "lycoris_config")
         if not isinstance(data, dict) or "algo" not in data:
             raise ValueError(f"{v} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
         return v
