@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers import Kandinsky5I2IPipeline, Kandinsky5T2IPipeline, Lumina2Pipeline
+from diffusers import (
+    Kandinsky5I2IPipeline,
+    Kandinsky5I2VPipeline,
+    Kandinsky5T2IPipeline,
+    Kandinsky5T2VPipeline,
+    Lumina2Pipeline,
+)
 from PIL import Image, ImageOps
 
 from difftune.models.tiny_kandinsky5 import load_qwen_processor
@@ -26,11 +32,43 @@ class Case:
     def i2i(self) -> bool:
         return self.flavour.endswith("-i2i")
 
+    @property
+    def i2v(self) -> bool:
+        return self.flavour.endswith("-i2v")
+
+    @property
+    def video(self) -> bool:
+        return self.family == "kandinsky5-video"
+
+    @property
+    def input_image(self) -> bool:
+        return self.i2i or self.i2v
+
+    def latents(self, channels: int, h: int, w: int, frames: int = 2) -> torch.Tensor:
+        """Random latents in difftune's layout: [1, C, h, w], or [1, C, T, h, w] for video."""
+        return torch.randn(1, channels, frames, h, w) if self.video else torch.randn(1, channels, h, w)
+
+    def to_net(self, x: torch.Tensor) -> torch.Tensor:
+        """difftune's layout -> the network's own (Kandinsky 5: channels last with a time axis)."""
+        if self.family == "lumina2":
+            return x
+        return x.permute(0, 2, 3, 4, 1) if self.video else x.permute(0, 2, 3, 1).unsqueeze(1)
+
+    def conditioning(self, x0: torch.Tensor) -> torch.Tensor | None:
+        """What predict() is given as the input image: paired latents (i2i) or one latent frame (i2v); here
+        the clean first frame, so that an oracle sees x0 there."""
+        if self.i2v:
+            return x0[:, :, :1]
+        return torch.zeros_like(x0) if self.i2i else None
+
     def stock(self, folder) -> Any:
         if self.family == "lumina2":
             pipe = Lumina2Pipeline.from_pretrained(folder)
         else:
-            cls = Kandinsky5I2IPipeline if self.i2i else Kandinsky5T2IPipeline
+            if self.video:
+                cls = Kandinsky5I2VPipeline if self.i2v else Kandinsky5T2VPipeline
+            else:
+                cls = Kandinsky5I2IPipeline if self.i2i else Kandinsky5T2IPipeline
             pipe = cls.from_pretrained(folder, tokenizer=load_qwen_processor(folder))
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -41,9 +79,11 @@ class Case:
                       generator=torch.Generator().manual_seed(seed), **kw)
         if self.family == "lumina2":
             return pipe(**kwargs).images
-        pipe.resolutions = [(width, height)]  # the stock pipelines snap other sizes to 1K buckets
         if image is not None:
             kwargs["image"] = image
+        if self.video:
+            return pipe(**kwargs).frames
+        pipe.resolutions = [(width, height)]  # the stock pipelines snap other sizes to 1K buckets
         return pipe(**kwargs).image
 
     def oracle_output(self, x0_net: torch.Tensor, hidden_states: torch.Tensor, timestep: torch.Tensor):
@@ -53,10 +93,13 @@ class Case:
             return -(hidden_states - x0_net) / s
         s = (timestep / 1000.0).view(-1, 1, 1, 1, 1)  # Kandinsky 5: t = 1000 s, predicts noise - x0
         return (hidden_states[..., : x0_net.shape[-1]] - x0_net) / s
+    # (image-to-video: frame 0 of hidden_states is the clean input frame, so frame 0's output is not a
+    # velocity; the pipeline never uses it and training leaves it out of the loss)
 
 
 CASES = [Case("lumina2", "tiny-random"), Case("kandinsky5-image", "tiny-random"),
-         Case("kandinsky5-image", "tiny-random-i2i")]
+         Case("kandinsky5-image", "tiny-random-i2i"), Case("kandinsky5-video", "tiny-random"),
+         Case("kandinsky5-video", "tiny-random-i2v")]
 
 
 def make_pairs(images, conditioning) -> None:
@@ -64,3 +107,14 @@ def make_pairs(images, conditioning) -> None:
     conditioning.mkdir(parents=True, exist_ok=True)
     for path in images.glob("*.png"):
         ImageOps.mirror(Image.open(path).convert("RGB")).save(conditioning / path.name)
+
+
+def make_clips(folder, count: int = 3, frames: int = 12):
+    """Captioned synthetic clips (moving shapes, 32x24, 24 fps), one seed each."""
+    from difftune.data.video import synthetic_clip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        synthetic_clip(folder / f"clip{i}.mp4", frames=frames, seed=i)
+        (folder / f"clip{i}.txt").write_text(f"a moving square number {i}")
+    return folder

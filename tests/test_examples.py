@@ -106,3 +106,20 @@ def test_example_fails_only_on_the_missing_folder(tmp_path):
         load_config(None, {**raw, "data_backend_config": str(datasets)})
     problems = info.value.problems
     assert len(problems) == 1 and "instance_data_dir" in problems[0], problems
+
+
+def test_spec_kandinsky5_video_guide_validates(tmp_path):
+    """The Kandinsky 5.0 Video guide's dataset list and settings, as written; its group-offload block is
+    refused as not implemented (not ignored)."""
+    datasets, _ = relocated_datasets(Path(__file__).parent / "data" / "spec_kandinsky5_video_multidatabackend.json",
+                                     tmp_path)
+    settings = {"model_family": "kandinsky5-video", "model_flavour": "t2v-lite-sft-5s", "train_batch_size": 1,
+                "validation_resolution": "512x768", "validation_num_video_frames": 61, "validation_guidance": 5.0,
+                "frame_rate": 24, "offload_during_startup": True, "vae_enable_patch_conv": True,
+                "max_train_steps": 1, "data_backend_config": str(datasets)}
+    run_cfg = load_config(None, settings)
+    video = run_cfg.datasets.images[0].video
+    assert (video.num_frames, video.min_frames, video.frame_rate, video.bucket_strategy) == (61, 61, 24, "aspect_ratio")
+    assert run_cfg.train.model_source() == "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"
+    with pytest.raises(ConfigError, match="group offload is not implemented yet"):
+        load_config(None, settings | {"enable_group_offload": True, "group_offload_type": "block_level"})

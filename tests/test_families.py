@@ -13,12 +13,13 @@ from conftest import write_config
 from difftune.adapters.kinds import LoraAdapter
 from difftune.config import load_config
 from difftune.config.schema import TrainConfig
+from difftune.data.video import contact_sheet, decode_frames
 from difftune.models import get_family, tiny_model
 from difftune.models.base import SampleRequest
 from difftune.train import objective
 from difftune.train.loop import train
 from difftune.train.setup import build_run
-from families import CASES, make_pairs
+from families import CASES, make_clips, make_pairs
 
 IMAGE = Image.new("RGB", (64, 48), (200, 40, 40))
 
@@ -41,7 +42,8 @@ def text_for(family, comps, case, prompt="a red square", negative=False):
 
 def test_takes_conditioning_matches_flavour(case):
     family, _, comps = setup(case)
-    assert family.takes_conditioning(comps) == case.i2i == family.facts.needs_conditioning(case.flavour)
+    assert family.takes_conditioning(comps) == case.input_image == family.facts.takes_input_image(case.flavour)
+    assert family.facts.needs_conditioning(case.flavour) == case.i2i and family.facts.first_frame(case.flavour) == case.i2v
 
 
 def test_flow_convention(case):
@@ -49,9 +51,9 @@ def test_flow_convention(case):
     the stock pipeline driven by the same oracle lands on x0."""
     family, folder, comps = setup(case)
     torch.manual_seed(0)
-    x0 = torch.randn(1, comps.vae.config.latent_channels, 6, 8)
+    x0 = case.latents(comps.vae.config.latent_channels, 6, 8, frames=6)  # i2v: >= 5 latent frames, see below
     noise = torch.randn_like(x0)
-    x0_net = x0 if case.family == "lumina2" else x0.permute(0, 2, 3, 1).unsqueeze(1)
+    x0_net = case.to_net(x0)
 
     def oracle(hidden_states, timestep, return_dict=False, **kwargs):
         out = case.oracle_output(x0_net, hidden_states, timestep)
@@ -60,16 +62,22 @@ def test_flow_convention(case):
     comps.transformer.forward = oracle
     sigmas = torch.tensor([0.3])
     text = family.collate_text([text_for(family, comps, case)])
-    cond = torch.zeros_like(x0) if case.i2i else None
-    pred = family.predict(comps.transformer, objective.noisy_input(x0, noise, sigmas), sigmas, text, cond)
-    torch.testing.assert_close(pred, objective.velocity_target(x0, noise), atol=1e-5, rtol=1e-5)
+    pred = family.predict(comps.transformer, objective.noisy_input(x0, noise, sigmas), sigmas, text,
+                          case.conditioning(x0))
+    target = objective.velocity_target(x0, noise)
+    if case.i2v:  # frame 0 is the clean input frame: not a velocity, and not trained
+        pred, target = pred[:, :, 1:], target[:, :, 1:]
+    torch.testing.assert_close(pred, target, atol=1e-5, rtol=1e-5)
 
     pipe = case.stock(folder)
     pipe.transformer = comps.transformer
-    latents = noise.clone() if case.family == "lumina2" else noise.permute(0, 2, 3, 1).unsqueeze(1).clone()
-    out = case.stock_sample(pipe, "x", None, 64, 48, 4, 1.0, 0, image=IMAGE if case.i2i else None,
-                            latents=latents, output_type="latent")
-    torch.testing.assert_close(out[..., : x0_net.shape[-1]].reshape(x0_net.shape), x0_net, atol=1e-4, rtol=1e-4)
+    extra = {"num_frames": 21} if case.video else {}  # 6 latent frames
+    out = case.stock_sample(pipe, "x", None, 64, 48, 4, 1.0, 0, image=IMAGE if case.input_image else None,
+                            latents=case.to_net(noise).clone(), output_type="latent", **extra)
+    out = out[..., : x0_net.shape[-1]].reshape(x0_net.shape)
+    if case.i2v:  # the stock I2V keeps frame 0 as given and renormalizes frames 0-3 after sampling
+        out, x0_net = out[:, 4:], x0_net[:, 4:]
+    torch.testing.assert_close(out, x0_net, atol=1e-4, rtol=1e-4)
 
 
 def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
@@ -83,9 +91,9 @@ def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
         assert "attn" in name or "attention" in name, name
         assert not any(bad in name for bad in ("feed_forward", "modulation", "ff", "embed")), name
     opt = torch.optim.AdamW(params, lr=1e-2)
-    x0 = torch.randn(1, comps.vae.config.latent_channels, 4, 4)
+    x0 = case.latents(comps.vae.config.latent_channels, 4, 4)
     text = family.collate_text([text_for(family, comps, case)])
-    cond = torch.randn_like(x0) if case.i2i else None
+    cond = torch.randn_like(x0) if case.i2i else case.conditioning(x0)
     loss = objective.flow_loss(family.predict(net, x0, torch.tensor([0.5]), text, cond), torch.randn_like(x0))
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
@@ -107,16 +115,21 @@ def test_save_reload_identical_and_pipeline_runs(case, tmp_path):
     assert path.name == "pytorch_lora_weights.safetensors"
     pipe = case.stock(folder)
     pipe.load_lora_weights(tmp_path)
-    x = torch.randn(1, comps.vae.config.latent_channels, 4, 4)
+    x = case.latents(comps.vae.config.latent_channels, 4, 4)
     text = family.collate_text([text_for(family, comps, case)])
-    cond = torch.randn_like(x) if case.i2i else None
+    cond = torch.randn_like(x) if case.i2i else case.conditioning(x)
     with torch.no_grad():
         ours = family.predict(net, x, torch.tensor([0.4]), text, cond)
         theirs = family.predict(pipe.transformer, x, torch.tensor([0.4]), text, cond)
     torch.testing.assert_close(ours, theirs)
+    frames = 17 if case.video else 0  # the stock I2V renormalizes 4 latent frames against the next ones
     request = SampleRequest(text_for(family, comps, case), text_for(family, comps, case, "", negative=True),
-                            64, 48, 2, 4.0, 0, IMAGE if case.i2i else None)
-    assert family.sample(comps, net, request).size == (64, 48)
+                            64, 48, 2, 4.0, 0, IMAGE if case.input_image else None, frames=frames, fps=24.0)
+    result = family.sample(comps, net, request)
+    if case.video:
+        assert len(result) == frames and {f.size for f in result} == {(64, 48)}
+    else:
+        assert result.size == (64, 48)
 
 
 def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
@@ -124,6 +137,10 @@ def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
     if case.i2i:
         make_pairs(dataset, tmp_path / "inputs")
         extra = {"dataset": {"conditioning_data": "inputs"}, "conditioning_dir": tmp_path / "inputs"}
+    if case.video:
+        dataset = make_clips(tmp_path / "clips")
+        extra = {"dataset": {"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
+                 "validation_num_video_frames": 17 if case.i2v else 9}
     path = write_config(tmp_path, dataset, model_family=case.family, model_flavour=case.flavour,
                         max_train_steps=3, validation_prompt="a red circle", validation_negative_prompt="blurry",
                         validation_resolution="64x48", validation_num_inference_steps=3, validation_guidance=4.0,
@@ -134,10 +151,19 @@ def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     train(run)
-    ours = np.asarray(Image.open(run.output_dir / "validation" / "final-step-000003-64x48.png"))
+    frames = f"@{extra['validation_num_video_frames']}" if case.video else ""
+    ours = np.asarray(Image.open(run.output_dir / "validation" / f"final-step-000003-64x48{frames}.png"))
     pipe = case.stock(run.comps.source)
     pipe.load_lora_weights(run.output_dir)
     image = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB") if case.i2i else None
-    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11, image=image)[0]
-    assert ours.shape == (48, 64, 3)
+    if case.i2v:  # by default the first frame of the first training clip
+        image = decode_frames(sorted(dataset.glob("*.mp4"))[0], [0.0])[0]
+    kw = {"num_frames": extra["validation_num_video_frames"]} if case.video else {}
+    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11, image=image, **kw)[0]
+    if case.video:  # the PNG is the contact sheet of the video (the MP4 beside it is lossy)
+        assert (run.output_dir / "validation" / f"final-step-000003-64x48{frames}.mp4").is_file()
+        theirs = contact_sheet(theirs)
+        assert ours.shape == np.asarray(theirs).shape
+    else:
+        assert ours.shape == (48, 64, 3)
     assert np.abs(ours.astype(int) - np.asarray(theirs).astype(int)).max() <= 1

@@ -75,7 +75,7 @@ def test_new_config_from_first_question_to_files_that_pass_check(tmp_path, datas
                         transcript=tmp_path / "transcript.txt")
     transcript = (tmp_path / "transcript.txt").read_text()
     assert code == 0, transcript
-    assert "choose a number from 1 to 2" in transcript
+    assert "choose a number from 1 to 3" in transcript
     assert "lora_rank: -3: Input should be greater than 0" in transcript  # the text `difftune check` prints
     assert "learning_rate: 'abc': Input should be a valid number" in transcript
     assert "'nope' is not a folder" in transcript and "4 images found" in transcript

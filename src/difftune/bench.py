@@ -142,7 +142,7 @@ def bench_training(run_cfg: RunConfig, prefix: str) -> tuple[dict[str, float], T
 def bench_sampler(data: TrainingData) -> dict[str, float]:
     """TrainingData iteration without the model: sampler + load cached latents + text embeddings +
     collate, over the training run's own items and caches (just written, so in the page cache)."""
-    parts = [(list(range(len(data.items))), [c.sample.bucket for c in data.items], None)]
+    parts = [(list(range(len(data.items))), [c.sample.group for c in data.items], None)]
     samplers = [BucketSampler(parts, SAMPLER_BATCH, data.seed, keep_partial=False) for _ in range(2)]
     source = TrainingData(data.items, data.text_caches, samplers[0], data.collate_text, data.caption_dropout,
                           data.seed)

@@ -1,4 +1,6 @@
-"""Schema of the dataset list (`multidatabackend.json`): a JSON list of image and text-embeds entries."""
+"""Schema of the dataset list (`multidatabackend.json`): a JSON list of image, video, conditioning and
+text-embeds entries. Image and video datasets share one model (`ImageDataset`): captions, sizes, crops and
+caching work the same; a video dataset adds its `video` block."""
 
 from __future__ import annotations
 
@@ -26,15 +28,68 @@ class ParquetCaptions(BaseModel):
     )
 
 
+def four_k_plus_one(n: int) -> str:
+    """The two nearest frame counts the video VAE accepts ((frames - 1) % 4 == 0), for error messages."""
+    low = (n - 1) // 4 * 4 + 1
+    return f"{low} or {low + 4}" if low >= 1 else "1 or 5"
+
+
+class VideoOptions(BaseModel):
+    """How clips become training samples (the `video` block of a video dataset)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_frames: int = field(
+        61, "Frames per training clip (4k+1: 33, 49, 61, ...). bucket_strategy 'aspect_ratio': every clip "
+        "trains on exactly this many; 'resolution_frames': the most a clip trains on.", "data", ge=1,
+    )
+    min_frames: int | None = field(
+        None, "Clips with fewer frames (after resampling to frame_rate) are left out and reported.", "data", ge=1
+    )
+    max_frames: int | None = field(
+        None, "Clips with more frames (after resampling to frame_rate) are left out and reported.", "data", ge=1
+    )
+    frame_rate: float | None = field(
+        None, "Clips are resampled to this many frames per second (frames are held or skipped by timestamp, "
+        "so variable frame rates work). Empty: the config's frame_rate (24 by default).", "data", gt=0,
+    )
+    bucket_strategy: Literal["aspect_ratio", "resolution_frames"] = field(
+        "aspect_ratio", "'aspect_ratio': clips are grouped by shape only, all num_frames long (shorter clips are "
+        "left out). 'resolution_frames': grouped by WxH@F, each clip as long as it is (up to num_frames), "
+        "rounded down by frame_interval.", "data",
+    )
+    frame_interval: int = field(
+        4, "With 'resolution_frames': frame counts are rounded down to 1 + a multiple of this (and of 4).",
+        "data", ge=1, advanced=True,
+    )
+
+    @model_validator(mode="after")
+    def _frames(self) -> VideoOptions:
+        if (self.num_frames - 1) % 4:
+            raise ValueError(f"num_frames {self.num_frames} is not 4k+1 (the VAE compresses time 4x); use "
+                             f"{four_k_plus_one(self.num_frames)}")
+        if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
+            raise ValueError("min_frames is larger than max_frames")
+        if self.bucket_strategy == "aspect_ratio" and self.max_frames is not None and self.max_frames < self.num_frames:
+            raise ValueError(f"max_frames {self.max_frames} is below num_frames {self.num_frames}: with "
+                             "bucket_strategy 'aspect_ratio' every clip needs num_frames frames; lower num_frames")
+        return self
+
+
 class ImageDataset(BaseModel):
-    """A folder of images with captions."""
+    """A folder of images (or, with dataset_type 'video', of clips) with captions."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str = field(..., "Unique name of the dataset (used in reports and cache paths).", "data", min_length=1)
     type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
-    dataset_type: Literal["image"] = field("image", "Kind of entry.", "data")
-    instance_data_dir: str = field(..., "Folder of images; sub-folders are searched too.", "data")
+    dataset_type: Literal["image", "video"] = field(
+        "image", "Kind of entry: 'image', or 'video' (.mp4, .mov, .webm, .mkv; see the video block).", "data"
+    )
+    instance_data_dir: str = field(..., "Folder of images or clips; sub-folders are searched too.", "data")
+    video: VideoOptions | None = field(
+        None, "Video datasets: frame counts, frame rate and bucketing (defaults apply when left out).", "data"
+    )
     caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet"] = field(
         "textfile",
         "'textfile': a .txt beside each image with the same name; each non-empty line is a caption, one "
@@ -114,6 +169,13 @@ class ImageDataset(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ImageDataset:
+        if self.video is not None and self.dataset_type != "video":
+            raise ValueError("the video block applies to dataset_type 'video'; set dataset_type or remove it")
+        if self.dataset_type == "video" and self.video is None:
+            self.video = VideoOptions()
+        if self.dataset_type == "video" and self.conditioning_data is not None:
+            raise ValueError("conditioning_data pairs images; image-to-video flavours take each clip's first "
+                             "frame as the input image by themselves: remove conditioning_data")
         if (self.maximum_image_size is None) != (self.target_downsample_size is None):
             raise ValueError("maximum_image_size and target_downsample_size go together: set both or neither")
         needs_prompt = self.caption_strategy == "instanceprompt" or self.prepend_instance_prompt or self.only_instance_prompt
@@ -164,14 +226,16 @@ class ConditioningDataset(BaseModel):
 
 DatasetEntry = ImageDataset | TextEmbedsDataset | ConditioningDataset
 DATASET_MODELS: dict[str, type[BaseModel]] = {
-    "image": ImageDataset, "text_embeds": TextEmbedsDataset, "conditioning": ConditioningDataset,
+    "image": ImageDataset, "video": ImageDataset, "text_embeds": TextEmbedsDataset, "conditioning": ConditioningDataset,
 }
 
 
 class DatasetPlan(BaseModel):
-    """The validated dataset list: the enabled image datasets and the text-embeds cache to use."""
+    """The validated dataset list: the enabled image and video datasets and the text-embeds cache to use.
+    `validation_only`: image datasets an image-to-video run uses only as validation input images."""
 
     images: list[ImageDataset]
+    validation_only: dict[str, ImageDataset] = {}
     text_embeds: TextEmbedsDataset | None  # the default entry
     conditioning: dict[str, ConditioningDataset] = {}
     all_text_embeds: dict[str, TextEmbedsDataset] = {}

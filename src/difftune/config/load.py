@@ -25,9 +25,7 @@ from difftune.config.pending import PENDING_DATASET_KEYS, PENDING_TRAIN_KEYS, pe
 from difftune.config.schema import TrainConfig
 from difftune.models.registry import FAMILY_FACTS
 
-PENDING_VALUES = {
-    ("dataset_type", "video"): "not implemented yet: video datasets",
-}
+PENDING_VALUES: dict[tuple[str, str], str] = {}
 
 
 class ConfigError(Exception):
@@ -126,7 +124,7 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
             problems.append(f"{where}: dataset_type: {message}")
             continue
         if kind not in DATASET_MODELS:
-            problems.append(f"{where}: dataset_type {kind!r} is unknown; use 'image' or 'text_embeds'")
+            problems.append(f"{where}: dataset_type {kind!r} is unknown; use 'image', 'video', 'conditioning' or 'text_embeds'")
             continue
         model = DATASET_MODELS[kind]
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS, problems)
@@ -159,7 +157,7 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
                 "dataset of dataset_type 'conditioning'; add one with that id or fix the name"
             )
     if not images and not problems:
-        problems.append(f"{path}: no enabled image dataset; add an entry with dataset_type 'image'")
+        problems.append(f"{path}: no enabled image or video dataset; add an entry with dataset_type 'image' or 'video'")
     defaults = [e for e in embeds if e.default]
     if len(defaults) > 1:
         problems.append(f"{path}: several text_embeds entries have default: true; keep one")
@@ -169,11 +167,41 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
     return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning, all_text_embeds=named_embeds)
 
 
+def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:
+    """Video datasets need a video family. An image-to-video flavour trains on clips only: an image dataset
+    is allowed there as the validation input (eval_dataset_id) and is then not trained on."""
+    facts = FAMILY_FACTS[train.model_family]
+    for ds in list(plan.images):
+        if ds.dataset_type == "video" and not facts.video:
+            video_families = [f.name for f in FAMILY_FACTS.values() if f.video]
+            problems.append(f"{path}: dataset {ds.id!r}: {train.model_family} trains on images; video datasets "
+                            f"need a video family ({', '.join(video_families)}) - set dataset_type 'image' or "
+                            "change model_family")
+        elif ds.dataset_type == "image" and facts.first_frame(train.flavour()):
+            if train.validation_using_datasets and ds.id == train.eval_dataset_id:
+                plan.images.remove(ds)
+                plan.validation_only[ds.id] = ds
+            else:
+                problems.append(f"{path}: dataset {ds.id!r}: image-to-video flavour {train.flavour()!r} trains on "
+                                "clips (their first frame is the input image); make it a video dataset, disable "
+                                "it, or name it in eval_dataset_id with validation_using_datasets to validate with it")
+    if not plan.images and not problems:
+        problems.append(f"{path}: no enabled dataset to train on")
+    if facts.first_frame(train.flavour()) and (train.validation_prompt or train.user_prompt_library):
+        frames = train.validation_num_video_frames or next(
+            (ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
+        if frames < 17:
+            key = "validation_num_video_frames" if train.validation_num_video_frames else "the video num_frames"
+            problems.append(f"{path}: {key} {frames}: image-to-video validation videos need at least 17 frames "
+                            "(the stock I2V pipeline renormalizes the first 4 latent frames against the next "
+                            "ones); set validation_num_video_frames to 17 or more")
+
+
 def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:
     """Image-to-image flavours train on pairs; the others must not be given any."""
     facts = FAMILY_FACTS[train.model_family]
     flavour = train.flavour()
-    ids = {ds.id for ds in plan.images} | set(plan.conditioning)
+    ids = {ds.id for ds in plan.images} | set(plan.conditioning) | set(plan.validation_only)
     if train.validation_using_datasets and train.eval_dataset_id not in ids:
         problems.append(f"{path}: eval_dataset_id {train.eval_dataset_id!r} names no enabled image or "
                         f"conditioning dataset; choose one of {', '.join(sorted(ids))}")
@@ -212,6 +240,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         except ConfigError as e:
             problems.extend(e.problems)
     if train is not None and plan is not None:
+        check_media(train, plan, Path(train.data_backend_config), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
     if problems or train is None or plan is None:
         raise ConfigError(problems)

@@ -33,15 +33,10 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "group_offload_blocks_per_group": ((None,), "group offload is not implemented yet"),
     "group_offload_use_stream": ((False,), "group offload is not implemented yet"),
     "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
-    "offload_during_startup": ((False,), "offload_during_startup is not implemented yet; set it to false"),
-    "vae_enable_patch_conv": ((False,), "patched VAE convolutions come with video support, not implemented yet"),
     "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
-    "validation_num_video_frames": ((None,), "video families are not implemented yet"),
-    "frame_rate": ((None,), "video families are not implemented yet; remove frame_rate"),
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "video": ((None,), "video datasets are not implemented yet"),
     "vae_cache_clear_each_epoch": ((False,), "vae_cache_clear_each_epoch is not implemented yet"),
 }
 

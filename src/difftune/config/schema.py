@@ -117,6 +117,16 @@ class TrainConfig(BaseModel):
         advanced=True,
     )
     vae_batch_size: int = field(4, "Images per VAE forward pass while caching latents.", "data", gt=0, advanced=True)
+    vae_enable_patch_conv: bool = field(
+        False, "Video VAE: split its 3D convolutions into chunks so peak memory stays bounded on long or large "
+        "clips (same latents, a little slower). Use it when caching runs out of memory.", "memory", advanced=True,
+    )
+    offload_during_startup: bool = field(
+        False, "Keep the transformer off the accelerator until the caches are filled, so the text encoder, the "
+        "VAE and the transformer each have it to themselves in turn (the text encoder and the VAE never share "
+        "it in any case). Off: the transformer moves there right after loading, so a model too large fails at "
+        "once instead of after caching.", "memory",
+    )
     vae_cache_disable: bool = field(
         False, "Encode images on the fly during training for every dataset; write no latents to disk "
         "(the VAE then stays in memory).", "data", advanced=True,
@@ -232,6 +242,14 @@ class TrainConfig(BaseModel):
         None, "Id of the dataset (image or conditioning) whose first image is the validation input image.",
         "validation", advanced=True,
     )
+    validation_num_video_frames: int | None = field(
+        None, "Video families: frames per validation video, 4k+1 (49, 61, ...). Empty: the first video "
+        "dataset's num_frames (61 without one).", "validation", ge=1,
+    )
+    frame_rate: float | None = field(
+        None, "Video families: frames per second of validation videos, and of training clips unless a "
+        "dataset's video block sets its own. Empty: 24.", "validation", gt=0,
+    )
     validation_disable_unconditional: bool = field(
         False, "Sample without classifier-free guidance (no negative pass).", "validation", advanced=True
     )
@@ -327,8 +345,18 @@ class TrainConfig(BaseModel):
             raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
         if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):
             raise ValueError("lora_format 'comfyui' applies to standard LoRA (model_type lora, lora_type standard)")
-        if self.validation_using_datasets and not facts.needs_conditioning(self.flavour()):
-            raise ValueError("validation_using_datasets only applies to image-to-image flavours; remove it")
+        if self.validation_using_datasets and not facts.takes_input_image(self.flavour()):
+            raise ValueError("validation_using_datasets only applies to image-to-image and image-to-video "
+                             "flavours; remove it")
+        video_keys = [k for k in ("validation_num_video_frames", "frame_rate", "vae_enable_patch_conv")
+                      if getattr(self, k) not in (None, False)]
+        if video_keys and not facts.video:
+            raise ValueError(f"{', '.join(video_keys)} only apply to video families; remove them for {self.model_family}")
+        n = self.validation_num_video_frames
+        if n is not None and (n - 1) % 4:
+            low = (n - 1) // 4 * 4 + 1
+            raise ValueError(f"validation_num_video_frames {n} is not 4k+1 (the VAE compresses time 4x); "
+                             f"use {low} or {low + 4}")
         if self.validation_using_datasets and self.eval_dataset_id is None:
             raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
@@ -351,6 +379,9 @@ class TrainConfig(BaseModel):
 
     def validation_sizes(self) -> list[tuple[int, int]]:
         return parse_resolutions(self.validation_resolution)
+
+    def video_fps(self) -> float:
+        return self.frame_rate if self.frame_rate is not None else FAMILY_FACTS[self.model_family].default_frame_rate
 
     def guidance(self) -> float:
         if self.validation_disable_unconditional:

@@ -15,19 +15,22 @@ import torch
 from safetensors.torch import load_file
 
 from difftune.data.cache import TensorCache
-from difftune.data.images import BadImage, load_rgb, prepare
-from difftune.data.latents import CachedSample
+from difftune.data.images import load_rgb, prepare
+from difftune.data.latents import MEDIA_ERRORS, CachedSample, sample_pixels
 from difftune.data.sampler import BucketSampler
 
-Encoder = Callable[[torch.Tensor], torch.Tensor]  # pixels [B, 3, H, W] in [-1, 1] -> latents [B, C, h, w]
+# pixels [B, 3, H, W] (clips: [B, 3, F, H, W]) in [-1, 1] -> latents [B, C, h, w] ([B, C, T, h, w])
+Encoder = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class Batch:
-    latents: torch.Tensor  # [B, C, h, w] normalized latents
+    latents: torch.Tensor  # [B, C, h, w] normalized latents; clips [B, C, T, h, w]
     text: dict[str, torch.Tensor]  # family-specific, collated
     captions: list[str]
-    conditioning: torch.Tensor | None = None  # [B, C, h, w] latents of the input images (image-to-image)
+    # [B, C, h, w] latents of the input images (image-to-image), or of each clip's first frame encoded on its
+    # own, [B, C, 1, h, w] (image-to-video)
+    conditioning: torch.Tensor | None = None
     offset: int = 0  # where this process's slice starts in the global batch (several processes)
     global_size: int = 0  # samples in the global batch (all processes); noise is drawn for all of them
 
@@ -37,7 +40,7 @@ class TrainingData:
         self, items: list[CachedSample], text_caches: dict[str, TensorCache], sampler: BucketSampler,
         collate_text: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
         caption_dropout: float = 0.0, seed: int = 0, encode: Encoder | None = None,
-        on_skip: Callable[[str], None] | None = None, rank: int = 0, ranks: int = 1,
+        on_skip: Callable[[str], None] | None = None, rank: int = 0, ranks: int = 1, first_frame: bool = False,
     ):
         """`text_caches`: dataset id -> its text cache. `encode`: the VAE, for on-the-fly items.
         With `ranks` processes the sampler yields global batches and this process takes slice `rank`."""
@@ -50,6 +53,7 @@ class TrainingData:
         self.encode = encode
         self.on_skip = on_skip
         self.rank, self.ranks = rank, ranks
+        self.first_frame = first_frame  # image-to-video: the first frame encoded alone is the conditioning
 
     def _text(self, item: CachedSample, key: str) -> dict[str, torch.Tensor]:
         cache = self.text_caches[item.sample.dataset_id]
@@ -64,20 +68,23 @@ class TrainingData:
     def _latents(self, chosen: list[CachedSample]) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """(positions in `chosen` that loaded, their latents, their input-image latents)."""
         if chosen[0].latent_file is not None:
-            latents = torch.stack([load_file(c.latent_file)["latents"] for c in chosen])
+            files = [load_file(c.latent_file) for c in chosen]
+            latents = torch.stack([f["latents"] for f in files])
             cond = None
             if chosen[0].conditioning_file is not None:
                 cond = torch.stack([load_file(c.conditioning_file)["latents"] for c in chosen])
+            elif self.first_frame:
+                cond = torch.stack([f["first_frame"] for f in files])
             return list(range(len(chosen))), latents, cond
         assert self.encode is not None, "items without cached latents need an encoder"
         kept, pixels, cond_pixels = [], [], []
         for position, c in enumerate(chosen):  # on the fly: a file that fails now is skipped and reported
             s = c.sample
             try:
-                pixels.append(prepare(load_rgb(s.path), s.bucket, c.crop_style, c.uv, s.downsample))
+                pixels.append(sample_pixels(s, c.crop_style, c.uv))
                 if s.conditioning is not None:
                     cond_pixels.append(prepare(load_rgb(s.conditioning), s.bucket, c.crop_style, c.uv))
-            except (BadImage, OSError) as e:
+            except MEDIA_ERRORS as e:
                 pixels = pixels[: len(kept)]
                 if self.on_skip:
                     self.on_skip(f"skipped {s.path}: {e}")
@@ -88,6 +95,8 @@ class TrainingData:
         with torch.no_grad():
             latents = self.encode(torch.stack(pixels)).float().cpu()
             cond = self.encode(torch.stack(cond_pixels)).float().cpu() if cond_pixels else None
+            if self.first_frame:
+                cond = self.encode(torch.stack([p[:, :1] for p in pixels])).float().cpu()
         return kept, latents, cond
 
     def __iter__(self) -> Iterator[Batch]:

@@ -1,7 +1,8 @@
-"""Find images and their captions in a dataset folder, and say what was left out and why.
+"""Find images (or clips) and their captions in a dataset folder, and say what was left out and why.
 
-Image sizes are kept in a metadata file beside the dataset's latent cache: a later scan re-reads only
-files that were added or changed (by size and mtime), and forgets removed ones.
+Image sizes (and clip sizes, frame counts and rates) are kept in a metadata file beside the dataset's
+latent cache: a later scan re-reads only files that were added or changed (by size and mtime), and
+forgets removed ones.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 from difftune.data.buckets import SizeRule, aspect_problem, bucket_for, downsample_first, too_small
 from difftune.data.captions import CaptionRule, CaptionTable, caption
+from difftune.data.frames import FrameRule, bucket_name, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
+
+VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv"}  # = data.video.VIDEO_EXTENSIONS (PyAV imported on demand)
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,21 @@ class Sample:
     bucket: tuple[int, int]
     downsample: tuple[int, int] | None
     conditioning: Path | None = None  # the paired input image (image-to-image), same relative name
+    frames: int = 0  # clips: frames trained on (4k+1), taken at `fps` from the first frame; 0 for images
+    fps: float = 0.0
 
     @property
     def caption(self) -> str:
         return self.captions[0]
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """What samples of one batch share: the bucket, and for clips the frame count."""
+        return (*self.bucket, self.frames) if self.frames else self.bucket
+
+    @property
+    def group_name(self) -> str:
+        return bucket_name(*self.bucket, self.frames)
 
 
 @dataclass
@@ -61,7 +76,7 @@ class MetadataCache:
         st = file.stat()
         self.seen.add(rel)
         entry = self.entries.get(rel)
-        if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
+        if entry and len(entry) == 5 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
             return (None if entry[2] is None else (entry[2], entry[3])), entry[4], False
         try:
             width, height = probe_size(file)
@@ -69,6 +84,23 @@ class MetadataCache:
             return (width, height), None, True
         except (BadImage, OSError) as e:
             self.entries[rel] = [st.st_size, st.st_mtime_ns, None, None, str(e)]
+            return None, str(e), True
+
+    def video(self, file: Path, rel: str):
+        """(VideoInfo or None, problem or None, whether the file was probed now)."""
+        from difftune.data.video import BadVideo, VideoInfo, probe_video
+
+        st = file.stat()
+        self.seen.add(rel)
+        entry = self.entries.get(rel)
+        if entry and len(entry) == 4 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
+            return (None if entry[2] is None else VideoInfo(*entry[2])), entry[3], False
+        try:
+            info = probe_video(file)
+            self.entries[rel] = [st.st_size, st.st_mtime_ns, list(info.__dict__.values()), None]
+            return info, None, True
+        except (BadVideo, OSError) as e:
+            self.entries[rel] = [st.st_size, st.st_mtime_ns, None, str(e)]
             return None, str(e), True
 
     def save(self) -> None:
@@ -97,8 +129,8 @@ def walk_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def image_files(root: Path) -> list[Path]:
-    return [p for p in walk_files(root) if not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS]
+def image_files(root: Path, suffixes: set[str] = IMAGE_EXTENSIONS) -> list[Path]:
+    return [p for p in walk_files(root) if not p.name.startswith(".") and p.suffix.lower() in suffixes]
 
 
 def pair_index(root: Path) -> dict[Path, Path]:
@@ -125,6 +157,29 @@ class DatasetSpec:
     metadata_file: Path | None = None
     seed: int = 0
     write_metadata: bool = True  # several processes: only one writes the shared metadata file
+    frames: FrameRule | None = None  # a video dataset's frame rule
+
+
+def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, result: Discovery):
+    """((width, height), frames) of a usable clip, or None after recording why it is left out."""
+    info, problem, probed = metadata.video(path, rel)
+    result.probed += probed
+    if info is None:
+        result.skipped.append((path, problem or "unreadable"))
+        return None
+    available = resampled_count(info.frames, info.span, info.fps, rule.frame_rate)
+    plan = plan_clip(available, info.fps, rule)
+    if plan.frames is None:
+        result.skipped.append((path, plan.problem or "unusable"))
+        return None
+    notes = [plan.note] if plan.note else []
+    if info.variable_rate:
+        notes.append(f"variable frame rate (average {info.fps:.3g} fps): frames are taken by timestamp")
+    if info.rotation:
+        notes.append(f"rotated {info.rotation} degrees by its metadata: trained upright, {info.width}x{info.height}")
+    if notes:
+        result.notes.append((path, "; ".join(notes)))
+    return (info.width, info.height), plan.frames
 
 
 def discover(spec: DatasetSpec) -> Discovery:
@@ -132,7 +187,8 @@ def discover(spec: DatasetSpec) -> Discovery:
     rule = spec.rule
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
     metadata = MetadataCache(spec.metadata_file)
-    for path in image_files(spec.root):
+    suffixes = VIDEO_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
+    for path in image_files(spec.root, suffixes):
         rel = str(path.relative_to(spec.root))
         conditioning = None
         if pairs is not None:
@@ -144,15 +200,22 @@ def discover(spec: DatasetSpec) -> Discovery:
         if captioned.captions is None:
             result.skipped.append((path, captioned.problem or "no caption"))
             continue
-        if captioned.size is not None:  # the table's width/height columns: no need to open the file
-            size, problem, probed = captioned.size, None, False
+        frames = 0
+        if spec.frames is not None:  # clips are always probed: frame counts and rates come from the file
+            clip = clip_frames(path, rel, metadata, spec.frames, result)
+            if clip is None:
+                continue
+            (width, height), frames = clip
         else:
-            size, problem, probed = metadata.size(path, rel)
-        result.probed += probed
-        if size is None:
-            result.skipped.append((path, problem or "unreadable"))
-            continue
-        width, height = size
+            if captioned.size is not None:  # the table's width/height columns: no need to open the file
+                size, problem, probed = captioned.size, None, False
+            else:
+                size, problem, probed = metadata.size(path, rel)
+            result.probed += probed
+            if size is None:
+                result.skipped.append((path, problem or "unreadable"))
+                continue
+            width, height = size
         problem = aspect_problem(width, height, rule)
         if too_small(width, height, rule):
             problem = f"{width}x{height} is below minimum_image_size {rule.minimum_image_size:g}"
@@ -164,8 +227,9 @@ def discover(spec: DatasetSpec) -> Discovery:
         down = downsample_first(width, height, rule)
         basis = down or (width, height)
         bucket = bucket_for(*basis, rule, choice_for(path, spec.seed))
+        fps = spec.frames.frame_rate if spec.frames is not None else 0.0
         result.samples.append(
-            Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning)
+            Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps)
         )
     if spec.write_metadata:
         metadata.save()

@@ -1,7 +1,8 @@
 """Fill the latent cache for a dataset: decode, crop, encode in batches of one bucket.
 
 An image-to-image sample also has its input (conditioning) image encoded, with the same bucket and
-the same relative crop, so the pair stays spatially aligned.
+the same relative crop, so the pair stays spatially aligned. A clip is decoded at its frame times and
+every frame gets the same crop.
 """
 
 from __future__ import annotations
@@ -17,7 +18,19 @@ from PIL import Image
 
 from difftune.data.cache import TensorCache, TextJob
 from difftune.data.discovery import Sample
+from difftune.data.frames import frame_times
 from difftune.data.images import BadImage, fit, load_rgb, prepare
+from difftune.data.video import BadVideo, decode_frames
+
+MEDIA_ERRORS = (BadImage, BadVideo, OSError)  # a file that fails with these is reported and skipped
+
+
+def sample_pixels(sample: Sample, crop_style: str, uv: tuple[float, float]) -> torch.Tensor:
+    """An image as [3, H, W], a clip as [3, F, H, W], in [-1, 1], fitted to the sample's bucket."""
+    if not sample.frames:
+        return prepare(load_rgb(sample.path), sample.bucket, crop_style, uv, sample.downsample)
+    frames = decode_frames(sample.path, frame_times(sample.frames, sample.fps))
+    return torch.stack([prepare(f, sample.bucket, crop_style, uv, sample.downsample) for f in frames], dim=1)
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,9 @@ def file_key(path: Path, bucket: tuple[int, int], extra: object, uv: tuple[float
 
 
 def latent_key(sample: Sample, crop_style: str, seed: int) -> str:
-    """The cache key of a sample's latents."""
-    return file_key(sample.path, sample.bucket, sample.downsample, crop_position(sample, crop_style, seed))
+    """The cache key of a sample's latents (a clip's also holds its frame count and rate)."""
+    extra = (sample.downsample, sample.frames, sample.fps) if sample.frames else sample.downsample
+    return file_key(sample.path, sample.bucket, extra, crop_position(sample, crop_style, seed))
 
 
 def text_key(sample: Sample, caption: str, crop_style: str, seed: int) -> str:
@@ -85,12 +99,15 @@ def uncached(sample: Sample, crop_style: str, seed: int) -> CachedSample:
 def fill_latent_cache(
     samples: list[Sample], cache: TensorCache, crop_style: str, seed: int,
     encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int,
-    on_progress: Callable[[int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None, first_frame: bool = False,
 ) -> tuple[list[CachedSample], list[tuple[Path, str]]]:
-    """Returns the samples with valid cache entries, and the files that failed with their reason."""
+    """Returns the samples with valid cache entries, and the files that failed with their reason.
+    `first_frame` (image-to-video): each clip's first frame is also encoded on its own, as the pipeline
+    encodes its input image; with the VAE's GroupNorm over all frames it differs from the clip's first
+    latent frame."""
     done: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
-    pending: dict[tuple[int, int], list[tuple[Sample, list[tuple[Path, str]]]]] = defaultdict(list)
+    pending: dict[tuple[int, ...], list[tuple[Sample, list[tuple[Path, str]]]]] = defaultdict(list)
 
     for sample in samples:
         uv = crop_position(sample, crop_style, seed)
@@ -102,24 +119,24 @@ def fill_latent_cache(
             if on_progress:
                 on_progress(1)
         else:
-            pending[sample.bucket].append((sample, keys))
+            pending[sample.group].append((sample, keys))
 
-    for bucket in sorted(pending):
-        group = pending[bucket]
+    for bucket_group in sorted(pending):
+        group = pending[bucket_group]
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
             ready, pixels = [], []
             for sample, keys in chunk:
                 uv = crop_position(sample, crop_style, seed)
                 try:
-                    tensors = [prepare(load_rgb(sample.path), bucket, crop_style, uv, sample.downsample)]
-                except (BadImage, OSError) as e:
+                    tensors = [sample_pixels(sample, crop_style, uv)]
+                except MEDIA_ERRORS as e:
                     failed.append((sample.path, str(e)))
                     continue
                 if sample.conditioning is not None:
                     try:
-                        tensors.append(prepare(load_rgb(sample.conditioning), bucket, crop_style, uv))
-                    except (BadImage, OSError) as e:
+                        tensors.append(prepare(load_rgb(sample.conditioning), sample.bucket, crop_style, uv))
+                    except MEDIA_ERRORS as e:
                         failed.append((sample.path, f"its conditioning image {sample.conditioning}: {e}"))
                         continue
                 ready.append((sample, keys))
@@ -127,9 +144,10 @@ def fill_latent_cache(
             if pixels:
                 with torch.no_grad():
                     latents = encode(torch.stack(pixels)).float().cpu()
+                    firsts = encode(torch.stack([p[:, :1] for p in pixels])).float().cpu() if first_frame else None
                 flat = [key for _, keys in ready for _, key in keys]
-                for key, latent in zip(flat, latents, strict=True):
-                    cache.put(key, {"latents": latent})
+                for i, (key, latent) in enumerate(zip(flat, latents, strict=True)):
+                    cache.put(key, {"latents": latent} | ({"first_frame": firsts[i]} if firsts is not None else {}))
                 done.extend(_cached(sample, cache, keys, crop_style, seed) for sample, keys in ready)
             if on_progress:
                 on_progress(len(chunk))

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from difftune.data.discovery import Discovery
+from difftune.data.frames import bucket_name
 
 
 @dataclass
 class DataReport:
     found: list[Discovery]
     failed: list[tuple[Path, str]]  # files that failed to decode while caching
-    pruned: dict[tuple[str, tuple[int, int]], int]  # (dataset, bucket) -> images left out by bucket pruning
+    pruned: dict[tuple[str, tuple[int, ...]], int]  # (dataset, bucket group) -> items left out by pruning
     data: Any = None  # TrainingData, when built
     lines: list[str] = field(default_factory=list)
 
@@ -22,16 +23,16 @@ class DataReport:
         failed_paths = {p for p, _ in self.failed}
         out = ["data report:", f"  {'dataset':<24} {'found':>7} {'used':>7} {'left out':>9}"]
         for d in self.found:
-            used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.bucket) not in self.pruned)
+            used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.group) not in self.pruned)
             total = len(d.samples) + len(d.skipped)
             out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}")
         if self.data is not None:
-            buckets = Counter(item.sample.bucket for item in self.data.items)
-            sizes = ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(buckets.items()))
+            buckets = Counter(item.sample.group for item in self.data.items)
+            sizes = ", ".join(f"{bucket_name(*g)}: {n}" for g, n in sorted(buckets.items()))
             out.append(f"  buckets (with repeats): {sizes}")
             out.append(f"  batches per epoch: {self.data.sampler.batches_per_epoch()}")
-        for (dataset, (w, h)), n in sorted(self.pruned.items()):
-            out.append(f"  pruned bucket {w}x{h} of {dataset}: {n} image(s), fewer than one batch "
+        for (dataset, group), n in sorted(self.pruned.items()):
+            out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
                        "(set disable_bucket_pruning to keep them)")
         left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
         if left:

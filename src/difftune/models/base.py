@@ -33,6 +33,7 @@ class Components:
     vae: Any
     scheduler: Any
     text: dict[str, Any]
+    pipeline: str = ""  # the model_index.json pipeline class, where a family needs it to tell flavours apart
 
     def text_modules(self) -> list[Any]:
         return [m for m in self.text.values() if hasattr(m, "parameters")]
@@ -51,6 +52,8 @@ class SampleRequest:
     seed: int
     image: Image.Image | None = None  # input image of image-to-image flavours
     name: str | None = None  # library prompt name; None for the main validation_prompt
+    frames: int = 0  # video families: frames of the validation video (4k+1)
+    fps: float = 0.0  # video families: frame rate the video is written at
 
 
 class Family(Protocol):
@@ -64,7 +67,8 @@ class Family(Protocol):
         """Load every component with diffusers/transformers `from_pretrained` (hub id or folder)."""
 
     def takes_conditioning(self, comps: Components) -> bool:
-        """Whether the loaded transformer is an image-to-image one (needs input-image latents)."""
+        """Whether the loaded model is conditioned on an input image (image-to-image: paired input-image
+        latents; image-to-video: the first frame of each clip)."""
 
     def identity(self, comps: Components) -> dict[str, Any]:
         """What makes cached latents / embeddings of this model distinct: {'vae': ..., 'text': ...}."""
@@ -81,20 +85,23 @@ class Family(Protocol):
         """Stack per-prompt dicts into one batch dict (padding as the network expects)."""
 
     def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] in [-1, 1] -> normalized latents [B, C, H/8, W/8] (the network's input space)."""
+        """[B, 3, H, W] in [-1, 1] -> normalized latents [B, C, H/8, W/8] (the network's input space).
+        Video families: [B, 3, F, H, W] -> [B, C, T, h, w] (images become one-frame clips)."""
 
     def predict(
         self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor],
         conditioning: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Canonical velocity prediction (noise - x0) [B, C, h, w] for x_t [B, C, h, w] at noise level
-        `sigmas` [B]. `conditioning`: latents [B, C, h, w] of the input images (image-to-image)."""
+        `sigmas` [B]. `conditioning`: latents [B, C, h, w] of the input images (image-to-image).
+        Video families: [B, C, T, h, w]; `conditioning` is the input image's latents [B, C, 1, h, w]
+        (image-to-video), which replace frame 0 of x_t as the pipeline does."""
 
-    def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
-        """The timestep shift the family's pipeline would use at this latent size."""
+    def auto_shift(self, comps: Components, latent_shape: tuple[int, ...]) -> float:
+        """The timestep shift for latents of this shape (after the channel axis: (h, w) or (T, h, w))."""
 
-    def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
-        """One image through the family's stock diffusers pipeline."""
+    def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image | list[Image.Image]:
+        """One image (video families: the frames of one video) through the family's stock diffusers pipeline."""
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
         """Write a LoRA (peft state dict of the transformer) in the pipeline's diffusers layout.

@@ -140,8 +140,8 @@ class Lumina2Family:
         )[0]
         return -out
 
-    def auto_shift(self, comps: Components, latent_hw: tuple[int, int]) -> float:
-        tokens = (latent_hw[0] // 2) * (latent_hw[1] // 2)  # 2x2 patches
+    def auto_shift(self, comps: Components, latent_shape: tuple[int, ...]) -> float:
+        tokens = (latent_shape[-2] // 2) * (latent_shape[-1] // 2)  # 2x2 patches
         return resolution_shift(dict(comps.scheduler.config), tokens)
 
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:

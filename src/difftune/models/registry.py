@@ -21,9 +21,19 @@ class FamilyFacts:
     conditioning_flavours: frozenset[str] = frozenset()  # flavours trained on (condition, target) pairs
     default_resolution: str = "1024x1024"
     pixel_multiple: int = 16  # image sides must be multiples of this (VAE factor x patch size)
+    video: bool = False  # trains on clips (video datasets; images count as one-frame clips)
+    first_frame_flavours: frozenset[str] = frozenset()  # image-to-video: conditioned on each clip's first frame
+    default_frame_rate: float = 24.0  # video families: fps of validation videos and of resampled clips
 
     def needs_conditioning(self, flavour: str) -> bool:
         return flavour in self.conditioning_flavours
+
+    def first_frame(self, flavour: str) -> bool:
+        return flavour in self.first_frame_flavours
+
+    def takes_input_image(self, flavour: str) -> bool:
+        """Validation samples of this flavour start from an input image (image-to-image or image-to-video)."""
+        return self.needs_conditioning(flavour) or self.first_frame(flavour)
 
 
 FAMILY_FACTS: dict[str, FamilyFacts] = {
@@ -48,6 +58,36 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_guidance=5.0,
         module="difftune.models.kandinsky5_image",
         conditioning_flavours=frozenset({"i2i-lite-sft", "i2i-lite-pretrain", TINY_FLAVOUR + "-i2i"}),
+    ),
+    "kandinsky5-video": FamilyFacts(
+        name="kandinsky5-video",
+        # Confirmed in diffusers' docs: T2V-Lite-{sft,pretrain}-{5s,10s}, T2V-Pro-sft-5s, I2V-Pro-sft-5s. The other
+        # Pro and I2V-Lite ids follow the same naming on the kandinskylab hub; pretrained_model_name_or_path
+        # overrides any of them.
+        flavours={
+            "t2v-lite-sft-5s": "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
+            "t2v-lite-sft-10s": "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-10s-Diffusers",
+            "t2v-lite-pretrain-5s": "kandinskylab/Kandinsky-5.0-T2V-Lite-pretrain-5s-Diffusers",
+            "t2v-lite-pretrain-10s": "kandinskylab/Kandinsky-5.0-T2V-Lite-pretrain-10s-Diffusers",
+            "t2v-pro-sft-5s-hd": "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers",
+            "t2v-pro-sft-10s-hd": "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-10s-Diffusers",
+            "t2v-pro-pretrain-5s-hd": "kandinskylab/Kandinsky-5.0-T2V-Pro-pretrain-5s-Diffusers",
+            "t2v-pro-pretrain-10s-hd": "kandinskylab/Kandinsky-5.0-T2V-Pro-pretrain-10s-Diffusers",
+            "i2v-lite-5s": "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers",
+            "i2v-lite-pretrain-5s": "kandinskylab/Kandinsky-5.0-I2V-Lite-pretrain-5s-Diffusers",
+            "i2v-pro-sft-5s": "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers",
+            "i2v-pro-pretrain-5s": "kandinskylab/Kandinsky-5.0-I2V-Pro-pretrain-5s-Diffusers",
+            TINY_FLAVOUR: "",
+            TINY_FLAVOUR + "-i2v": "",
+        },
+        default_flavour="t2v-lite-sft-5s",
+        default_guidance=5.0,
+        module="difftune.models.kandinsky5_video",
+        default_resolution="512x768",
+        video=True,
+        first_frame_flavours=frozenset({
+            "i2v-lite-5s", "i2v-lite-pretrain-5s", "i2v-pro-sft-5s", "i2v-pro-pretrain-5s", TINY_FLAVOUR + "-i2v",
+        }),
     ),
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -75,22 +76,29 @@ def load_qwen_processor(path_or_repo: str | Path, subfolder: str = "tokenizer", 
     return cls.from_pretrained(str(path_or_repo), subfolder=subfolder, **kwargs)
 
 
-def qwen_tokenizer() -> Qwen2Tokenizer:
-    """A byte-level BPE Qwen2Tokenizer trained on the pipelines' prompt templates, so every template word is one
-    token: the T2I system prefix is then 40 tokens, exactly `prompt_template_encode_start_idx`, as with the real
-    tokenizer. Special tokens are added after the BPE vocab, in Qwen's order. Training is deterministic."""
+def blank_pipeline(pipeline_class):
+    """A pipeline instance without components: enough to read its prompt template and slice offset."""
+    return pipeline_class(transformer=None, vae=None, text_encoder=None, tokenizer=None,
+                          text_encoder_2=None, tokenizer_2=None, scheduler=None)
+
+
+def qwen_tokenizer(templates: Sequence[str] | None = None, vocab_size: int = 4096) -> Qwen2Tokenizer:
+    """A byte-level BPE Qwen2Tokenizer trained on prompt templates (by default the image pipelines'), so every
+    template word is one token: the T2I system prefix is then 40 tokens, exactly `prompt_template_encode_start_idx`,
+    as with the real tokenizer. A `vocab_size` below what the corpus can use stops the merges early, leaving the
+    rarest words in pieces (the video builder uses that to hit its offset). Special tokens are added after the BPE
+    vocab, in Qwen's order. Training is deterministic."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    blank = {"transformer": None, "vae": None, "text_encoder": None, "tokenizer": None,
-             "text_encoder_2": None, "tokenizer_2": None, "scheduler": None}
-    templates = [Kandinsky5T2IPipeline(**blank).prompt_template, Kandinsky5I2IPipeline(**blank).prompt_template]
+    if templates is None:
+        templates = [blank_pipeline(cls).prompt_template for cls in (Kandinsky5T2IPipeline, Kandinsky5I2IPipeline)]
     splitter = "|".join(re.escape(s) for s in QWEN_SPECIAL_TOKENS + ["{}"])
     corpus = [part for text in templates for part in re.split(splitter, text) if part]
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}).backend_tokenizer.pre_tokenizer  # Qwen's split
     trainer = trainers.BpeTrainer(
-        vocab_size=4096, min_frequency=1, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, min_frequency=1, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     bpe.train_from_iterator(corpus, trainer)
     model = json.loads(bpe.to_str())["model"]
@@ -111,7 +119,7 @@ def clip_tokenizer() -> CLIPTokenizer:
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[])
 
 
-def _text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+def qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
     ids = dict(zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_SPECIAL_TOKENS), strict=True))
     config = Qwen2_5_VLConfig(
         text_config={
@@ -134,13 +142,33 @@ def _text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGenerati
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _transformer(i2i: bool) -> Kandinsky5Transformer3DModel:
+def qwen_processor(tokenizer: Qwen2Tokenizer) -> ImageOnlyQwen2VLProcessor:
+    """The `tokenizer` component to save (`save_hub_pipeline` then gives tokenizer/ the stock processor's files)."""
+    return ImageOnlyQwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS),
+        tokenizer=tokenizer,
+    )
+
+
+def clip_text_encoder(tokenizer_2: CLIPTokenizer) -> CLIPTextModel:
+    return CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer_2), hidden_size=CLIP_HIDDEN, intermediate_size=64, projection_dim=CLIP_HIDDEN,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
+            # The pooled output is taken at the first eos token (eos id != 2 selects that rule).
+            bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id, pad_token_id=1,
+        )
+    )
+
+
+def tiny_transformer(visual_cond: bool) -> Kandinsky5Transformer3DModel:
+    """The tiny Kandinsky5Transformer3DModel; `visual_cond` as the real I2I and all real video models have it."""
     transformer = Kandinsky5Transformer3DModel(
         in_visual_dim=LATENT_CHANNELS, out_visual_dim=LATENT_CHANNELS, in_text_dim=QWEN_HIDDEN,
         in_text_dim2=CLIP_HIDDEN, time_dim=32, patch_size=(1, 2, 2), model_dim=32, ff_dim=64,
         num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),  # head_dim = sum(axes_dims) = 16
-        # I2I: the visual input is [noise, image latents, ones mask] = 2 * 16 + 1 channels.
-        visual_cond=i2i, attention_type="regular",
+        # visual_cond: the visual input is [noise, conditioning latents, mask] = 2 * 16 + 1 channels.
+        visual_cond=visual_cond, attention_type="regular",
     )
     # diffusers zero-initialises every modulation (shift/scale/gate), which zeroes each block's gates and
     # hence every gradient reaching attention/feed-forward LoRA. A trained model has gates of order one;
@@ -170,26 +198,28 @@ def _hub_processor_files(tokenizer_dir: Path) -> None:
     tok_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
 
 
+def save_hub_pipeline(pipe, folder: Path) -> None:
+    """save_pretrained, then the hub's names for the Qwen processor (see `_hub_processor_files`)."""
+    folder = Path(folder)
+    pipe.save_pretrained(folder)
+    # diffusers records a component's own class; ours is the image-only subclass, the hub names the stock one.
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["tokenizer"] = ["transformers", "Qwen2VLProcessor"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _hub_processor_files(folder / "tokenizer")
+
+
 def build_tiny_kandinsky5_image(folder: Path, i2i: bool) -> None:
     """Save a tiny random-init Kandinsky5T2IPipeline (or Kandinsky5I2IPipeline) into `folder`."""
     folder = Path(folder)
     torch.manual_seed(0)
     tokenizer = qwen_tokenizer()
-    processor = ImageOnlyQwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS),
-        tokenizer=tokenizer,
-    )
-    text_encoder = _text_encoder(tokenizer)
+    processor = qwen_processor(tokenizer)
+    text_encoder = qwen_text_encoder(tokenizer)
     tokenizer_2 = clip_tokenizer()
-    text_encoder_2 = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer_2), hidden_size=CLIP_HIDDEN, intermediate_size=64, projection_dim=CLIP_HIDDEN,
-            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
-            # The pooled output is taken at the first eos token (eos id != 2 selects that rule).
-            bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id, pad_token_id=1,
-        )
-    )
-    transformer = _transformer(i2i)
+    text_encoder_2 = clip_text_encoder(tokenizer_2)
+    transformer = tiny_transformer(visual_cond=i2i)
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
@@ -204,10 +234,4 @@ def build_tiny_kandinsky5_image(folder: Path, i2i: bool) -> None:
         transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=processor,
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, scheduler=scheduler,
     )
-    pipe.save_pretrained(folder)
-    # diffusers records a component's own class; ours is the image-only subclass, the hub names the stock one.
-    index_path = folder / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index["tokenizer"] = ["transformers", "Qwen2VLProcessor"]
-    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _hub_processor_files(folder / "tokenizer")
+    save_hub_pipeline(pipe, folder)

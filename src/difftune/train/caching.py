@@ -19,10 +19,12 @@ from tqdm import tqdm
 from difftune.config import RunConfig
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
-from difftune.data.discovery import Discovery, image_files
+from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
 from difftune.data.images import load_rgb
 from difftune.data.latents import CachedSample, fill_latent_cache, latent_key, text_jobs, uncached
+from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
+from difftune.models.registry import FAMILY_FACTS
 from difftune.train.distributed import Ranks
 from difftune.train.events import Events
 
@@ -42,19 +44,38 @@ def negative_cache(text_cache: TensorCache) -> TensorCache:
 
 
 def validation_image(run_cfg: RunConfig, found: list[Discovery]) -> Path | None:
-    """Image-to-image validation input: the first image of eval_dataset_id, or the first training pair's."""
+    """Validation input: the first image of eval_dataset_id, or the first training pair's input image, or
+    (image-to-video) the first training clip, whose first frame is taken."""
     cfg = run_cfg.train
     if cfg.validation_using_datasets:
         plan = run_cfg.datasets
-        roots = {ds.id: ds.instance_data_dir for ds in plan.images} | {
+        roots = {ds.id: ds.instance_data_dir for ds in [*plan.images, *plan.validation_only.values()]} | {
             cid: c.instance_data_dir for cid, c in plan.conditioning.items()
         }
         files = image_files(Path(roots[cfg.eval_dataset_id]))
         if not files:
             raise FileNotFoundError(f"eval_dataset_id {cfg.eval_dataset_id!r}: no image in {roots[cfg.eval_dataset_id]}")
         return files[0]
+    if FAMILY_FACTS[cfg.model_family].first_frame(cfg.flavour()):
+        clips = sorted(s.path for d in found for s in d.samples if s.frames)
+        return clips[0] if clips else None
     pairs = sorted(s.conditioning for d in found for s in d.samples if s.conditioning is not None)
     return pairs[0] if pairs else None
+
+
+def load_input_image(path: Path) -> Image.Image:
+    """An image file, or the first frame of a clip."""
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        return decode_frames(path, [0.0])[0]
+    return load_rgb(path)
+
+
+def validation_frames(run_cfg: RunConfig) -> int:
+    """validation_num_video_frames, else the first video dataset's num_frames (61 without one)."""
+    cfg = run_cfg.train
+    if cfg.validation_num_video_frames is not None:
+        return cfg.validation_num_video_frames
+    return next((ds.video.num_frames for ds in run_cfg.datasets.images if ds.video is not None), 61)
 
 
 def encode_validation(
@@ -64,9 +85,10 @@ def encode_validation(
     prompts = cfg.validation_prompts()
     if not prompts:
         return []
-    path = validation_image(run_cfg, found) if family.facts.needs_conditioning(cfg.flavour()) else None
-    image: Image.Image | None = load_rgb(path) if path is not None else None
+    path = validation_image(run_cfg, found) if family.facts.takes_input_image(cfg.flavour()) else None
+    image: Image.Image | None = load_input_image(path) if path is not None else None
     suffix = "" if path is None else f"\x00validation:{path.resolve()}:{path.stat().st_mtime_ns}"
+    frames, fps = (validation_frames(run_cfg), cfg.video_fps()) if family.facts.video else (0, 0.0)
 
     def encode(negative: bool):
         return lambda texts, images: family.encode_text(comps, texts, negative=negative, images=images)
@@ -81,7 +103,7 @@ def encode_validation(
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
     return [
         SampleRequest(text_cache.get(prompt + suffix), negative, w, h, cfg.validation_num_inference_steps,
-                      cfg.guidance(), seed, image, name)
+                      cfg.guidance(), seed, image, name, frames, fps)
         for name, prompt in prompts
         for w, h in cfg.validation_sizes()
     ]
@@ -133,7 +155,10 @@ def fill_caches(
     comps.text = {}  # the text encoders' job is done: free the memory before training
     _free(device)
 
-    comps.vae.to(device)
+    if cfg.vae_enable_patch_conv and not _patch_conv(comps.vae):
+        raise ValueError(f"vae_enable_patch_conv: the VAE of {comps.source} has no 3D convolution to split; "
+                         "set it to false")
+    comps.vae.to(device)  # only now: the text encoders are gone, so the two never share the accelerator
     cached: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
     on_the_fly = False
@@ -143,15 +168,19 @@ def fill_caches(
             on_the_fly = True  # encoded during training: nothing written, the VAE stays loaded
             cached += [uncached(s, ds.crop_style, cfg.seed) for s in disc.samples]
             continue
+        first_frame = family.facts.first_frame(cfg.flavour())
+        frames = None if ds.video is None else ds.video.model_dump()
         cache = TensorCache(Path(ds.vae_cache_root(cfg.model_family)),
-                            {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style})
+                            {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style,
+                             **({"video": frames, "first_frame": first_frame} if frames else {})})
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         mine = ranks.shard(disc.samples)
         latents_encoded += sum(1 for s in mine if not cache.has(latent_key(s, ds.crop_style, cfg.seed)))
         fill_latent_cache(mine, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
-                          on_progress=progress(events, f"latents ({ds.id})", len(mine)))
+                          on_progress=progress(events, f"latents ({ds.id})", len(mine)), first_frame=first_frame)
         ranks.barrier()
-        done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size)
+        done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
+                                      first_frame=first_frame)
         cached += done
         failed += bad
     per_process = ranks.gather(latents_encoded)
@@ -166,6 +195,12 @@ def fill_caches(
         comps.vae = comps.vae.to("cpu") if validation else None
     _free(device)
     return Cached(cached, text_caches, failed, validation, on_the_fly)
+
+
+def _patch_conv(vae) -> int:
+    from difftune.models.patch_conv import enable_patch_conv
+
+    return enable_patch_conv(vae)
 
 
 def progress(events: Events, what: str, total: int):

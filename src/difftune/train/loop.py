@@ -31,7 +31,7 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     x0 = batch.latents
     shift = run.cfg.flow_schedule_shift
     if run.cfg.flow_schedule_auto_shift:
-        shift = run.family.auto_shift(run.comps, tuple(x0.shape[-2:]))
+        shift = run.family.auto_shift(run.comps, tuple(x0.shape[2:]))
     # Noise and noise levels are drawn for the global batch, then this process's slice is taken: the
     # same numbers as a single process training the whole batch.
     size, lo = max(batch.global_size, x0.shape[0]), batch.offset
@@ -39,11 +39,15 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     sigmas = objective.sample_sigmas(size, shift, run.generator, run.sampling)[lo : lo + x0.shape[0]]
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     x_t = objective.noisy_input(x0, noise, sigmas)
+    conditioning = batch.conditioning  # image-to-video: each clip's first frame, encoded on its own
     with run.accelerator.autocast():
-        conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
+        conditioning = None if conditioning is None else conditioning.to(device, dtype)
         pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text, conditioning)
+    target = objective.velocity_target(x0, noise).to(device)
+    if run.first_frame:  # the sampler never updates the input frame: it is not trained either
+        pred, target = pred[:, :, 1:], target[:, :, 1:]
     weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
-    return objective.flow_loss(pred, objective.velocity_target(x0, noise).to(device), weights)
+    return objective.flow_loss(pred, target, weights)
 
 
 class NonFiniteError(RuntimeError):

@@ -14,6 +14,7 @@ from difftune.config import ImageDataset, RunConfig
 from difftune.data.buckets import SizeRule
 from difftune.data.captions import CaptionRule, CaptionTable
 from difftune.data.discovery import DatasetSpec, Discovery, discover
+from difftune.data.frames import FrameRule
 from difftune.data.report import DataReport
 from difftune.models.registry import FAMILY_FACTS
 
@@ -49,6 +50,14 @@ def caption_table(ds: ImageDataset) -> CaptionTable | None:
         raise DataError(f"dataset {ds.id!r}: parquet: {e}") from e
 
 
+def frame_rule(run_cfg: RunConfig, ds: ImageDataset) -> FrameRule | None:
+    v = ds.video
+    if v is None:
+        return None
+    fps = v.frame_rate if v.frame_rate is not None else run_cfg.train.video_fps()
+    return FrameRule(v.num_frames, fps, v.bucket_strategy, v.min_frames, v.max_frames, v.frame_interval)
+
+
 def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
     pairs = run_cfg.datasets.conditioning_dir(ds)
     return DatasetSpec(
@@ -57,7 +66,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
                              ds.only_instance_prompt),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
-        seed=run_cfg.train.seed, write_metadata=write_metadata,
+        seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
     )
 
 
@@ -85,7 +94,7 @@ def discover_all(run_cfg: RunConfig, write_metadata: bool = True) -> list[Discov
     if empty:
         report = DataReport(found, [], {})
         raise DataError(
-            f"dataset(s) {', '.join(map(repr, empty))} have no usable image (see each file's reason "
-            f"below); add captioned images or disable the dataset\n{report.render()}"
+            f"dataset(s) {', '.join(map(repr, empty))} have no usable image or clip (see each file's reason "
+            f"below); add captioned files or disable the dataset\n{report.render()}"
         )
     return found

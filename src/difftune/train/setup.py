@@ -61,6 +61,7 @@ class Run:
     sampling: TimestepSampling = field(default_factory=TimestepSampling)
     ranks: Ranks = field(default_factory=Ranks)
     state: TrainState = field(default_factory=TrainState)
+    first_frame: bool = False  # image-to-video: each clip's first frame conditions the rest
 
 
 def resolve_source(cfg: TrainConfig) -> str:
@@ -72,7 +73,7 @@ def resolve_source(cfg: TrainConfig) -> str:
 def build_data(
     run_cfg: RunConfig, family: Family, cached: Cached, events: Events, encode: Any = None,
     ranks: Ranks | None = None,
-) -> tuple[TrainingData, dict[tuple[str, tuple[int, int]], int]]:
+) -> tuple[TrainingData, dict[tuple[str, tuple[int, ...]], int]]:
     """Items with repeats, bucket pruning per dataset, the sampler and the batch source. With several
     processes the sampler draws global batches (train_batch_size per process) and each takes a slice."""
     ranks = ranks or Ranks()
@@ -83,9 +84,9 @@ def build_data(
     if lost:
         raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no image that could be decoded; "
                         "see the warnings above for each file")
-    counts: dict[tuple[str, tuple[int, int]], int] = {}
+    counts: dict[tuple[str, tuple[int, ...]], int] = {}
     for c in cached.samples:
-        key = (c.sample.dataset_id, c.sample.bucket)
+        key = (c.sample.dataset_id, c.sample.group)
         counts[key] = counts.get(key, 0) + 1
     repeats = {ds.id: ds.repeats for ds in datasets}
     pruned = {k: n for k, n in counts.items()
@@ -93,10 +94,10 @@ def build_data(
     items: list[CachedSample] = []
     parts = []
     for ds in datasets:
-        mine = [c for c in cached.samples if c.sample.dataset_id == ds.id and (ds.id, c.sample.bucket) not in pruned]
+        mine = [c for c in cached.samples if c.sample.dataset_id == ds.id and (ds.id, c.sample.group) not in pruned]
         start = len(items)
         items += [c for c in mine for _ in range(1 + ds.repeats)]
-        parts.append((list(range(start, len(items))), [c.sample.bucket for c in items[start:]], ds.probability))
+        parts.append((list(range(start, len(items))), [c.sample.group for c in items[start:]], ds.probability))
     if not items:
         raise DataError(
             f"every aspect bucket holds fewer images than one global batch ({global_batch}); "
@@ -108,7 +109,7 @@ def build_data(
     data = TrainingData(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
-        rank=ranks.index, ranks=ranks.count,
+        rank=ranks.index, ranks=ranks.count, first_frame=family.facts.first_frame(cfg.flavour()),
     )
     return data, pruned
 
@@ -135,7 +136,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     found = discover_all(run_cfg, write_metadata=ranks.main)
     for path, reason in (item for d in found for item in d.skipped):
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
-    events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} images "
+    events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} usable files "
                                 f"({sum(d.probed for d in found)} read now, the rest from the metadata cache)")
 
     if ranks.main:  # a tiny model is built once, by one process (libraries save weights from process 0 only)
@@ -144,12 +145,14 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     source = resolve_source(cfg)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
     comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
-    if family.takes_conditioning(comps) != family.facts.needs_conditioning(cfg.flavour()):
-        kind = "an image-to-image" if family.takes_conditioning(comps) else "a text-to-image"
+    if family.takes_conditioning(comps) != family.facts.takes_input_image(cfg.flavour()):
+        kind = "an image-conditioned (i2i/i2v)" if family.takes_conditioning(comps) else "a text-only"
         raise DataError(
             f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
             f"set model_flavour to a matching flavour of {cfg.model_family}"
         )
+    if not cfg.offload_during_startup:  # a transformer too large for the accelerator fails now, not after caching
+        comps.transformer.to(device)
     cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
     data, pruned = build_data(run_cfg, family, cached, events, encode, ranks)
@@ -194,5 +197,5 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         validation=prepared.validation, events=events, output_dir=output_dir,
         total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed), ema=ema,
         sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
-        ranks=ranks,
+        ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
     )

@@ -1,4 +1,5 @@
-"""Validation samples through the family's stock diffusers pipeline, with the adapter as it is now."""
+"""Validation samples through the family's stock diffusers pipeline, with the adapter as it is now.
+Images are written as PNG; videos as MP4 plus a PNG contact sheet to glance at."""
 
 from __future__ import annotations
 
@@ -33,15 +34,26 @@ def _sample_all(run: Run, label: str, suffix: str) -> list[Path]:
     paths = []
     try:
         for request in run.validation:
-            image = run.family.sample(run.comps, model, request)
+            result = run.family.sample(run.comps, model, request)
             name = f"-{request.name}" if request.name else ""
-            path = out_dir / f"{label}{name}-{request.width}x{request.height}{suffix}.png"
+            size = f"{request.width}x{request.height}" + (f"@{request.frames}" if request.frames else "")
+            path = out_dir / f"{label}{name}-{size}{suffix}.png"
+            written = []
+            if isinstance(result, list):  # a video: the MP4, and its contact sheet under the .png name
+                from difftune.data.video import contact_sheet, write_mp4
+
+                video = path.with_suffix(".mp4")
+                write_mp4(result, video, request.fps)  # atomic
+                written.append(video)
+                result = contact_sheet(result)
             partial = path.with_name(f".{path.name}.tmp")
-            image.save(partial, format="PNG")
+            result.save(partial, format="PNG")
             os.replace(partial, path)  # a kill mid-write never leaves a truncated image under the real name
-            paths.append(path)
-            run.events.emit("sample", step=run.state.step, path=str(path), prompt=request.name or "validation",
-                            ema=bool(suffix))
+            written.append(path)
+            paths += written
+            for item in written:
+                run.events.emit("sample", step=run.state.step, path=str(item), prompt=request.name or "validation",
+                                ema=bool(suffix))
     finally:
         model.train()
         if not run.data.encode:  # the VAE stays on the accelerator when it encodes on the fly

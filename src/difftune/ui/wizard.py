@@ -27,6 +27,7 @@ TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_rank")
 DATASET_QUESTIONS = ("instance_data_dir", "caption_strategy", "instance_prompt", "resolution")
 RUN_QUESTIONS = ("max_train_steps", "learning_rate", "validation_prompt", "validation_resolution", "output_dir")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv")
 
 
 class Cancelled(Exception):
@@ -165,18 +166,27 @@ class Wizard:
         folder = Path(value).expanduser()
         if not folder.is_dir():
             return f"{value!r} is not a folder; give the folder that holds your images"
-        count = sum(1 for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        video = self.media() == "video"
+        suffixes = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+        count = sum(1 for p in folder.rglob("*") if p.suffix.lower() in suffixes)
+        what = "clips" if video else "images"
         if count == 0:
-            return f"no images (.png, .jpg, .webp) in {value!r}"
-        self.say(f"  {count} images found")
+            return f"no {what} ({', '.join(suffixes)}) in {value!r}"
+        self.say(f"  {count} {what} found")
         return None
+
+    def media(self) -> str:
+        """The dataset kind the chosen family trains on: 'video' for video families."""
+        family = FAMILY_FACTS.get(str(self.config.get("model_family")))
+        return "video" if family is not None and family.video else "image"
 
     # --- the whole conversation
     def image_entry(self) -> dict[str, Any]:
+        kind = self.media()
         for entry in self.datasets:
-            if isinstance(entry, dict) and entry.get("dataset_type", "image") == "image":
+            if isinstance(entry, dict) and entry.get("dataset_type", "image") == kind:
                 return entry
-        entry = {"id": "", "type": "local", "dataset_type": "image"}
+        entry = {"id": "", "type": "local", "dataset_type": kind}
         self.datasets.insert(0, entry)
         return entry
 

@@ -1,0 +1,198 @@
+"""Kandinsky 5.0 Video (T2V and I2V, Lite and Pro): Kandinsky5Transformer3DModel, HunyuanVideo VAE,
+Qwen2.5-VL + CLIP. Text handling, the LoRA layout and the time convention are those of Kandinsky 5.0
+Image (`kandinsky5_image`), which this family extends.
+
+Conventions of the stock `Kandinsky5T2VPipeline` / `Kandinsky5I2VPipeline` that training follows:
+- latents: `z * scaling_factor` of a clip of 4k+1 frames, k+1 latent frames; the network sees
+  [B, T, h, w, C] followed by (the video transformers have `visual_cond`) 16 zero channels and a mask
+  channel;
+- I2V: the first latent frame is the input image encoded on its own, with mask 1; the sampler never
+  updates it, so training puts the clip's first frame, encoded on its own the same way, in frame 0 of
+  x_t and leaves frame 0 out of the loss. (Encoded within the clip it would differ: the VAE's GroupNorm
+  takes its statistics over every frame.)
+- RoPE is scaled by the pipeline's own `_get_scale_factor(height, width)`, and NABLA sparse attention
+  (Pro 10s) gets the pipeline's own `get_sparse_params`, so training sees what sampling sees.
+- Encoding is frame-window by frame-window (the VAE's framewise encoding, 16-frame windows) and spatially
+  tiled above 256 px, with fixed windows: cached latents come out the same way every time, and the
+  settings are part of the cache identity.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo,
+    FlowMatchEulerDiscreteScheduler,
+    Kandinsky5I2VPipeline,
+    Kandinsky5T2VPipeline,
+    Kandinsky5Transformer3DModel,
+)
+from huggingface_hub import hf_hub_download
+from PIL import Image
+from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from difftune.models.base import Components, SampleRequest
+from difftune.models.kandinsky5_image import Kandinsky5ImageFamily
+from difftune.models.registry import FAMILY_FACTS, FamilyFacts
+from difftune.models.tiny_kandinsky5 import load_qwen_processor
+from difftune.models.tiny_kandinsky5_video import build_tiny_kandinsky5_video
+from difftune.train.objective import resolution_shift
+
+# Fixed encode settings (the diffusers defaults, pinned so that a library update cannot change cached latents).
+ENCODE_SETTINGS = {
+    "framewise": True, "tile_frames": 16, "tile_frames_stride": 12,
+    "tiling": True, "tile_size": 256, "tile_stride": 192, "slicing": True,
+}
+I2V_PIPELINE = "Kandinsky5I2VPipeline"
+
+
+def pipeline_class_name(source: str) -> str:
+    """`_class_name` of the model_index.json of a local folder or hub repository."""
+    folder = Path(source)
+    index = folder / "model_index.json" if folder.is_dir() else Path(hf_hub_download(source, "model_index.json"))
+    return json.loads(index.read_text())["_class_name"]
+
+
+def configure_vae(vae: AutoencoderKLHunyuanVideo) -> None:
+    s = ENCODE_SETTINGS
+    vae.use_framewise_encoding = vae.use_framewise_decoding = s["framewise"]
+    vae.enable_tiling(tile_sample_min_height=s["tile_size"], tile_sample_min_width=s["tile_size"],
+                      tile_sample_min_num_frames=s["tile_frames"], tile_sample_stride_height=s["tile_stride"],
+                      tile_sample_stride_width=s["tile_stride"], tile_sample_stride_num_frames=s["tile_frames_stride"])
+    vae.use_slicing = s["slicing"]  # one clip at a time through the encoder: same latents, bounded memory
+
+
+def _to_network(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, T, h, w] -> [B, T, h, w, C]."""
+    return latents.permute(0, 2, 3, 4, 1)
+
+
+class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
+    facts: FamilyFacts = FAMILY_FACTS["kandinsky5-video"]
+
+    def build_tiny(self, folder: Path, flavour: str) -> None:
+        build_tiny_kandinsky5_video(folder, i2v=self.facts.first_frame(flavour))
+
+    def load(self, source: str, dtype: torch.dtype) -> Components:
+        vae = AutoencoderKLHunyuanVideo.from_pretrained(source, subfolder="vae", torch_dtype=dtype)
+        configure_vae(vae)
+        return Components(
+            source=source,
+            transformer=Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
+            text={
+                "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                    source, subfolder="text_encoder", torch_dtype=dtype
+                ),
+                "tokenizer": load_qwen_processor(source, "tokenizer"),
+                "text_encoder_2": CLIPTextModel.from_pretrained(source, subfolder="text_encoder_2", torch_dtype=dtype),
+                "tokenizer_2": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2"),
+            },
+            pipeline=pipeline_class_name(source),
+        )
+
+    def takes_conditioning(self, comps: Components) -> bool:
+        """An image-to-video model: conditioned on the first frame of each clip."""
+        return comps.pipeline == I2V_PIPELINE
+
+    def identity(self, comps: Components) -> dict[str, Any]:
+        ident = super().identity(comps)
+        ident["vae"]["encode"] = ENCODE_SETTINGS
+        return ident
+
+    def encode_text(
+        self, comps: Components, prompts: list[str], negative: bool = False,
+        images: list[Image.Image] | None = None,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Both video pipelines encode prompts (and negative prompts) from text alone, with the video template."""
+        encoder = comps.text["text_encoder"]
+        comps.text["tokenizer"].tokenizer.padding_side = "right"  # see Kandinsky5ImageFamily.encode_text
+        pipe = Kandinsky5T2VPipeline(transformer=None, vae=None, scheduler=None, **comps.text)
+        qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=encoder.device, dtype=encoder.dtype)
+        lengths = cu_seqlens.diff().tolist()
+        return [
+            {"prompt_embeds": qwen[i, : int(n)].cpu().clone(), "pooled": clip[i].cpu().clone()}
+            for i, n in enumerate(lengths)
+        ]
+
+    def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, 3, F, H, W] clips (or [B, 3, H, W] images, as one-frame clips) -> [B, C, T, h, w]."""
+        if pixels.dim() == 4:
+            pixels = pixels.unsqueeze(2)
+        vae = comps.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
+        return latents * vae.config.scaling_factor
+
+    def predict(
+        self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor],
+        conditioning: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`conditioning`: [B, C, 1, h, w] latents of the input image (image-to-video): the first frame."""
+        hidden = _to_network(noisy)
+        if conditioning is not None:
+            hidden = torch.cat([_to_network(conditioning).to(hidden.dtype), hidden[:, 1:]], dim=1)
+        if getattr(transformer, "module", transformer).config.visual_cond:
+            mask = torch.zeros_like(hidden[..., :1])
+            if conditioning is not None:
+                mask[:, :1] = 1.0
+            hidden = torch.cat([hidden, torch.zeros_like(hidden), mask], dim=-1)
+        t, h, w = noisy.shape[-3:]
+        device = noisy.device
+        net = getattr(transformer, "module", transformer)  # several processes: the DDP wrapper has no config
+        shell = Kandinsky5T2VPipeline(transformer=net, vae=None, text_encoder=None, tokenizer=None,
+                                      text_encoder_2=None, tokenizer_2=None, scheduler=None)
+        embeds = text["prompt_embeds"].to(device, noisy.dtype)
+        out = transformer(
+            hidden_states=hidden,
+            encoder_hidden_states=embeds,
+            pooled_projections=text["pooled"].to(device, noisy.dtype),
+            timestep=(sigmas * 1000.0).to(noisy.dtype),
+            visual_rope_pos=[torch.arange(t, device=device), torch.arange(h // 2, device=device),
+                             torch.arange(w // 2, device=device)],
+            text_rope_pos=torch.arange(embeds.shape[1], device=device),
+            scale_factor=shell._get_scale_factor(h * shell.vae_scale_factor_spatial, w * shell.vae_scale_factor_spatial),
+            sparse_params=shell.get_sparse_params(hidden, device),
+            return_dict=True,
+        ).sample
+        return out.permute(0, 4, 1, 2, 3)
+
+    def auto_shift(self, comps: Components, latent_shape: tuple[int, ...]) -> float:
+        t, h, w = (1, *latent_shape) if len(latent_shape) == 2 else latent_shape[-3:]
+        return resolution_shift(dict(comps.scheduler.config), t * (h // 2) * (w // 2))
+
+    def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> list[Image.Image]:
+        """The frames of one validation video."""
+        cls = Kandinsky5I2VPipeline if request.image is not None else Kandinsky5T2VPipeline
+        pipe = cls(
+            transformer=transformer, vae=comps.vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+            tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler.config),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        device = next(transformer.parameters()).device
+        kwargs: dict[str, Any] = self._embeds("", request.text, device)
+        if request.guidance > 1.0 and request.negative is not None:
+            kwargs |= self._embeds("negative_", request.negative, device)
+        if request.image is not None:
+            kwargs["image"] = request.image
+        generator = torch.Generator(device=device).manual_seed(request.seed)
+        with torch.no_grad():
+            return pipe(
+                height=request.height, width=request.width, num_frames=request.frames,
+                num_inference_steps=request.steps, guidance_scale=request.guidance, generator=generator,
+                output_type="pil", **kwargs,
+            ).frames[0]
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+        Kandinsky5T2VPipeline.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=metadata,
+        )
+        return folder / "pytorch_lora_weights.safetensors"
+
+
+FAMILY = Kandinsky5VideoFamily()

@@ -1,0 +1,115 @@
+"""Video configuration and frame math: pure functions and config errors, no model loaded."""
+
+import json
+
+import pytest
+
+from conftest import write_config
+from difftune.config import ConfigError, load_config
+from difftune.data.frames import FrameRule, bucket_name, frame_times, plan_clip, resampled_count, vae_frames
+
+
+def problems(path) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    return "\n".join(e.value.problems)
+
+
+def video_config(tmp_path, folder, video=None, **overrides):
+    dataset = {"dataset_type": "video", "instance_data_dir": str(folder), "resolution": 32}
+    if video is not None:
+        dataset["video"] = video
+    overrides.setdefault("model_family", "kandinsky5-video")
+    overrides.setdefault("model_flavour", "tiny-random")
+    return write_config(tmp_path, folder, dataset=dataset, **overrides)
+
+
+def test_resampled_count():
+    assert resampled_count(48, 47 / 24, 24.0, 24.0) == 48  # same rate: unchanged
+    assert resampled_count(100, 99 / 30, 30.0, 24.0) == 80  # 3.3 s at 24 fps: frames at 0, 1/24, ... 79/24
+    assert resampled_count(25, 24 / 12, 12.0, 24.0) == 49  # upsampling holds frames
+    assert resampled_count(1, 0.0, 24.0, 24.0) == 1
+    assert resampled_count(0, 0.0, 24.0, 24.0) == 0
+    assert frame_times(3, 24.0) == [0.0, 1 / 24, 2 / 24]
+
+
+def test_vae_frames_are_4k_plus_1():
+    assert [vae_frames(n) for n in (0, 1, 4, 5, 8, 9, 60, 61, 62)] == [0, 1, 1, 5, 5, 9, 57, 61, 61]
+    assert vae_frames(60, 16) == 49 and vae_frames(48, 16) == 33  # 1 + multiples of lcm(4, 16)
+    assert vae_frames(30, 6) == 25  # lcm(4, 6) = 12
+
+
+def test_plan_aspect_ratio_trims_and_reports_short_clips():
+    rule = FrameRule(num_frames=33, frame_rate=24.0)
+    assert plan_clip(33, 24.0, rule).frames == 33 and plan_clip(33, 24.0, rule).note is None
+    long = plan_clip(80, 30.0, rule)
+    assert long.frames == 33 and "trimmed to the first 33 of 80" in long.note and "30 to 24 fps" in long.note
+    short = plan_clip(20, 24.0, rule)
+    assert short.frames is None and "shorter than num_frames 33" in short.problem and "resolution_frames" in short.problem
+    assert "below min_frames 40" in plan_clip(35, 24.0, FrameRule(33, 24.0, min_frames=40)).problem
+    assert "above max_frames 50" in plan_clip(60, 24.0, FrameRule(33, 24.0, max_frames=50)).problem
+
+
+def test_plan_resolution_frames():
+    rule = FrameRule(num_frames=61, frame_rate=24.0, bucket_strategy="resolution_frames", frame_interval=8)
+    assert plan_clip(30, 24.0, rule).frames == 25  # 1 + 3 * 8
+    assert "trimmed to the first 25 of 30" in plan_clip(30, 24.0, rule).note
+    assert plan_clip(200, 24.0, rule).frames == 57  # capped by num_frames, then rounded down to 1 + 8k
+    assert plan_clip(9, 24.0, rule).frames == 9 and plan_clip(9, 24.0, rule).note is None
+    too_short = plan_clip(12, 24.0, FrameRule(61, 24.0, "resolution_frames", min_frames=10, frame_interval=8))
+    assert too_short.frames is None and "below min_frames 10" in too_short.problem  # 12 rounds down to 9
+    assert bucket_name(64, 32, 25) == "64x32@25" and bucket_name(64, 32) == "64x32"
+
+
+def test_video_block_validation(tmp_path):
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    text = problems(video_config(tmp_path, folder, {"num_frames": 60}))
+    assert "num_frames 60 is not 4k+1" in text and "57 or 61" in text
+    text = problems(video_config(tmp_path, folder, {"num_frames": 33, "max_frames": 20}))
+    assert "max_frames 20 is below num_frames 33" in text
+    assert "bucket_strategy" in problems(video_config(tmp_path, folder, {"bucket_strategy": "frames"}))
+    assert "min_frames is larger than max_frames" in problems(
+        video_config(tmp_path, folder, {"min_frames": 50, "max_frames": 40, "bucket_strategy": "resolution_frames"})
+    )
+    run = load_config(video_config(tmp_path, folder))  # the block's defaults apply when it is left out
+    assert run.datasets.images[0].video.num_frames == 61
+
+
+def test_video_keys_checked_before_any_model(tmp_path):
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    text = problems(video_config(tmp_path, folder, validation_num_video_frames=48))
+    assert "validation_num_video_frames 48 is not 4k+1" in text and "45 or 49" in text
+    run = load_config(video_config(tmp_path, folder, validation_num_video_frames=49, frame_rate=12,
+                                   vae_enable_patch_conv=True, offload_during_startup=True))
+    assert run.train.video_fps() == 12.0 and run.train.vae_enable_patch_conv
+    assert load_config(video_config(tmp_path, folder)).train.video_fps() == 24.0  # the default
+    images = tmp_path / "images"
+    images.mkdir()
+    text = problems(write_config(tmp_path, images, frame_rate=24, validation_num_video_frames=9))
+    assert "only apply to video families" in text
+    text = problems(write_config(tmp_path, folder, dataset={"dataset_type": "video"}))  # lumina2 + clips
+    assert "video datasets need a video family (kandinsky5-video)" in text
+    assert "video block applies to dataset_type 'video'" in problems(
+        write_config(tmp_path, images, dataset={"video": {"num_frames": 9}})
+    )
+
+
+def test_image_to_video_datasets(tmp_path):
+    clips, stills = tmp_path / "clips", tmp_path / "stills"
+    clips.mkdir()
+    stills.mkdir()
+    path = video_config(tmp_path, clips, model_flavour="tiny-random-i2v")
+    backend = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    backend.append({"id": "stills", "dataset_type": "image", "instance_data_dir": str(stills)})
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(backend))
+    text = problems(path)
+    assert "'stills'" in text and "trains on clips" in text and "eval_dataset_id" in text
+    cfg = json.loads(path.read_text()) | {"validation_using_datasets": True, "eval_dataset_id": "stills"}
+    path.write_text(json.dumps(cfg))
+    run = load_config(path)  # named as the validation input: used for that only, not trained on
+    assert [ds.id for ds in run.datasets.images] == ["train"] and list(run.datasets.validation_only) == ["stills"]
+    paired = write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random-i2v",
+                          dataset={"dataset_type": "video", "conditioning_data": "inputs"}, conditioning_dir=stills)
+    assert "first frame as the input image by themselves: remove conditioning_data" in problems(paired)
