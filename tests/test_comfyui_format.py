@@ -66,7 +66,8 @@ def comfy_architecture(family: str, config) -> set[str]:
     return comfy_kandinsky5_linears(config.num_text_blocks, config.num_visual_blocks)
 
 
-MODULE_OF = {"lumina2": comfyui.lumina2_module, "kandinsky5-image": comfyui.kandinsky5_module}
+MODULE_OF = {"lumina2": comfyui.lumina2_module, "kandinsky5-image": comfyui.kandinsky5_module,
+             "kandinsky5-video": comfyui.kandinsky5_module}
 
 
 def comfy_apply(model_sd: dict[str, torch.Tensor], lora: dict[str, torch.Tensor], strength: float = 1.0):
@@ -126,7 +127,7 @@ def linear_weights(net) -> dict[str, torch.Tensor]:
     return {n: m.weight.detach().clone() for n, m in net.named_modules() if type(m) is torch.nn.Linear}
 
 
-@pytest.fixture(params=["lumina2", "kandinsky5-image"], scope="module")
+@pytest.fixture(params=["lumina2", "kandinsky5-image", "kandinsky5-video"], scope="module")
 def trained(request, tmp_path_factory):
     """A tiny model with a LoRA whose lora_B is random, saved with the family's save_lora and read back."""
     family_name = request.param
@@ -227,7 +228,8 @@ def test_comfyui_patched_model_predicts_like_the_lora_model(trained):
             if n in weights:
                 m.weight.copy_(weights[n])
     torch.manual_seed(1)
-    x = torch.randn(1, comps.vae.config.latent_channels, 4, 4)
+    shape = (2, 4, 4) if family.facts.video else (4, 4)  # video: [B, C, T, h, w]
+    x = torch.randn(1, comps.vae.config.latent_channels, *shape)
     text = family.collate_text([family.encode_text(comps, ["a red square"])[0]])
     with torch.no_grad():
         ours = family.predict(trained["net"], x, torch.tensor([0.4]), text)

@@ -5,6 +5,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
@@ -33,9 +34,11 @@ def test_t2v_trains_on_real_world_clips_and_reports_every_file(tmp_path):
     synthetic_clip(clips / "odd.webm", width=33, height=25, frames=12, seed=8)
     synthetic_clip(clips / "uneven.mkv", frames=14, variable_rate=True, seed=9)
     audio_only_file(clips / "sound.mp4")
+    whole = synthetic_clip(tmp_path / "whole.mp4", frames=24, seed=4).read_bytes()
+    (clips / "cut.mp4").write_bytes(whole[: len(whole) * 6 // 10])  # truncated download
     (clips / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 4)
     (clips / "empty.mp4").write_bytes(b"")
-    for name in ("fast", "short", "turned", "odd", "uneven", "sound", "broken", "empty"):
+    for name in ("fast", "short", "turned", "odd", "uneven", "sound", "broken", "empty", "cut"):
         (clips / f"{name}.txt").write_text(f"clip {name}")
     path = video_run_config(tmp_path, clips, max_train_steps=3, validation_prompt="a square",
                             validation_resolution="32x32", validation_num_video_frames=5,
@@ -44,7 +47,7 @@ def test_t2v_trains_on_real_world_clips_and_reports_every_file(tmp_path):
     report = "\n".join(json.loads(line).get("text", "") for line in (run.output_dir / "events.jsonl").open())
     assert "short.mp4: 6 frame(s) at 24 fps, shorter than num_frames 9" in report
     assert "sound.mp4" in report and "audio" in report
-    assert "broken.mp4" in report and "empty.mp4" in report
+    assert "broken.mp4" in report and "empty.mp4" in report and "cut.mp4: " in report
     assert "fast.mkv: resampled from 30 to 24 fps; trimmed to the first 9 of 16 frames" in report
     assert "rotated 90 degrees by its metadata: trained upright, 24x32" in report
     assert "odd.webm: trimmed to the first 9 of 12 frames\n" in report  # 24 fps, rounded timestamps
@@ -129,11 +132,13 @@ def test_patch_conv_gives_the_same_cache(tmp_path, monkeypatch):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_i2v_masks_the_first_frame(tmp_path):
+@pytest.mark.parametrize("on_the_fly", [False, True], ids=["cached", "on-the-fly"])
+def test_i2v_masks_the_first_frame(tmp_path, on_the_fly):
     """The loss is the stock I2V convention: frame 0 of x_t is the input image's latents (mask 1) and
-    only frames 1.. are trained."""
+    only frames 1.. are trained. Cached latents and on-the-fly encoding (vae_cache_disable) agree."""
     clips = make_clips(tmp_path / "clips", count=2, frames=9)
-    run = build_run(load_config(video_run_config(tmp_path, clips, flavour="tiny-random-i2v")))
+    run = build_run(load_config(video_run_config(tmp_path, clips, flavour="tiny-random-i2v",
+                                                 vae_cache_disable=on_the_fly)))
     assert run.first_frame
     batch = next(iter(run.data))
     state = run.generator.get_state()
@@ -202,3 +207,19 @@ def test_offload_during_startup_orders_devices(tmp_path, monkeypatch):
     moves.clear()
     build_run(load_config(video_run_config(tmp_path / "eager", clips, offload_during_startup=False)))
     assert moves.index("Kandinsky5Transformer3DModel") < moves.index("Qwen2_5_VLForConditionalGeneration")
+
+
+def test_t2v_trains_on_images_as_one_frame_clips(tmp_path, dataset):
+    clips = make_clips(tmp_path / "clips", count=2, frames=9)
+    path = video_run_config(tmp_path, clips, max_train_steps=4)
+    backend = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    backend.append({"id": "stills", "dataset_type": "image", "instance_data_dir": str(dataset), "resolution": 32,
+                    "cache_dir_vae": str(tmp_path / "cache" / "stills")})
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(backend))
+    run = build_run(load_config(path))
+    still = next(c for c in run.data.items if c.sample.dataset_id == "stills")
+    assert load_file(still.latent_file)["latents"].shape[1] == 1  # [C, 1, h, w]
+    train(run)
+    losses = [json.loads(line)["loss"] for line in (run.output_dir / "events.jsonl").open()
+              if json.loads(line)["event"] == "step"]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)

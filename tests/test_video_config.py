@@ -53,7 +53,11 @@ def test_plan_aspect_ratio_trims_and_reports_short_clips():
 def test_plan_resolution_frames():
     rule = FrameRule(num_frames=61, frame_rate=24.0, bucket_strategy="resolution_frames", frame_interval=8)
     assert plan_clip(30, 24.0, rule).frames == 25  # 1 + 3 * 8
-    assert "trimmed to the first 25 of 30" in plan_clip(30, 24.0, rule).note
+    assert plan_clip(30, 24.0, rule).note == "trimmed to the first 25 of 30 frames (frame_interval 8)"
+    assert plan_clip(62, 24.0, rule).note == "trimmed to the first 57 of 62 frames (num_frames 61, frame_interval 8)"
+    four = FrameRule(num_frames=17, frame_rate=24.0, bucket_strategy="resolution_frames")
+    assert plan_clip(24, 24.0, four).note == "trimmed to the first 17 of 24 frames (num_frames 17)"
+    assert plan_clip(12, 24.0, four).note == "trimmed to the first 9 of 12 frames (4k+1)"
     assert plan_clip(200, 24.0, rule).frames == 57  # capped by num_frames, then rounded down to 1 + 8k
     assert plan_clip(9, 24.0, rule).frames == 9 and plan_clip(9, 24.0, rule).note is None
     too_short = plan_clip(12, 24.0, FrameRule(61, 24.0, "resolution_frames", min_frames=10, frame_interval=8))
@@ -113,3 +117,17 @@ def test_image_to_video_datasets(tmp_path):
     paired = write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random-i2v",
                           dataset={"dataset_type": "video", "conditioning_data": "inputs"}, conditioning_dir=stills)
     assert "first frame as the input image by themselves: remove conditioning_data" in problems(paired)
+
+
+def test_i2v_validation_needs_17_frames(tmp_path):
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    text = problems(video_config(tmp_path, clips, model_flavour="tiny-random-i2v", validation_prompt="a cat",
+                                 validation_num_video_frames=9))
+    assert "config.json: validation_num_video_frames: 9 is too few for image-to-video" in text
+    text = problems(video_config(tmp_path, clips, {"num_frames": 9}, model_flavour="tiny-random-i2v",
+                                 validation_prompt="a cat"))
+    assert "9 (from the first video dataset's num_frames)" in text
+    load_config(video_config(tmp_path, clips, {"num_frames": 9}, model_flavour="tiny-random-i2v",
+                             validation_prompt="a cat", validation_num_video_frames=17))
+    load_config(video_config(tmp_path, clips, {"num_frames": 9}, model_flavour="tiny-random"))  # t2v: fine

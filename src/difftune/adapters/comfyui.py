@@ -56,7 +56,7 @@ Key mapping, Lumina2 (diffusers `Lumina2Transformer2DModel` -> ComfyUI `comfy.ld
 `s * [B_q A_q; B_k A_k; B_v A_v]`, exactly the three diffusers deltas stacked in the fused layout. A projection the
 LoRA does not adapt gets zero rows in `lora_up` (and no rows in `lora_down`).
 
-Key mapping, Kandinsky 5 (diffusers `Kandinsky5Transformer3DModel` -> ComfyUI `comfy.ldm.kandinsky5.model.Kandinsky5`):
+Key mapping, Kandinsky 5 image and video (diffusers `Kandinsky5Transformer3DModel` -> ComfyUI `comfy.ldm.kandinsky5.model.Kandinsky5`):
 the same name:
 
 | diffusers module = ComfyUI module (after `diffusion_model.`)                                  |
@@ -82,6 +82,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from difftune.models.registry import FAMILY_FACTS
 
 COMFY_PREFIX = "diffusion_model."
 DIFFUSERS_PREFIX = "transformer."
@@ -240,17 +242,20 @@ def kandinsky5_to_comfyui(state_dict: Mapping[str, torch.Tensor], alpha: float, 
     return _convert(state_dict, alpha, rank, kandinsky5_module)
 
 
+# By the family fact `comfyui_layout` (models/registry.py): Kandinsky 5 image and video share one.
 TO_COMFYUI: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
     "lumina2": lumina2_to_comfyui,
-    "kandinsky5-image": kandinsky5_to_comfyui,
+    "kandinsky5": kandinsky5_to_comfyui,
 }
 
 
 def to_comfyui(family: str, state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int) -> dict[str, torch.Tensor]:
-    """Dispatch on the difftune family name (`lumina2`, `kandinsky5-image`)."""
-    if family not in TO_COMFYUI:
-        raise ValueError(f"no ComfyUI conversion for family {family!r}; known: {sorted(TO_COMFYUI)}")
-    return TO_COMFYUI[family](state_dict, alpha, rank)
+    """Convert for a difftune family (`lumina2`, `kandinsky5-image`, `kandinsky5-video`)."""
+    facts = FAMILY_FACTS.get(family)
+    if facts is None or facts.comfyui_layout not in TO_COMFYUI:
+        known = sorted(name for name, f in FAMILY_FACTS.items() if f.comfyui_layout in TO_COMFYUI)
+        raise ValueError(f"no ComfyUI conversion for family {family!r}; known: {known}")
+    return TO_COMFYUI[facts.comfyui_layout](state_dict, alpha, rank)
 
 
 def read_diffusers_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], float, int]:

@@ -187,14 +187,22 @@ def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: lis
                                 "it, or name it in eval_dataset_id with validation_using_datasets to validate with it")
     if not plan.images and not problems:
         problems.append(f"{path}: no enabled dataset to train on")
-    if facts.first_frame(train.flavour()) and (train.validation_prompt or train.user_prompt_library):
-        frames = train.validation_num_video_frames or next(
-            (ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
-        if frames < 17:
-            key = "validation_num_video_frames" if train.validation_num_video_frames else "the video num_frames"
-            problems.append(f"{path}: {key} {frames}: image-to-video validation videos need at least 17 frames "
-                            "(the stock I2V pipeline renormalizes the first 4 latent frames against the next "
-                            "ones); set validation_num_video_frames to 17 or more")
+
+
+def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, problems: list[str]) -> None:
+    """The stock I2V pipeline renormalizes the first 4 latent frames against the next ones: below 17
+    frames there are none, and the video comes out as NaN. Caught here, before anything loads."""
+    if not FAMILY_FACTS[train.model_family].first_frame(train.flavour()):
+        return
+    if not (train.validation_prompt or train.user_prompt_library):
+        return
+    frames = train.validation_num_video_frames or next(
+        (ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
+    if frames < 17:
+        given = "" if train.validation_num_video_frames else " (from the first video dataset's num_frames)"
+        problems.append(f"{where}: validation_num_video_frames: {frames}{given} is too few for image-to-video "
+                        "validation, which needs at least 17 (the stock I2V pipeline renormalizes the first 4 "
+                        "latent frames against the next ones); set validation_num_video_frames to 17 or more")
 
 
 def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:
@@ -241,6 +249,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             problems.extend(e.problems)
     if train is not None and plan is not None:
         check_media(train, plan, Path(train.data_backend_config), problems)
+        check_i2v_validation(train, plan, where, problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
     if problems or train is None or plan is None:
         raise ConfigError(problems)

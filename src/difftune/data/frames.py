@@ -81,8 +81,10 @@ def plan_clip(available: int, source_fps: float, rule: FrameRule) -> ClipPlan:
         return ClipPlan(None, f"{at} round down to {frames} (frame_interval {rule.frame_interval}), below "
                               f"min_frames {rule.min_frames}")
     if frames < available:
-        trimmed = f"trimmed to the first {frames} of {available} frames (4k+1" + (
-            f", frame_interval {rule.frame_interval})" if rule.frame_interval != TEMPORAL else ")")
+        why = [f"num_frames {rule.num_frames}"] if available > rule.num_frames else []
+        if frames < min(available, rule.num_frames):
+            why.append(f"frame_interval {rule.frame_interval}" if rule.frame_interval != TEMPORAL else "4k+1")
+        trimmed = f"trimmed to the first {frames} of {available} frames ({', '.join(why)})"
         note = f"{note}; {trimmed}" if note else trimmed
     return ClipPlan(frames, None, note)
 

@@ -24,6 +24,7 @@ class FamilyFacts:
     video: bool = False  # trains on clips (video datasets; images count as one-frame clips)
     first_frame_flavours: frozenset[str] = frozenset()  # image-to-video: conditioned on each clip's first frame
     default_frame_rate: float = 24.0  # video families: fps of validation videos and of resampled clips
+    comfyui_layout: str | None = None  # key layout of its ComfyUI LoRAs (adapters/comfyui.py); None: none
 
     def needs_conditioning(self, flavour: str) -> bool:
         return flavour in self.conditioning_flavours
@@ -43,6 +44,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_flavour="2.0",
         default_guidance=4.0,
         module="difftune.models.lumina2",
+        comfyui_layout="lumina2",
     ),
     "kandinsky5-image": FamilyFacts(
         name="kandinsky5-image",
@@ -57,6 +59,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_flavour="t2i-lite-sft",
         default_guidance=5.0,
         module="difftune.models.kandinsky5_image",
+        comfyui_layout="kandinsky5",
         conditioning_flavours=frozenset({"i2i-lite-sft", "i2i-lite-pretrain", TINY_FLAVOUR + "-i2i"}),
     ),
     "kandinsky5-video": FamilyFacts(
@@ -85,6 +88,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         module="difftune.models.kandinsky5_video",
         default_resolution="512x768",
         video=True,
+        comfyui_layout="kandinsky5",  # the same transformer class as the image family
         first_frame_flavours=frozenset({
             "i2v-lite-5s", "i2v-lite-pretrain-5s", "i2v-pro-sft-5s", "i2v-pro-pretrain-5s", TINY_FLAVOUR + "-i2v",
         }),

@@ -184,7 +184,7 @@ def fill_caches(
         cached += done
         failed += bad
     per_process = ranks.gather(latents_encoded)
-    events.emit("info", message=f"latent cache: {sum(len(d.samples) for d in found)} images, {sum(per_process)} "
+    events.emit("info", message=f"latent cache: {sum(len(d.samples) for d in found)} files, {sum(per_process)} "
                 "newly encoded" + (f" (per process: {per_process})" if ranks.count > 1 else ""))
     cached = [c for c in cached if all(text_caches[c.sample.dataset_id].has(k) for k in c.text_keys)]
     failed += [(Path(key.split("\x00")[-1].split("|")[0]), f"input image: {why}") for key, why in text_failed]
