@@ -131,3 +131,23 @@ def test_nothing_is_written_when_cancelled(tmp_path):
     child.close()
     assert child.exitstatus == 130
     assert not (tmp_path / "config").exists()
+
+
+def test_video_family_asks_for_clips(tmp_path):
+    """Choosing Kandinsky 5.0 Video makes the dataset a video dataset: the folder check counts clips, and the
+    written files pass `difftune check` (which probes the clips)."""
+    from difftune.data.video import synthetic_clip
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i in range(2):
+        synthetic_clip(clips / f"c{i}.mp4", frames=65, seed=i)
+        (clips / f"c{i}.txt").write_text("a moving square")
+    answers = {"model_family": ["3"], "model_flavour": ["tiny-random"], "instance_data_dir": ["clips"],
+               "resolution": ["32"], "max_train_steps": ["5"], "validation_prompt": ["a square"]}
+    code, _ = drive(tmp_path, [], answers, gpu="0", use_offer="", transcript=tmp_path / "transcript.txt")
+    transcript = (tmp_path / "transcript.txt").read_text()
+    assert code == 0, transcript
+    assert "2 clips found" in transcript and "difftune check accepts this configuration." in transcript
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert datasets[0]["dataset_type"] == "video"
