@@ -55,16 +55,21 @@ class Kandinsky5ImageFamily:
             ),
             vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text={
-                "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                    source, subfolder="text_encoder", torch_dtype=dtype
-                ),
-                # Works without torchvision (see tiny_kandinsky5): the stock processor needs it for video.
-                "tokenizer": load_qwen_processor(source, "tokenizer"),
-                "text_encoder_2": CLIPTextModel.from_pretrained(source, subfolder="text_encoder_2", torch_dtype=dtype),
-                "tokenizer_2": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2"),
-            },
+            text=self.load_text(source, dtype),
         )
+
+    @staticmethod
+    def load_text(source: str, dtype: torch.dtype) -> dict[str, Any]:
+        """The text encoders and tokenizers, by their pipeline component names (the same in every K5 repo)."""
+        return {
+            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                source, subfolder="text_encoder", torch_dtype=dtype
+            ),
+            # Works without torchvision (see tiny_kandinsky5): the stock processor needs it for video.
+            "tokenizer": load_qwen_processor(source, "tokenizer"),
+            "text_encoder_2": CLIPTextModel.from_pretrained(source, subfolder="text_encoder_2", torch_dtype=dtype),
+            "tokenizer_2": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2"),
+        }
 
     def takes_conditioning(self, comps: Components) -> bool:
         return bool(comps.transformer.config.visual_cond)
@@ -85,12 +90,9 @@ class Kandinsky5ImageFamily:
         device, dtype = encoder.device, encoder.dtype
         # Right padding keeps each prompt's states a prefix that does not depend on the batch (causal).
         comps.text["tokenizer"].tokenizer.padding_side = "right"
-        if images is None:
-            pipe = Kandinsky5T2IPipeline(transformer=None, vae=None, scheduler=None, **comps.text)
-            qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype)
-        else:
-            pipe = Kandinsky5I2IPipeline(transformer=None, vae=None, scheduler=None, **comps.text)
-            qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, image=images, device=device, dtype=dtype)
+        pipe = self.pipeline_class(images is not None)(transformer=None, vae=None, scheduler=None, **comps.text)
+        extra = {} if images is None else {"image": images}
+        qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype, **extra)
         lengths = cu_seqlens.diff().tolist()
         return [
             {"prompt_embeds": qwen[i, : int(n)].cpu().clone(), "pooled": clip[i].cpu().clone()}
@@ -145,29 +147,36 @@ class Kandinsky5ImageFamily:
         tokens = (latent_shape[-2] // 2) * (latent_shape[-1] // 2)  # 2x2 patches
         return resolution_shift(dict(comps.scheduler.config), tokens)
 
+    def pipeline_class(self, with_image: bool) -> type:
+        """The stock pipeline that encodes prompts and samples (with an input image, or from text alone)."""
+        return Kandinsky5I2IPipeline if with_image else Kandinsky5T2IPipeline
+
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image:
-        cls = Kandinsky5I2IPipeline if request.image is not None else Kandinsky5T2IPipeline
-        pipe = cls(
-            transformer=transformer, vae=comps.vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
-            tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler.config),
-        )
-        pipe.set_progress_bar_config(disable=True)
+        pipe, kwargs = self._pipeline_call(comps, transformer, request)
         size = (request.width, request.height)
         if size not in pipe.resolutions:
             # The pipelines snap other sizes to their seven 1K buckets; sample exactly what was asked.
             pipe.resolutions = [*pipe.resolutions, size]
+        with torch.no_grad():
+            return pipe(**kwargs).image[0]
+
+    def _pipeline_call(self, comps: Components, transformer: Any, request: SampleRequest) -> tuple[Any, dict]:
+        """The stock pipeline around `transformer` (no text encoders: the cached embeddings are passed), and
+        the arguments of its call for `request`."""
+        pipe = self.pipeline_class(request.image is not None)(
+            transformer=transformer, vae=comps.vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+            tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler.config),
+        )
+        pipe.set_progress_bar_config(disable=True)
         device = next(transformer.parameters()).device
         kwargs: dict[str, Any] = self._embeds("", request.text, device)
         if request.guidance > 1.0 and request.negative is not None:
             kwargs |= self._embeds("negative_", request.negative, device)
         if request.image is not None:
             kwargs["image"] = request.image
-        generator = torch.Generator(device=device).manual_seed(request.seed)
-        with torch.no_grad():
-            return pipe(
-                height=request.height, width=request.width, num_inference_steps=request.steps,
-                guidance_scale=request.guidance, generator=generator, **kwargs,
-            ).image[0]
+        kwargs |= {"height": request.height, "width": request.width, "num_inference_steps": request.steps,
+                   "guidance_scale": request.guidance, "generator": torch.Generator(device=device).manual_seed(request.seed)}
+        return pipe, kwargs
 
     def _embeds(self, prefix: str, text: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
         n = text["prompt_embeds"].shape[0]
@@ -178,7 +187,7 @@ class Kandinsky5ImageFamily:
         }
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
-        Kandinsky5T2IPipeline.save_lora_weights(
+        self.pipeline_class(False).save_lora_weights(
             folder, transformer_lora_layers=state_dict, safe_serialization=True,
             transformer_lora_adapter_metadata=metadata,
         )

@@ -33,12 +33,10 @@ from diffusers import (
 )
 from huggingface_hub import hf_hub_download
 from PIL import Image
-from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from difftune.models.base import Components, SampleRequest
 from difftune.models.kandinsky5_image import Kandinsky5ImageFamily
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
-from difftune.models.tiny_kandinsky5 import load_qwen_processor
 from difftune.models.tiny_kandinsky5_video import build_tiny_kandinsky5_video
 from difftune.train.objective import resolution_shift
 
@@ -85,14 +83,7 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
             transformer=Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
             vae=vae,
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text={
-                "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                    source, subfolder="text_encoder", torch_dtype=dtype
-                ),
-                "tokenizer": load_qwen_processor(source, "tokenizer"),
-                "text_encoder_2": CLIPTextModel.from_pretrained(source, subfolder="text_encoder_2", torch_dtype=dtype),
-                "tokenizer_2": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2"),
-            },
+            text=self.load_text(source, dtype),
             pipeline=pipeline_class_name(source),
         )
 
@@ -105,28 +96,19 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
         ident["vae"]["encode"] = ENCODE_SETTINGS
         return ident
 
+    def pipeline_class(self, with_image: bool) -> type:
+        return Kandinsky5I2VPipeline if with_image else Kandinsky5T2VPipeline
+
     def encode_text(
         self, comps: Components, prompts: list[str], negative: bool = False,
         images: list[Image.Image] | None = None,
     ) -> list[dict[str, torch.Tensor]]:
         """Both video pipelines encode prompts (and negative prompts) from text alone, with the video template."""
-        encoder = comps.text["text_encoder"]
-        comps.text["tokenizer"].tokenizer.padding_side = "right"  # see Kandinsky5ImageFamily.encode_text
-        pipe = Kandinsky5T2VPipeline(transformer=None, vae=None, scheduler=None, **comps.text)
-        qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=encoder.device, dtype=encoder.dtype)
-        lengths = cu_seqlens.diff().tolist()
-        return [
-            {"prompt_embeds": qwen[i, : int(n)].cpu().clone(), "pooled": clip[i].cpu().clone()}
-            for i, n in enumerate(lengths)
-        ]
+        return super().encode_text(comps, prompts, negative)
 
     def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, F, H, W] clips (or [B, 3, H, W] images, as one-frame clips) -> [B, C, T, h, w]."""
-        if pixels.dim() == 4:
-            pixels = pixels.unsqueeze(2)
-        vae = comps.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return latents * vae.config.scaling_factor
+        return super().encode_images(comps, pixels.unsqueeze(2) if pixels.dim() == 4 else pixels)
 
     def predict(
         self, transformer: Any, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor],
@@ -167,32 +149,9 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
 
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> list[Image.Image]:
         """The frames of one validation video."""
-        cls = Kandinsky5I2VPipeline if request.image is not None else Kandinsky5T2VPipeline
-        pipe = cls(
-            transformer=transformer, vae=comps.vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
-            tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler.from_config(comps.scheduler.config),
-        )
-        pipe.set_progress_bar_config(disable=True)
-        device = next(transformer.parameters()).device
-        kwargs: dict[str, Any] = self._embeds("", request.text, device)
-        if request.guidance > 1.0 and request.negative is not None:
-            kwargs |= self._embeds("negative_", request.negative, device)
-        if request.image is not None:
-            kwargs["image"] = request.image
-        generator = torch.Generator(device=device).manual_seed(request.seed)
+        pipe, kwargs = self._pipeline_call(comps, transformer, request)
         with torch.no_grad():
-            return pipe(
-                height=request.height, width=request.width, num_frames=request.frames,
-                num_inference_steps=request.steps, guidance_scale=request.guidance, generator=generator,
-                output_type="pil", **kwargs,
-            ).frames[0]
-
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
-        Kandinsky5T2VPipeline.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, safe_serialization=True,
-            transformer_lora_adapter_metadata=metadata,
-        )
-        return folder / "pytorch_lora_weights.safetensors"
+            return pipe(num_frames=request.frames, output_type="pil", **kwargs).frames[0]
 
 
 FAMILY = Kandinsky5VideoFamily()
