@@ -91,3 +91,19 @@ def test_stop_command_stops_every_process(tmp_path, images):
     finish(proc, timeout=120)
     events = [json.loads(x) for x in log.read_text().splitlines()]
     assert events[-1]["event"] == "stopped" and events[-1]["step"] < 10_000
+
+
+def test_two_processes_image_to_video(tmp_path):
+    """Kandinsky 5 Video i2v under DDP: the first-frame conditioning and the network's config reached through
+    the DDP wrapper; the same losses as one process with the same global batch."""
+    from families import make_clips
+
+    clips = make_clips(tmp_path / "clips", count=4, frames=9)
+    settings = dict(model_family="kandinsky5-video", model_flavour="tiny-random-i2v", max_train_steps=3,
+                    dataset={"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}})
+    two = write_config(tmp_path / "two", clips, train_batch_size=1, **settings)
+    one = write_config(tmp_path / "one", clips, train_batch_size=2, **settings)
+    finish(launch(two, 29604))
+    finish(launch(one, 0, processes=1))
+    a, b = losses(tmp_path / "one" / "output"), losses(tmp_path / "two" / "output")
+    assert len(a) == 3 and a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a)
