@@ -131,3 +131,16 @@ def test_i2v_validation_needs_17_frames(tmp_path):
     load_config(video_config(tmp_path, clips, {"num_frames": 9}, model_flavour="tiny-random-i2v",
                              validation_prompt="a cat", validation_num_video_frames=17))
     load_config(video_config(tmp_path, clips, {"num_frames": 9}, model_flavour="tiny-random"))  # t2v: fine
+
+
+def test_i2v_clips_need_five_frames(tmp_path):
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    text = problems(video_config(tmp_path, clips, {"num_frames": 1}, model_flavour="tiny-random-i2v"))
+    assert "video.num_frames 1: image-to-video trains the frames after the first latent frame" in text
+    load_config(video_config(tmp_path, clips, {"num_frames": 1}))  # text-to-video: one-frame clips are fine
+    from difftune.train.plan import frame_rule
+
+    run = load_config(video_config(tmp_path, clips, {"num_frames": 9, "bucket_strategy": "resolution_frames"},
+                                   model_flavour="tiny-random-i2v"))
+    assert frame_rule(run, run.datasets.images[0]).min_frames == 5

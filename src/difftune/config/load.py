@@ -177,6 +177,10 @@ def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: lis
             problems.append(f"{path}: dataset {ds.id!r}: {train.model_family} trains on images; video datasets "
                             f"need a video family ({', '.join(video_families)}) - set dataset_type 'image' or "
                             "change model_family")
+        elif ds.video is not None and facts.first_frame(train.flavour()) and ds.video.num_frames < 5:
+            problems.append(f"{path}: dataset {ds.id!r}: video.num_frames {ds.video.num_frames}: image-to-video "
+                            "trains the frames after the first latent frame, so clips need at least 5 frames; "
+                            "set num_frames to 5 or more")
         elif ds.dataset_type == "image" and facts.first_frame(train.flavour()):
             if train.validation_using_datasets and ds.id == train.eval_dataset_id:
                 plan.images.remove(ds)

@@ -168,11 +168,12 @@ def fill_caches(
             on_the_fly = True  # encoded during training: nothing written, the VAE stays loaded
             cached += [uncached(s, ds.crop_style, cfg.seed) for s in disc.samples]
             continue
+        # Entries of image-to-video runs also hold the first frame encoded alone. (A clip's frame count and
+        # rate are in each entry's key, so changing the video block re-encodes only the clips it changes.)
         first_frame = family.facts.first_frame(cfg.flavour())
-        frames = None if ds.video is None else ds.video.model_dump()
         cache = TensorCache(Path(ds.vae_cache_root(cfg.model_family)),
                             {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style,
-                             **({"video": frames, "first_frame": first_frame} if frames else {})})
+                             **({"first_frame": True} if first_frame else {})})
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         mine = ranks.shard(disc.samples)
         latents_encoded += sum(1 for s in mine if not cache.has(latent_key(s, ds.crop_style, cfg.seed)))

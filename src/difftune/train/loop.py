@@ -39,9 +39,9 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     sigmas = objective.sample_sigmas(size, shift, run.generator, run.sampling)[lo : lo + x0.shape[0]]
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     x_t = objective.noisy_input(x0, noise, sigmas)
-    conditioning = batch.conditioning  # image-to-video: each clip's first frame, encoded on its own
     with run.accelerator.autocast():
-        conditioning = None if conditioning is None else conditioning.to(device, dtype)
+        # image-to-image: the input images' latents; image-to-video: each clip's first frame encoded alone
+        conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
         pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text, conditioning)
     target = objective.velocity_target(x0, noise).to(device)
     if run.first_frame:  # the sampler never updates the input frame: it is not trained either

@@ -55,7 +55,10 @@ def frame_rule(run_cfg: RunConfig, ds: ImageDataset) -> FrameRule | None:
     if v is None:
         return None
     fps = v.frame_rate if v.frame_rate is not None else run_cfg.train.video_fps()
-    return FrameRule(v.num_frames, fps, v.bucket_strategy, v.min_frames, v.max_frames, v.frame_interval)
+    least = v.min_frames
+    if FAMILY_FACTS[run_cfg.train.model_family].first_frame(run_cfg.train.flavour()):
+        least = max(least or 0, 5)  # image-to-video trains frames after the first latent frame: 5 at least
+    return FrameRule(v.num_frames, fps, v.bucket_strategy, least, v.max_frames, v.frame_interval)
 
 
 def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
