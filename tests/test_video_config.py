@@ -144,3 +144,11 @@ def test_i2v_clips_need_five_frames(tmp_path):
     run = load_config(video_config(tmp_path, clips, {"num_frames": 9, "bucket_strategy": "resolution_frames"},
                                    model_flavour="tiny-random-i2v"))
     assert frame_rule(run, run.datasets.images[0]).min_frames == 5
+
+
+def test_crepa_is_refused_not_ignored(tmp_path):
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    text = problems(video_config(tmp_path, clips, crepa_enabled=True, crepa_block_index=8))
+    assert "crepa_enabled=True: not implemented yet" in text and "crepa_block_index" in text
+    load_config(video_config(tmp_path, clips, crepa_enabled=False))

@@ -34,6 +34,10 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "group_offload_use_stream": ((False,), "group offload is not implemented yet"),
     "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
     "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
+    "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
+    **{key: ((None,), f"CREPA is not implemented yet; remove {key}") for key in (
+        "crepa_block_index", "crepa_lambda", "crepa_adjacent_distance", "crepa_adjacent_tau", "crepa_encoder",
+        "crepa_encoder_image_size")},
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
