@@ -13,6 +13,7 @@ from conftest import write_config
 from difftune.adapters.kinds import LoraAdapter
 from difftune.config import load_config
 from difftune.config.schema import TrainConfig
+from difftune.data.images import fit
 from difftune.data.video import contact_sheet, decode_frames
 from difftune.models import get_family, tiny_model
 from difftune.models.base import SampleRequest
@@ -156,8 +157,8 @@ def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
     pipe = case.stock(run.comps.source)
     pipe.load_lora_weights(run.output_dir)
     image = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB") if case.i2i else None
-    if case.i2v:  # by default the first frame of the first training clip
-        image = decode_frames(sorted(dataset.glob("*.mp4"))[0], [0.0])[0]
+    if case.i2v:  # by default the first frame of the first training clip, fitted (not stretched) to 64x48
+        image = fit(decode_frames(sorted(dataset.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
     kw = {"num_frames": extra["validation_num_video_frames"]} if case.video else {}
     theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11, image=image, **kw)[0]
     if case.video:  # the PNG is the contact sheet of the video (the MP4 beside it is lossy)

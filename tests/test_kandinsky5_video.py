@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import write_config
 from difftune.config import load_config
+from difftune.data.images import fit
 from difftune.data.video import audio_only_file, decode_frames, synthetic_clip
 from difftune.models import get_family, tiny_model
 from difftune.train.loop import micro_step, train
@@ -179,8 +180,9 @@ def test_i2v_validates_with_an_image_dataset(tmp_path, dataset):
     backend.append({"id": "stills", "dataset_type": "image", "instance_data_dir": str(dataset)})
     (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(backend))
     run = build_run(load_config(path))
-    first = sorted(dataset.glob("*.png"))[0]
-    assert np.array_equal(np.asarray(run.validation[0].image), np.asarray(Image.open(first).convert("RGB")))
+    first = Image.open(sorted(dataset.glob("*.png"))[0]).convert("RGB")
+    expected = fit(first, (32, 32), "center", (0.5, 0.5))  # covered and center-cropped, not stretched
+    assert np.array_equal(np.asarray(run.validation[0].image), np.asarray(expected))
     assert {c.sample.dataset_id for c in run.data.items} == {"train"}  # the stills are not trained on
     assert run.validation[0].frames == 17
 

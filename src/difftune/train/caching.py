@@ -20,7 +20,7 @@ from difftune.config import RunConfig
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
-from difftune.data.images import load_rgb
+from difftune.data.images import fit, load_rgb
 from difftune.data.latents import CachedSample, fill_latent_cache, latent_key, text_jobs, uncached
 from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
@@ -101,9 +101,14 @@ def encode_validation(
     fill_text_cache(negatives, [job(cfg.validation_negative_prompt)], encode(True), 1)
     negative = negatives.get(cfg.validation_negative_prompt + suffix)
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
+    def first_frame(w: int, h: int) -> Image.Image | None:
+        # The I2V pipeline resizes its input image to the video's size, stretching it; like a training clip,
+        # the frame is resized to cover that size and center-cropped instead.
+        return fit(image, (w, h), "center", (0.5, 0.5)) if image is not None and frames else image
+
     return [
         SampleRequest(text_cache.get(prompt + suffix), negative, w, h, cfg.validation_num_inference_steps,
-                      cfg.guidance(), seed, image, name, frames, fps)
+                      cfg.guidance(), seed, first_frame(w, h), name, frames, fps)
         for name, prompt in prompts
         for w, h in cfg.validation_sizes()
     ]
