@@ -73,6 +73,9 @@ def test_video_block_validation(tmp_path):
     text = problems(video_config(tmp_path, folder, {"num_frames": 33, "max_frames": 20}))
     assert "max_frames 20 is below num_frames 33" in text
     assert "bucket_strategy" in problems(video_config(tmp_path, folder, {"bucket_strategy": "frames"}))
+    assert "frame_interval applies to bucket_strategy 'resolution_frames'" in problems(
+        video_config(tmp_path, folder, {"frame_interval": 8})
+    )
     assert "min_frames is larger than max_frames" in problems(
         video_config(tmp_path, folder, {"min_frames": 50, "max_frames": 40, "bucket_strategy": "resolution_frames"})
     )

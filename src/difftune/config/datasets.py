@@ -70,6 +70,9 @@ class VideoOptions(BaseModel):
                              f"{four_k_plus_one(self.num_frames)}")
         if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
             raise ValueError("min_frames is larger than max_frames")
+        if self.bucket_strategy == "aspect_ratio" and "frame_interval" in self.model_fields_set:
+            raise ValueError("frame_interval applies to bucket_strategy 'resolution_frames' (with 'aspect_ratio' "
+                             "every clip has num_frames frames); remove it or change bucket_strategy")
         if self.bucket_strategy == "aspect_ratio" and self.max_frames is not None and self.max_frames < self.num_frames:
             raise ValueError(f"max_frames {self.max_frames} is below num_frames {self.num_frames}: with "
                              "bucket_strategy 'aspect_ratio' every clip needs num_frames frames; lower num_frames")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from difftune.data.buckets import SizeRule, aspect_problem, bucket_for, downsample_first, too_small
 from difftune.data.captions import CaptionRule, CaptionTable, caption
-from difftune.data.frames import FrameRule, bucket_name, plan_clip, resampled_count
+from difftune.data.frames import FrameRule, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv"}  # = data.video.VIDEO_EXTENSIONS (PyAV imported on demand)
@@ -43,10 +43,6 @@ class Sample:
     def group(self) -> tuple[int, ...]:
         """What samples of one batch share: the bucket, and for clips the frame count."""
         return (*self.bucket, self.frames) if self.frames else self.bucket
-
-    @property
-    def group_name(self) -> str:
-        return bucket_name(*self.bucket, self.frames)
 
 
 @dataclass
