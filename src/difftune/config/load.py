@@ -193,6 +193,13 @@ def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: lis
         problems.append(f"{path}: no enabled dataset to train on")
 
 
+def validation_video_frames(train: TrainConfig, plan: DatasetPlan) -> int:
+    """validation_num_video_frames, else the first video dataset's num_frames (61 without one)."""
+    if train.validation_num_video_frames is not None:
+        return train.validation_num_video_frames
+    return next((ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
+
+
 def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, problems: list[str]) -> None:
     """The stock I2V pipeline renormalizes the first 4 latent frames against the next ones: below 17
     frames there are none, and the video comes out as NaN. Caught here, before anything loads."""
@@ -200,8 +207,7 @@ def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, prob
         return
     if not (train.validation_prompt or train.user_prompt_library):
         return
-    frames = train.validation_num_video_frames or next(
-        (ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
+    frames = validation_video_frames(train, plan)
     if frames < 17:
         given = "" if train.validation_num_video_frames else " (from the first video dataset's num_frames)"
         problems.append(f"{where}: validation_num_video_frames: {frames}{given} is too few for image-to-video "

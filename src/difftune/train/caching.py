@@ -17,6 +17,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from difftune.config import RunConfig
+from difftune.config.load import validation_video_frames
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
@@ -70,14 +71,6 @@ def load_input_image(path: Path) -> Image.Image:
     return load_rgb(path)
 
 
-def validation_frames(run_cfg: RunConfig) -> int:
-    """validation_num_video_frames, else the first video dataset's num_frames (61 without one)."""
-    cfg = run_cfg.train
-    if cfg.validation_num_video_frames is not None:
-        return cfg.validation_num_video_frames
-    return next((ds.video.num_frames for ds in run_cfg.datasets.images if ds.video is not None), 61)
-
-
 def encode_validation(
     run_cfg: RunConfig, family: Family, comps: Components, text_cache: TensorCache, found: list[Discovery]
 ) -> list[SampleRequest]:
@@ -88,7 +81,7 @@ def encode_validation(
     path = validation_image(run_cfg, found) if family.facts.takes_input_image(cfg.flavour()) else None
     image: Image.Image | None = load_input_image(path) if path is not None else None
     suffix = "" if path is None else f"\x00validation:{path.resolve()}:{path.stat().st_mtime_ns}"
-    frames, fps = (validation_frames(run_cfg), cfg.video_fps()) if family.facts.video else (0, 0.0)
+    frames, fps = (validation_video_frames(cfg, run_cfg.datasets), cfg.video_fps()) if family.facts.video else (0, 0.0)
 
     def encode(negative: bool):
         return lambda texts, images: family.encode_text(comps, texts, negative=negative, images=images)
