@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from difftune.config.datasets import four_k_plus_one
 from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.train.optimizers import OPTIMIZERS
@@ -354,9 +355,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{', '.join(video_keys)} only apply to video families; remove them for {self.model_family}")
         n = self.validation_num_video_frames
         if n is not None and (n - 1) % 4:
-            low = (n - 1) // 4 * 4 + 1
             raise ValueError(f"validation_num_video_frames {n} is not 4k+1 (the VAE compresses time 4x); "
-                             f"use {low} or {low + 4}")
+                             f"use {four_k_plus_one(n)}")
         if self.validation_using_datasets and self.eval_dataset_id is None:
             raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
