@@ -3,18 +3,22 @@ cached text conditions.
 
 Which caption a sample trains with (it may have several) and whether caption dropout empties it are
 drawn from (seed, epoch, batch index), so a resumed run makes the same choices.
+
+Every cache entry is verified where it is read here (checksum, layout, finite values: `cache.read`). A
+damaged entry is deleted, its item is left out of this batch and of the rest of the run, and the
+message says so; the next start encodes the file again (the encoders are gone by now). On-the-fly
+latents that are not finite are left out the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from difftune.data.cache import TensorCache
+from difftune.data.cache import DamagedEntry, TensorCache, nonfinite, read_or_drop
 from difftune.data.images import load_rgb, prepare
 from difftune.data.latents import MEDIA_ERRORS, CachedSample, sample_pixels
 from difftune.data.sampler import BucketSampler
@@ -33,6 +37,11 @@ class Batch:
     conditioning: torch.Tensor | None = None
     offset: int = 0  # where this process's slice starts in the global batch (several processes)
     global_size: int = 0  # samples in the global batch (all processes); noise is drawn for all of them
+    paths: list = field(default_factory=list)  # the source files, to name them in messages
+
+
+class NoUsableItem(RuntimeError):
+    """Every training item was left out while training (damaged cache entries)."""
 
 
 class TrainingData:
@@ -54,31 +63,59 @@ class TrainingData:
         self.on_skip = on_skip
         self.rank, self.ranks = rank, ranks
         self.first_frame = first_frame  # image-to-video: the first frame encoded alone is the conditioning
+        self.dropped: set[int] = set()  # items left out for the rest of the run (damaged cache entries)
+
+    def _skip(self, index: int, message: str) -> None:
+        """Leave an item out for the rest of the run, with its repeats (the same file), and say why."""
+        path = self.items[index].sample.path
+        self.dropped.update(i for i, c in enumerate(self.items) if c.sample.path == path)
+        if self.on_skip:
+            self.on_skip(message)
+        if len(self.dropped) >= len(self.items):
+            raise NoUsableItem("every training item was left out (damaged cache entries, see the warnings); "
+                               "run again: the deleted entries are encoded anew at start-up")
 
     def _text(self, item: CachedSample, key: str) -> dict[str, torch.Tensor]:
-        cache = self.text_caches[item.sample.dataset_id]
-        tensors = cache.get(key)
-        if tensors is None:
-            raise RuntimeError(
-                f"text embedding of caption {key.split(chr(0))[0][:60]!r} vanished from {cache.folder}; "
-                "run again and it will be recomputed"
-            )
-        return tensors
+        """The verified text embedding; DamagedEntry (file deleted) or FileNotFoundError when unusable."""
+        return self.text_caches[item.sample.dataset_id].read(key)
 
-    def _latents(self, chosen: list[CachedSample]) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """(positions in `chosen` that loaded, their latents, their input-image latents)."""
-        if chosen[0].latent_file is not None:
-            files = [load_file(c.latent_file) for c in chosen]
-            latents = torch.stack([f["latents"] for f in files])
-            cond = None
-            if chosen[0].conditioning_file is not None:
-                cond = torch.stack([load_file(c.conditioning_file)["latents"] for c in chosen])
+    def _cached_latents(self, chosen: list[tuple[int, CachedSample]]):
+        """Verified latents of cached items: (kept positions, latents, conditioning)."""
+        kept, latents, cond = [], [], []
+        for position, (index, c) in enumerate(chosen):
+            expect = ("latents", "first_frame") if self.first_frame else ("latents",)
+            try:
+                entry = read_or_drop(c.latent_file, expect)
+                extra = read_or_drop(c.conditioning_file, ("latents",)) if c.conditioning_file is not None else None
+            except (DamagedEntry, FileNotFoundError) as e:
+                reason = "missing: deleted earlier as damaged" if isinstance(e, FileNotFoundError) else str(e)
+                self._skip(index, f"left out {c.sample.path}: its cached latents are damaged ({reason}); the entry "
+                                  "was deleted and is encoded again at the next start")
+                continue
+            if latents and entry["latents"].shape != latents[0].shape:
+                # One bucket, one shape, by construction: an entry that disagrees is not this run's
+                c.latent_file.unlink(missing_ok=True)
+                self._skip(index, f"left out {c.sample.path}: its cached latents have shape "
+                                  f"{tuple(entry['latents'].shape)}, not {tuple(latents[0].shape)} like the rest "
+                                  "of its bucket; the entry was deleted")
+                continue
+            kept.append(position)
+            latents.append(entry["latents"])
+            if extra is not None:
+                cond.append(extra["latents"])
             elif self.first_frame:
-                cond = torch.stack([f["first_frame"] for f in files])
-            return list(range(len(chosen))), latents, cond
+                cond.append(entry["first_frame"])
+        if not kept:
+            return [], torch.empty(0), None
+        return kept, torch.stack(latents), (torch.stack(cond) if cond else None)
+
+    def _latents(self, chosen: list[tuple[int, CachedSample]]) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """(positions in `chosen` that loaded, their latents, their input-image latents)."""
+        if chosen[0][1].latent_file is not None:
+            return self._cached_latents(chosen)
         assert self.encode is not None, "items without cached latents need an encoder"
         kept, pixels, cond_pixels = [], [], []
-        for position, c in enumerate(chosen):  # on the fly: a file that fails now is skipped and reported
+        for position, (_, c) in enumerate(chosen):  # on the fly: a file that fails now is skipped and reported
             s = c.sample
             try:
                 pixels.append(sample_pixels(s, c.crop_style, c.uv))
@@ -97,6 +134,14 @@ class TrainingData:
             cond = self.encode(torch.stack(cond_pixels)).float().cpu() if cond_pixels else None
             if self.first_frame:
                 cond = self.encode(torch.stack([p[:, :1] for p in pixels])).float().cpu()
+        finite = [r for r in range(len(kept))
+                  if nonfinite({"latents": latents[r]} | ({} if cond is None else {"cond": cond[r]})) is None]
+        for r in sorted(set(range(len(kept))) - set(finite)):  # the VAE overflowed on this file (e.g. fp16)
+            if self.on_skip:
+                self.on_skip(f"skipped {chosen[kept[r]][1].sample.path}: the VAE returned NaN or inf for it")
+        if len(finite) < len(kept):
+            latents, cond = latents[finite], (None if cond is None else cond[finite])
+            kept = [kept[r] for r in finite]
         return kept, latents, cond
 
     def __iter__(self) -> Iterator[Batch]:
@@ -109,15 +154,28 @@ class TrainingData:
                 draws[i] = (pick, self.caption_dropout > 0 and rng.random() < self.caption_dropout)
             share = len(indices) // self.ranks
             offset = self.rank * share
-            mine = indices[offset : offset + share]
-            kept, latents, cond = self._latents([self.items[i] for i in mine])
-            if not kept:
+            mine = [i for i in indices[offset : offset + share] if i not in self.dropped]
+            if not mine:
                 continue
-            chosen = [self.items[mine[k]] for k in kept]
-            keys, captions = [], []
-            for i, c in zip((mine[k] for k in kept), chosen, strict=True):
+            kept, latents, cond = self._latents([(i, self.items[i]) for i in mine])
+            rows, texts, captions, paths = [], [], [], []
+            for row, i in enumerate(mine[k] for k in kept):
+                c = self.items[i]
                 pick, dropped = draws[i]
-                keys.append(c.empty_key if dropped else c.text_keys[pick])
+                key = c.empty_key if dropped else c.text_keys[pick]
+                try:
+                    texts.append(self._text(c, key))
+                except (DamagedEntry, FileNotFoundError) as e:
+                    reason = "missing: deleted earlier as damaged" if isinstance(e, FileNotFoundError) else str(e)
+                    self._skip(i, f"left out {c.sample.path}: the cached text embedding of caption "
+                                  f"{key.split(chr(0))[0][:60]!r} is damaged ({reason}); it was deleted and is "
+                                  "encoded again at the next start")
+                    continue
+                rows.append(row)
                 captions.append("" if dropped else c.sample.captions[pick])
-            text = self.collate_text([self._text(c, k) for c, k in zip(chosen, keys, strict=True)])
-            yield Batch(latents, text, captions, cond, offset, len(indices))
+                paths.append(c.sample.path)
+            if not rows:
+                continue
+            if len(rows) < len(kept):
+                latents, cond = latents[rows], (None if cond is None else cond[rows])
+            yield Batch(latents, self.collate_text(texts), captions, cond, offset, len(indices), paths)

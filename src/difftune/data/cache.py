@@ -3,15 +3,25 @@
 A cache folder is named by a hash of everything that changes its content (model identity, sizes,
 crop settings); an entry inside by a hash of its own inputs (file path, size, mtime, bucket, crop
 position; or caption text). Writes go to a temporary file renamed into place, so a killed run never
-leaves a half-written entry; a file that fails to load is deleted and recomputed, never trained on.
+leaves a half-written entry.
+
+Every entry carries, in its safetensors metadata, its layout (tensor names, dtypes, shapes) and a
+CRC-32 of its content. Start-up (`has`) checks the header against the stored layout without reading
+the tensors: truncation, a changed dtype, shape or name are caught there and re-encoded while the
+encoders are loaded. Where training reads an entry (`read`), the checksum and finiteness are
+verified: damage inside the data (zeroed, random, NaN) is caught there, the file is deleted, and the
+next start re-encodes it. Non-finite tensors are never written. An entry without the checksum (written
+by an older difftune) counts as missing and is re-encoded once: its content cannot be vouched for.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +29,14 @@ from typing import Any
 
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
+
+CHECKSUM = "difftune.crc32"  # metadata keys of an entry (safetensors metadata is str -> str)
+LAYOUT = "difftune.layout"
+
+
+class DamagedEntry(Exception):
+    """A cache entry that must not be trained on; the message says why."""
 
 
 def fingerprint(data: Any) -> str:
@@ -29,6 +46,75 @@ def fingerprint(data: Any) -> str:
 
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
+
+
+def layout(tensors: dict[str, torch.Tensor]) -> str:
+    """Names, dtypes and shapes, in the spelling of the safetensors header (so `has` can compare)."""
+    return json.dumps({k: [_DTYPES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in sorted(tensors.items())},
+                      separators=(",", ":"))
+
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """CRC-32 of the layout and every tensor's bytes. Not a defence against tampering: it finds damage
+    (zeroed or overwritten data, a header edited in place) at about 0.3 ms per MiB."""
+    crc = zlib.crc32(layout(tensors).encode())
+    for _, t in sorted(tensors.items()):
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        if flat.numel():
+            crc = zlib.crc32(flat.view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf, or None. A sum is finite exactly
+    when no element is NaN or inf (barring overflow, which only values near 3e38 reach): one fast pass."""
+    for name, t in sorted(tensors.items()):
+        if t.is_floating_point() and t.numel() and not math.isfinite(t.float().sum().item()):
+            if not torch.isfinite(t).all():
+                return name
+    return None
+
+
+def read(path: Path, expect: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """Load an entry and verify it: checksum, layout, finite values, the `expect`ed tensor names.
+    Raises DamagedEntry (never a raw safetensors, JSON or OS error) when it cannot be trained on."""
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise DamagedEntry(f"unreadable: {e}") from e
+    meta = header_metadata(blob)
+    try:
+        tensors = load(blob)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for any damage
+        raise DamagedEntry(f"not a valid safetensors file: {e}") from e
+    if meta is None or CHECKSUM not in meta:
+        raise DamagedEntry("written without a checksum (older difftune): re-encoded once to be sure")
+    if meta.get(LAYOUT) != layout(tensors):
+        raise DamagedEntry(f"tensor names, dtypes or shapes changed since it was written: {layout(tensors)}")
+    if checksum(tensors) != meta[CHECKSUM]:
+        raise DamagedEntry("checksum mismatch: its data changed since it was written")
+    missing = [k for k in expect if k not in tensors]
+    if missing:
+        raise DamagedEntry(f"lacks tensor {missing[0]!r}")
+    bad = nonfinite(tensors)
+    if bad is not None:
+        raise DamagedEntry(f"tensor {bad!r} holds NaN or inf")
+    return tensors
+
+
+def header_metadata(blob: bytes) -> dict[str, str] | None:
+    """The `__metadata__` of a safetensors header (first 8 bytes: its length, then JSON), or None."""
+    try:
+        n = int.from_bytes(blob[:8], "little")
+        meta = json.loads(blob[8 : 8 + n]).get("__metadata__")
+        return meta if isinstance(meta, dict) else None
+    except (ValueError, AttributeError):
+        return None
 
 
 class TensorCache:
@@ -45,18 +131,23 @@ class TensorCache:
         digest = _digest(key)
         return self.folder / digest[:2] / f"{digest}.safetensors"
 
-    def get(self, key: str) -> dict[str, torch.Tensor] | None:
-        path = self.path(key)
-        if not path.exists():
-            return None
+    def get(self, key: str, expect: Iterable[str] = ()) -> dict[str, torch.Tensor] | None:
+        """The verified entry, or None when it is missing or damaged (a damaged file is deleted)."""
         try:
-            return load_file(path)
-        except Exception:  # noqa: BLE001 - truncated or corrupt: recompute
-            path.unlink(missing_ok=True)
+            return self.read(key, expect)
+        except (DamagedEntry, FileNotFoundError):
             return None
 
+    def read(self, key: str, expect: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+        """The verified entry; FileNotFoundError when missing, DamagedEntry (the file deleted) when bad."""
+        path = self.path(key)
+        if not path.exists():
+            raise FileNotFoundError(path)
+        return read_or_drop(path, expect)
+
     def has(self, key: str) -> bool:
-        """Present and whole (header and size checked, data not read); a damaged file is removed."""
+        """Present and whole by its header (size, layout, checksum present; data not read). A file that
+        fails is removed, so the caller encodes it again."""
         path = self.path(key)
         if not path.exists():
             return False
@@ -66,12 +157,18 @@ class TensorCache:
         return False
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> Path:
+        """Write an entry with its layout and checksum. Non-finite tensors raise DamagedEntry: an encoder
+        that produced NaN must not leave an entry that training would read."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        bad = nonfinite(tensors)
+        if bad is not None:
+            raise DamagedEntry(f"the encoder produced NaN or inf in {bad!r}; nothing was cached")
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+            save_file(tensors, tmp, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -79,9 +176,19 @@ class TensorCache:
         return path
 
 
+def read_or_drop(path: Path, expect: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """`read`, deleting the file when it is damaged (the next fill encodes it again)."""
+    try:
+        return read(path, expect)
+    except DamagedEntry:
+        path.unlink(missing_ok=True)
+        raise
+
+
 def intact(path: Path) -> bool:
-    """A safetensors file whose header parses and whose size matches it: truncation is caught
-    without reading the tensors (startup checks every entry; reading them all would take long)."""
+    """A safetensors file whose header parses, whose size matches it, and whose stored layout matches
+    its header, with a checksum present. Truncation and header damage are caught without reading the
+    tensors (start-up checks every entry; reading them all would take long)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -89,9 +196,13 @@ def intact(path: Path) -> bool:
             if n <= 0 or 8 + n > size:
                 return False
             header = json.loads(f.read(n))
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-        return size == 8 + n + max(ends, default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        meta = header.get("__metadata__") or {}
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        ends = [v["data_offsets"][1] for v in tensors.values()]
+        seen = json.dumps({k: [v["dtype"], list(v["shape"])] for k, v in sorted(tensors.items())},
+                          separators=(",", ":"))
+        return size == 8 + n + max(ends, default=0) and CHECKSUM in meta and meta.get(LAYOUT) == seen
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
 
 
@@ -123,21 +234,28 @@ def fill_text_cache(
     Prompts with an image go one at a time: their token counts differ with the image size.
     """
     todo = {job.key: job for job in jobs if not cache.has(job.key)}  # has() also drops damaged files
+    failed: list[tuple[str, str]] = []
     plain = [j for j in todo.values() if j.image is None]
     for start in range(0, len(plain), batch_size):
         chunk = plain[start : start + batch_size]
         for job, tensors in zip(chunk, encode([job.prompt for job in chunk], None), strict=True):
-            cache.put(job.key, tensors)
+            try:
+                cache.put(job.key, tensors)
+            except DamagedEntry as e:  # a caption the encoder turns into NaN: reported, not cached
+                failed.append((job.key, str(e)))
         if on_progress:
             on_progress(len(chunk))
-    failed: list[tuple[str, str]] = []
     for job in (j for j in todo.values() if j.image is not None):
         try:
             image = job.image()
         except Exception as e:  # noqa: BLE001 - a bad input image: report it, keep going
             failed.append((job.key, str(e)))
             continue
-        cache.put(job.key, encode([job.prompt], [image])[0])
+        try:
+            cache.put(job.key, encode([job.prompt], [image])[0])
+        except DamagedEntry as e:
+            failed.append((job.key, str(e)))
+            continue
         if on_progress:
             on_progress(1)
     return len(todo) - len(failed), failed

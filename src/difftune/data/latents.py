@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from difftune.data.cache import TensorCache, TextJob
+from difftune.data.cache import DamagedEntry, TensorCache, TextJob
 from difftune.data.discovery import Sample
 from difftune.data.frames import frame_times
 from difftune.data.images import BadImage, fit, load_rgb, prepare
@@ -111,9 +111,13 @@ def fill_latent_cache(
 
     for sample in samples:
         uv = crop_position(sample, crop_style, seed)
-        keys = [(sample.path, latent_key(sample, crop_style, seed))]
-        if sample.conditioning is not None:
-            keys.append((sample.conditioning, file_key(sample.conditioning, sample.bucket, None, uv)))
+        try:  # the key stats the file: one that vanished or broke since discovery is reported, not fatal
+            keys = [(sample.path, latent_key(sample, crop_style, seed))]
+            if sample.conditioning is not None:
+                keys.append((sample.conditioning, file_key(sample.conditioning, sample.bucket, None, uv)))
+        except (OSError, RuntimeError) as e:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
+            failed.append((sample.path, f"filesystem error: {e}"))
+            continue
         if all(cache.has(key) for _, key in keys):
             done.append(_cached(sample, cache, keys, crop_style, seed))
             if on_progress:
@@ -145,10 +149,18 @@ def fill_latent_cache(
                 with torch.no_grad():
                     latents = encode(torch.stack(pixels)).float().cpu()
                     firsts = encode(torch.stack([p[:, :1] for p in pixels])).float().cpu() if first_frame else None
-                flat = [key for _, keys in ready for _, key in keys]
-                for i, (key, latent) in enumerate(zip(flat, latents, strict=True)):
-                    cache.put(key, {"latents": latent} | ({"first_frame": firsts[i]} if firsts is not None else {}))
-                done.extend(_cached(sample, cache, keys, crop_style, seed) for sample, keys in ready)
+                offset = 0
+                for sample, keys in ready:
+                    rows = range(offset, offset + len(keys))  # this sample's rows in the encoded batch
+                    offset += len(keys)
+                    try:  # an encoder that returns NaN or inf for a file: reported, nothing cached
+                        for row, (_, key) in zip(rows, keys, strict=True):
+                            first = {"first_frame": firsts[row]} if firsts is not None else {}
+                            cache.put(key, {"latents": latents[row]} | first)
+                    except DamagedEntry as e:
+                        failed.append((sample.path, str(e)))
+                        continue
+                    done.append(_cached(sample, cache, keys, crop_style, seed))
             if on_progress:
                 on_progress(len(chunk))
     done.sort(key=lambda c: (c.sample.dataset_id, str(c.sample.path)))

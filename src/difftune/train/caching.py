@@ -93,6 +93,11 @@ def encode_validation(
     negatives = negative_cache(text_cache)
     fill_text_cache(negatives, [job(cfg.validation_negative_prompt)], encode(True), 1)
     negative = negatives.get(cfg.validation_negative_prompt + suffix)
+    embeds = {p: text_cache.get(p + suffix) for _, p in prompts}
+    unusable = [p for p, e in [*embeds.items(), (cfg.validation_negative_prompt, negative)] if e is None]
+    if unusable:  # fill_text_cache refused them: the text encoder returned NaN or inf
+        raise ValueError(f"the text encoder returned NaN or inf for validation prompt {unusable[0]!r}; "
+                         "check the model's weights and mixed_precision")
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
     def first_frame(w: int, h: int) -> Image.Image | None:
         # The I2V pipeline resizes its input image to the video's size, stretching it; like a training clip,
@@ -100,7 +105,7 @@ def encode_validation(
         return fit(image, (w, h), "center", (0.5, 0.5)) if image is not None and frames else image
 
     return [
-        SampleRequest(text_cache.get(prompt + suffix), negative, w, h, cfg.validation_num_inference_steps,
+        SampleRequest(embeds[prompt], negative, w, h, cfg.validation_num_inference_steps,
                       cfg.guidance(), seed, first_frame(w, h), name, frames, fps)
         for name, prompt in prompts
         for w, h in cfg.validation_sizes()
@@ -186,7 +191,11 @@ def fill_caches(
     events.emit("info", message=f"latent cache: {sum(len(d.samples) for d in found)} files, {sum(per_process)} "
                 "newly encoded" + (f" (per process: {per_process})" if ranks.count > 1 else ""))
     cached = [c for c in cached if all(text_caches[c.sample.dataset_id].has(k) for k in c.text_keys)]
-    failed += [(Path(key.split("\x00")[-1].split("|")[0]), f"input image: {why}") for key, why in text_failed]
+    for key, why in text_failed:  # an input image that failed to load, or a caption encoded to NaN
+        if "\x00" in key:
+            failed.append((Path(key.split("\x00")[-1].split("|")[0]), f"input image: {why}"))
+        else:
+            failed.append((Path(f"caption {key[:60]!r}"), f"text embedding: {why}"))
     for path, reason in failed:
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")
     # The VAE stays for on-the-fly encoding; on the CPU only if validation needs it to decode samples.

@@ -1,0 +1,159 @@
+"""Cache entries damaged at the same size are never trained on and never crash: each class of damage is
+caught at start-up (header) or where training reads the entry (checksum, finiteness), deleted, reported
+and encoded again."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import write_config
+from difftune.config import load_config
+from difftune.data.cache import DamagedEntry, TensorCache, read
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+
+LATENTS = {"latents": torch.randn(4, 8, 8)}
+
+
+def data_start(blob: bytes) -> int:
+    return 8 + int.from_bytes(blob[:8], "little")
+
+
+def zero_data(blob: bytes) -> bytes:
+    start = data_start(blob)
+    return blob[:start] + bytes(len(blob) - start)
+
+
+def nan_data(blob: bytes) -> bytes:
+    start = data_start(blob)
+    return blob[:start] + np.full((len(blob) - start) // 4, np.nan, dtype=np.float32).tobytes()
+
+
+def random_data(blob: bytes) -> bytes:
+    start = data_start(blob)
+    return blob[:start] + np.random.default_rng(0).integers(0, 256, len(blob) - start, dtype=np.uint8).tobytes()
+
+
+def one_value_changed(blob: bytes) -> bytes:
+    start = data_start(blob)
+    return blob[:start] + np.float32(1e30).tobytes() + blob[start + 4 :]
+
+
+def header_edit(old: str, new: str):
+    assert len(old) == len(new)  # the file keeps its size
+
+    def edit(blob: bytes) -> bytes:
+        start = data_start(blob)
+        header = blob[8:start].decode()
+        assert old in header
+        return blob[:8] + header.replace(old, new, 1).encode() + blob[start:]
+    return edit
+
+
+# (name, damage, caught by the start-up header check)
+DAMAGE = [
+    ("zeroed data", zero_data, False),
+    ("NaN values", nan_data, False),
+    ("random values", random_data, False),
+    ("one value changed", one_value_changed, False),
+    ("dtype changed in the header", header_edit('"F32"', '"I32"'), True),
+    ("wrong shape", header_edit("[4,8,8]", "[8,4,8]"), True),
+    ("renamed tensor", header_edit('"latents"', '"latentz"'), True),
+    ("whole file zeroed", lambda blob: bytes(len(blob)), True),
+    ("truncated", lambda blob: blob[: len(blob) // 2], True),
+]
+
+
+@pytest.mark.parametrize("name,damage,at_start", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_every_damage_is_caught_never_loaded(tmp_path, name, damage, at_start):
+    cache = TensorCache(tmp_path, {"t": 1})
+    path = cache.put("k", LATENTS)
+    assert cache.has("k") and torch.equal(cache.read("k")["latents"], LATENTS["latents"])
+    path.write_bytes(damage(path.read_bytes()))
+    if at_start:
+        assert not cache.has("k") and not path.exists()  # removed: the fill encodes it again
+        return
+    assert cache.has("k")  # the header is whole: only reading the data finds it
+    with pytest.raises(DamagedEntry):
+        cache.read("k")
+    assert not path.exists() and cache.get("k") is None
+
+
+def test_old_entries_without_checksum_are_reencoded(tmp_path):
+    cache = TensorCache(tmp_path, {"t": 1})
+    path = cache.path("k")
+    path.parent.mkdir(parents=True)
+    save_file(LATENTS, path)  # how difftune wrote entries before checksums
+    with pytest.raises(DamagedEntry, match="without a checksum"):
+        read(path)
+    assert not cache.has("k") and not path.exists()
+
+
+def test_nonfinite_tensors_are_never_written(tmp_path):
+    cache = TensorCache(tmp_path, {"t": 1})
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(DamagedEntry, match="NaN or inf"):
+            cache.put("k", {"latents": torch.full((2, 2), bad)})
+        assert not cache.path("k").exists()
+
+
+def test_missing_expected_tensor_is_damage(tmp_path):
+    cache = TensorCache(tmp_path, {"t": 1})
+    cache.put("k", {"other": torch.zeros(2)})
+    with pytest.raises(DamagedEntry, match="lacks tensor 'latents'"):
+        cache.read("k", ("latents",))
+
+
+def events_of(output_dir):
+    return [json.loads(x) for x in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_damaged_entries_in_training_are_left_out_deleted_and_reencoded(tmp_path, dataset):
+    """Data damage is found where training reads the entry (left out, deleted, re-encoded at the next start);
+    header damage at start-up (re-encoded in the same run). Training never sees a bad tensor."""
+    config = write_config(tmp_path, dataset, max_train_steps=4, output_dir=str(tmp_path / "out1"))
+    run = build_run(load_config(config))
+    items = run.data.items
+    text_cache = run.data.text_caches["train"]
+    latent_files = [c.latent_file for c in items]
+    text_files = [text_cache.path(c.text_keys[0]) for c in items]
+    # Three different images: two with damaged latents, one with a damaged caption of its own.
+    victim = next(i for i in range(len(items)) if text_files.count(text_files[i]) == 1)
+    zeroed, renamed = [latent_files[i] for i in range(len(items)) if i != victim][:2]
+    zeroed.write_bytes(zero_data(zeroed.read_bytes()))
+    renamed.write_bytes(header_edit('"latents"', '"latentz"')(renamed.read_bytes()))
+    damaged_text = text_files[victim]
+    damaged_text.write_bytes(nan_data(damaged_text.read_bytes()))
+    seen = []
+    real_collate = run.data.collate_text
+
+    run2 = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=4, train_batch_size=1,
+                                              output_dir=str(tmp_path / "out2"))))
+    infos = [e["message"] for e in events_of(tmp_path / "out2") if e["event"] == "info"]
+    assert any("latent cache: 4 files, 1 newly encoded" in m for m in infos)  # the renamed tensor, at start-up
+
+    def collate(texts):
+        seen.extend(texts)
+        return real_collate(texts)
+    run2.data.collate_text = collate
+    train(run2)
+    events = events_of(tmp_path / "out2")
+    warnings = [e["message"] for e in events if e["event"] == "warning"]
+    assert any("left out" in m and "cached latents are damaged" in m and "checksum" in m for m in warnings)
+    assert any("left out" in m and "text embedding" in m for m in warnings)
+    assert not zeroed.exists() and not damaged_text.exists()
+    assert all(torch.isfinite(t).all() for entry in seen for t in entry.values())
+    steps = [e for e in events if e["event"] == "step"]
+    assert len(steps) == 4 and all(np.isfinite(e["loss"]) for e in steps)
+
+    # The next start encodes what was deleted; every entry verifies again.
+    build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1, output_dir=str(tmp_path / "out3"))))
+    infos = [e["message"] for e in events_of(tmp_path / "out3") if e["event"] == "info"]
+    assert any("latent cache: 4 files, 1 newly encoded" in m for m in infos)
+    assert any("text cache: 4 captions, 1 newly encoded" in m for m in infos)
+    for path in {*latent_files, *text_files}:
+        read(path)
+    assert load_file(zeroed)["latents"].abs().sum() > 0
