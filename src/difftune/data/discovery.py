@@ -3,13 +3,25 @@
 Image sizes (and clip sizes, frame counts and rates) are kept in a metadata file beside the dataset's
 latent cache: a later scan re-reads only files that were added or changed (by size and mtime), and
 forgets removed ones.
+
+Hidden files and folders (names starting with '.') are not used, as most trainers do: `.git`,
+`.thumbnails`, `.ipynb_checkpoints` and editors' backups hold no training data. The report counts them.
+A filesystem error on one file (a symlink that leads nowhere or loops, permission denied, a file
+that vanished during the scan) leaves that file out with the error in the report; a folder that
+cannot be listed is reported the same way. Neither stops the scan.
+
+Images far below their bucket: without `minimum_image_size`, an image that would have to be enlarged
+MAX_UPSCALE times or more to cover its bucket is left out (a 8x8 image says nothing at 1024 px), and
+one enlarged more than NOTE_UPSCALE times is used with a note in the report.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +32,8 @@ from difftune.data.frames import FrameRule, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv"}  # = data.video.VIDEO_EXTENSIONS (PyAV imported on demand)
+MAX_UPSCALE = 8.0  # left out from this enlargement on (when minimum_image_size is not set)
+NOTE_UPSCALE = 2.0  # a note in the report above this one
 
 
 @dataclass(frozen=True)
@@ -110,28 +124,73 @@ class MetadataCache:
         os.replace(tmp, self.path)
 
 
-def walk_files(root: Path) -> list[Path]:
-    """Every file under root, sorted, following symlinked folders once (no loops)."""
+@dataclass
+class Walk:
+    files: list[Path]
+    hidden: int = 0  # hidden files and folders passed over
+    errors: list[tuple[Path, str]] = field(default_factory=list)  # folders that could not be listed
+
+
+def walk(root: Path) -> Walk:
+    """Every file under root, sorted, following symlinked folders once (no loops), passing over hidden
+    files and folders, and recording folders that cannot be listed instead of failing."""
     seen: set[str] = set()
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    result = Walk([])
+
+    def failed(error: OSError) -> None:
+        result.errors.append((Path(error.filename or root), f"folder not readable: {error.strerror or error}"))
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=failed):
         real = os.path.realpath(dirpath)
         if real in seen:
             dirnames[:] = []
             continue
         seen.add(real)
-        dirnames.sort()
-        found.extend(Path(dirpath) / name for name in filenames)
-    return sorted(found)
+        visible = sorted(d for d in dirnames if not d.startswith("."))
+        result.hidden += len(dirnames) - len(visible) + sum(1 for n in filenames if n.startswith("."))
+        dirnames[:] = visible
+        result.files.extend(Path(dirpath) / name for name in filenames if not name.startswith("."))
+    result.files.sort()
+    return result
+
+
+def walk_files(root: Path) -> list[Path]:
+    return walk(root).files
 
 
 def image_files(root: Path, suffixes: set[str] = IMAGE_EXTENSIONS) -> list[Path]:
-    return [p for p in walk_files(root) if not p.name.startswith(".") and p.suffix.lower() in suffixes]
+    return [p for p in walk_files(root) if p.suffix.lower() in suffixes]
 
 
 def pair_index(root: Path) -> dict[Path, Path]:
     """Conditioning images by relative path without extension (a .png target may pair with a .jpg)."""
     return {p.relative_to(root).with_suffix(""): p for p in image_files(root)}
+
+
+def filesystem_problem(path: Path) -> str | None:
+    """Why a listed file cannot be read, in words (broken or looping symlink, permission, vanished), or None."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        if os.path.islink(path):  # (os.path, unlike Path, answers False on any error)
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            if e.errno == errno.ELOOP:
+                return f"symlink loop ({path.name} -> {target})"
+            return f"broken symlink: its target {target} does not exist"
+        return f"filesystem error: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (a FIFO, socket or device is never read)"
+    if not os.access(path, os.R_OK):
+        return "permission denied"
+    return None
+
+
+def upscale(width: int, height: int, bucket: tuple[int, int]) -> float:
+    """How many times an image is enlarged to cover its bucket (below 1: reduced)."""
+    return max(bucket[0] / width, bucket[1] / height)
 
 
 def choice_for(path: Path, seed: int) -> float:
@@ -180,53 +239,79 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
 
 def discover(spec: DatasetSpec) -> Discovery:
     result = Discovery(spec.dataset_id)
-    rule = spec.rule
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
     metadata = MetadataCache(spec.metadata_file)
     suffixes = VIDEO_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
-    for path in image_files(spec.root, suffixes):
-        rel = str(path.relative_to(spec.root))
-        conditioning = None
-        if pairs is not None:
-            conditioning = pairs.get(path.relative_to(spec.root).with_suffix(""))
-            if conditioning is None:
-                result.skipped.append((path, f"no conditioning image of the same name in {spec.conditioning_root}"))
-                continue
-        captioned = caption(path, spec.root, spec.captions, spec.table)
-        if captioned.captions is None:
-            result.skipped.append((path, captioned.problem or "no caption"))
-            continue
-        frames = 0
-        if spec.frames is not None:  # clips are always probed: frame counts and rates come from the file
-            clip = clip_frames(path, rel, metadata, spec.frames, result)
-            if clip is None:
-                continue
-            (width, height), frames = clip
-        else:
-            if captioned.size is not None:  # the table's width/height columns: no need to open the file
-                size, problem, probed = captioned.size, None, False
-            else:
-                size, problem, probed = metadata.size(path, rel)
-            result.probed += probed
-            if size is None:
-                result.skipped.append((path, problem or "unreadable"))
-                continue
-            width, height = size
-        problem = aspect_problem(width, height, rule)
-        if too_small(width, height, rule):
-            problem = f"{width}x{height} is below minimum_image_size {rule.minimum_image_size:g}"
+    listing = walk(spec.root)
+    result.skipped += listing.errors
+    if listing.hidden:
+        result.notes.append((spec.root, f"{listing.hidden} hidden file(s) or folder(s) (name starting with '.') "
+                                        "not used"))
+    for path in (p for p in listing.files if p.suffix.lower() in suffixes):
+        problem = filesystem_problem(path)
+        if problem is None:
+            try:
+                problem = _one(path, spec, pairs, metadata, result)
+            except (OSError, RuntimeError) as e:  # it changed under us; RuntimeError: resolve() of a loop
+                problem = f"filesystem error: {getattr(e, 'strerror', None) or e}"
         if problem:
             result.skipped.append((path, problem))
-            continue
-        if captioned.note:
-            result.notes.append((path, captioned.note))
-        down = downsample_first(width, height, rule)
-        basis = down or (width, height)
-        bucket = bucket_for(*basis, rule, choice_for(path, spec.seed))
-        fps = spec.frames.frame_rate if spec.frames is not None else 0.0
-        result.samples.append(
-            Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps)
-        )
     if spec.write_metadata:
         metadata.save()
     return result
+
+
+def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: Discovery) -> str | None:
+    """Add one file's sample to `result`, or return why it is left out."""
+    rule = spec.rule
+    rel = str(path.relative_to(spec.root))
+    conditioning = None
+    if pairs is not None:
+        conditioning = pairs.get(path.relative_to(spec.root).with_suffix(""))
+        if conditioning is None:
+            return f"no conditioning image of the same name in {spec.conditioning_root}"
+        if (problem := filesystem_problem(conditioning)) is not None:
+            return f"its conditioning image {conditioning}: {problem}"
+    captioned = caption(path, spec.root, spec.captions, spec.table)
+    if captioned.captions is None:
+        return captioned.problem or "no caption"
+    frames = 0
+    if spec.frames is not None:  # clips are always probed: frame counts and rates come from the file
+        clip = clip_frames(path, rel, metadata, spec.frames, result)
+        if clip is None:
+            return None  # clip_frames recorded why
+        (width, height), frames = clip
+    else:
+        if captioned.size is not None:  # the table's width/height columns: no need to open the file
+            size, problem, probed = captioned.size, None, False
+        else:
+            size, problem, probed = metadata.size(path, rel)
+        result.probed += probed
+        if size is None:
+            return problem or "unreadable"
+        width, height = size
+    if width < 1 or height < 1:
+        return f"{width}x{height}: no pixels"
+    problem = aspect_problem(width, height, rule)
+    if too_small(width, height, rule):
+        problem = f"{width}x{height} is below minimum_image_size {rule.minimum_image_size:g}"
+    if problem:
+        return problem
+    down = downsample_first(width, height, rule)
+    basis = down or (width, height)
+    bucket = bucket_for(*basis, rule, choice_for(path, spec.seed))
+    factor = upscale(*basis, bucket)
+    if rule.minimum_image_size is None and factor >= MAX_UPSCALE:
+        return (f"{width}x{height} is far below its {bucket[0]}x{bucket[1]} bucket (it would be enlarged "
+                f"{factor:.0f}x; {MAX_UPSCALE:g}x or more is left out); set minimum_image_size to choose the floor")
+    notes = [captioned.note] if captioned.note else []
+    if factor > NOTE_UPSCALE:
+        notes.append(f"{width}x{height} is enlarged {factor:.1f}x to its {bucket[0]}x{bucket[1]} bucket: it will "
+                     "look blurry (minimum_image_size leaves such images out)")
+    if notes:
+        result.notes.append((path, "; ".join(notes)))
+    fps = spec.frames.frame_rate if spec.frames is not None else 0.0
+    result.samples.append(
+        Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps)
+    )
+    return None
