@@ -16,7 +16,10 @@ def problems(path, **overrides):
 
 
 def test_valid_config_and_coercion(tmp_path, dataset):
-    path = write_config(tmp_path, dataset, **{"--learning_rate": "5e-5", "train_batch_size": "2"})
+    path = write_config(tmp_path, dataset, train_batch_size="2")
+    data = json.loads(path.read_text())
+    data["--learning_rate"] = str(data.pop("learning_rate") / 20)  # SimpleTuner's dashed spelling, as a string
+    path.write_text(json.dumps(data))
     cfg = load_config(path).train
     assert cfg.learning_rate == 5e-5 and cfg.train_batch_size == 2
     assert load_config(path, {"lora_rank": "32"}).train.lora_rank == 32  # CLI override wins
@@ -67,8 +70,16 @@ def test_missing_config_file(tmp_path):
     assert "config.json" in text and "config.json.example" in text
 
 
-def test_validation_resolution_multiple_of_16(tmp_path, dataset):
-    assert "validation_resolution" in problems(write_config(tmp_path, dataset, validation_resolution="100x100"))
+def test_validation_resolution_snapped_to_multiple_of_16(tmp_path, dataset):
+    run = load_config(write_config(tmp_path, dataset, validation_resolution="100x100,480x854,64x64"))
+    assert run.train.validation_sizes() == [(96, 96), (480, 848), (64, 64)]
+    assert run.train.validation_resolution == "100x100,480x854,64x64"  # the file's value is kept as written
+    notes = run.notes()
+    assert any("100x100" in n and "96x96" in n for n in notes)
+    assert any("480x854" in n and "480x848" in n for n in notes)
+    assert not any("64x64" in n for n in notes)
+    assert "validation_resolution" in problems(write_config(tmp_path, dataset, validation_resolution="0x64"))
+    assert "validation_resolution" in problems(write_config(tmp_path, dataset, validation_resolution="big"))
 
 
 def test_cli_exits_2_before_loading_any_model(tmp_path, dataset, monkeypatch, capsys):

@@ -13,7 +13,7 @@ from difftune.train.optimizers import OPTIMIZERS, build_optimizer, optimizer_sup
 
 NAMES = list(OPTIMIZERS)
 # A learning rate that suits each optimizer on the toy problem (Lion wants ~10x less, Prodigy 1.0).
-LR = {"lion": 1e-3, "prodigy": 1.0}
+LR = {"lion": 1e-3, "optimi-lion": 1e-3, "prodigy": 1.0}
 BETAS = (0.9, 0.999)
 
 
@@ -59,7 +59,8 @@ def roundtrip(obj: object) -> object:
 
 
 def test_descriptions_are_one_line() -> None:
-    assert NAMES == ["adamw", "adamw_bf16", "lion", "optimi-stableadamw", "optimi-adamw", "prodigy", "adamw8bit"]
+    assert NAMES == ["adamw", "adamw_bf16", "lion", "optimi-stableadamw", "optimi-adamw", "optimi-lion", "prodigy",
+                     "adamw8bit"]
     for name, text in OPTIMIZERS.items():
         assert text and "\n" not in text, name
 
@@ -173,3 +174,14 @@ def test_adamw_bf16_keeps_small_updates() -> None:
     # 1000 steps of 1e-5 add up to 0.01, a little over two bf16 steps below 1.0 (2**-8 each): the Kahan
     # buffer carries what bf16 cannot hold, so the weights land on the bf16 value nearest 0.99.
     assert torch.allclose(kahan, torch.full((256,), 1 - 1000 * 1e-5), atol=2**-8), kahan[:4]
+
+
+def test_simpletuner_aliases_build_the_same_optimizer() -> None:
+    from difftune.train.optimizers import OPTIMIZER_ALIASES
+
+    assert OPTIMIZER_ALIASES == {"torch-adamw": "adamw", "bnb-adamw8bit": "adamw8bit"}
+    p = torch.nn.Parameter(torch.zeros(4))
+    assert type(build_optimizer("torch-adamw", [p], 1e-3, (0.9, 0.999), 0.0, 1e-8)) is torch.optim.AdamW
+    import optimi
+
+    assert type(build_optimizer("optimi-lion", [p], 1e-3, (0.9, 0.99), 0.0, 1e-8)) is optimi.Lion

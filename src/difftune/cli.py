@@ -20,7 +20,9 @@ DEFAULT_CONFIG = "config/config.json"
 
 
 def parse_overrides(rest: list[str]) -> dict[str, Any]:
-    """`--key value`, `--key=value`, or a bare `--flag` (true) -> {key: value}."""
+    """`--key value`, `--key=value`, or a bare `--flag` (true) -> {key: value}. Values stay strings: the
+    config loader reads numbers and booleans from them ("0.0", "false") and blames a bad one on the
+    command line. A key given twice is an error (the first would be dropped silently)."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(rest):
@@ -34,7 +36,11 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
                 i += 1
             else:
                 value = "true"
-        out[key] = value
+        if not key:
+            raise ConfigError([f"command line: {token!r} names no key; options are written --key value"])
+        if key.lstrip("-") in out:
+            raise ConfigError([f"command line: --{key.lstrip('-')} is given twice; keep one"])
+        out[key.lstrip("-")] = value
         i += 1
     return out
 
@@ -50,6 +56,8 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
 
     found = discover_all(run_cfg)
     print(DataReport(found, [], {}).render())
+    for note in run_cfg.notes():
+        print(f"note: {note}")
     print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.model_source() or 'tiny-random'})")
     return 0
 

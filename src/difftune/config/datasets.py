@@ -242,6 +242,7 @@ class DatasetPlan(BaseModel):
     text_embeds: TextEmbedsDataset | None  # the default entry
     conditioning: dict[str, ConditioningDataset] = {}
     all_text_embeds: dict[str, TextEmbedsDataset] = {}
+    notes: list[str] = []  # what the loader chose for the user (the default text cache), printed by check
 
     def text_embeds_for(self, dataset: ImageDataset) -> TextEmbedsDataset | None:
         if dataset.text_embeds is not None:

@@ -6,14 +6,23 @@ Nothing here loads a model.
 
 from __future__ import annotations
 
-import difflib
-import json
+import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from difftune.config.compat import (
+    DATASET_DEFAULT_KEYS,
+    apply_key_aliases,
+    dataset_defaults,
+    family_name,
+    substitute_all,
+    suggest,
+)
 from difftune.config.datasets import (
     DATASET_MODELS,
     ConditioningDataset,
@@ -21,11 +30,20 @@ from difftune.config.datasets import (
     ImageDataset,
     TextEmbedsDataset,
 )
-from difftune.config.pending import PENDING_DATASET_KEYS, PENDING_TRAIN_KEYS, pending_problem
+from difftune.config.jsonfile import JsonFileError, read_json
+from difftune.config.pending import (
+    PENDING_DATASET_KEYS,
+    PENDING_TRAIN_KEYS,
+    PENDING_VALUES,
+    is_pending,
+    pending_problem,
+)
 from difftune.config.schema import TrainConfig
-from difftune.models.registry import FAMILY_FACTS
+from difftune.models.registry import FAMILY_FACTS, family_names
 
-PENDING_VALUES: dict[tuple[str, str], str] = {}
+COMMAND_LINE = "command line"
+# Without a text_embeds entry, text embeddings are cached here (write_batch_size as before: 32).
+DEFAULT_TEXT_CACHE = "cache/text/{model_family}"
 
 
 class ConfigError(Exception):
@@ -42,70 +60,106 @@ class RunConfig:
     datasets: DatasetPlan
     config_path: Path | None
 
+    def notes(self) -> list[str]:
+        """What the loader decided for the user (a snapped validation size, where the text cache goes):
+        lines to print before the run starts."""
+        return self.train.validation_notes() + list(self.datasets.notes)
 
-def _read_json(path: Path, what: str, hint: str) -> Any:
-    if not path.exists():
-        raise ConfigError([f"{path}: {what} not found; {hint}"])
+
+def _read_json(path: Path, what: str, hint: str, problems: list[str] | None = None) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError([f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"]) from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"{path}: cannot read {what}: {e}"]) from e
+        return read_json(path, what, hint, problems)
+    except JsonFileError as e:
+        raise ConfigError([str(e)]) from e
 
 
 def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else "; remove it or check the spelling"
+    return suggest(key, known)
 
 
-def _clean_keys(raw: dict[str, Any]) -> dict[str, Any]:
+def _clean_keys(raw: dict[str, Any], where: str = "", problems: list[str] | None = None) -> dict[str, Any]:
+    """`--key` -> `key` (SimpleTuner allows both); the string "null" -> None."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        out[key.lstrip("-")] = None if value == "null" else value
+        clean = key.lstrip("-")
+        if clean in out and problems is not None:
+            problems.append(f"{where}: {clean}: written twice (with and without leading dashes); keep one")
+        out[clean] = None if value == "null" else value
     return out
 
 
+Where = Callable[[str], str]
+
+
 def _split_known(
-    where: str, raw: dict[str, Any], model: type[BaseModel], pending: dict, problems: list[str]
+    where: str | Where, raw: dict[str, Any], model: type[BaseModel], pending: dict, problems: list[str]
 ) -> dict[str, Any]:
     """Keys the schema knows; pending keys checked for 'off' values; unknown keys reported."""
+    where_of = where if callable(where) else (lambda key, w=where: w)
     known = list(model.model_fields)
     kept: dict[str, Any] = {}
     for key, value in raw.items():
         message = PENDING_VALUES.get((key, value)) if isinstance(value, str) else None
         if message:
-            problems.append(f"{where}: {key}: {message}")
+            problems.append(f"{where_of(key)}: {key}: {message}")
         elif key in model.model_fields:
             kept[key] = value
-        elif key in pending:
-            problem = pending_problem(pending, key, value)
+        elif is_pending(pending, key):
+            problem = pending_problem(pending, key, value, raw)
             if problem:
-                problems.append(f"{where}: {key}={value!r}: {problem}")
+                problems.append(f"{where_of(key)}: {key}={value!r}: {problem}")
         else:
-            problems.append(f"{where}: unknown key {key!r}{_suggest(key, known + list(pending))}")
+            problems.append(f"{where_of(key)}: unknown key {key!r}{_suggest(key, known + list(pending))}")
     return kept
 
 
-def _validate(where: str, model: type[BaseModel], data: dict[str, Any], problems: list[str]) -> Any:
+_MISSING_HINTS = {
+    "model_family": "set it to one of: " + ", ".join(family_names()),
+    "instance_data_dir": "set it to the folder of images or clips",
+    "cache_dir": "set it to the folder for cached text embeddings",
+    "id": "give the entry a unique id",
+}
+
+
+def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], problems: list[str]) -> Any:
+    where_of = where if callable(where) else (lambda key, w=where: w)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"])
+            first = str(err["loc"][0]) if err["loc"] else ""
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "missing":
-                msg = "required key is missing"
+                msg = "required key is missing" + (f"; {_MISSING_HINTS[loc]}" if loc in _MISSING_HINTS else "")
             elif err["type"] == "literal_error":
                 msg = f"{err['input']!r} is not allowed; {msg.lower()}"
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"{err['input']!r}: {msg}"
-            problems.append(f"{where}: {loc + ': ' if loc else ''}{msg}")
+            problems.append(f"{where_of(first)}: {loc + ': ' if loc else ''}{msg}")
         return None
 
 
-def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
-    raw = _read_json(path, "dataset list", "create it (see config/multidatabackend.json.example) or set data_backend_config")
+def _is_file_in_the_way(path: Path) -> Path | None:
+    """The file (not folder) at `path` or at one of its parents, which would stop mkdir; None if none."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def _entry_where(path: Path, entry: dict[str, Any], index: int) -> str:
+    ident = entry.get("id")
+    return f"{path}: dataset {ident if isinstance(ident, str) else index!r}"
+
+
+def load_datasets(
+    path: Path, problems: list[str], family: str | None = None, defaults: dict[str, Any] | None = None
+) -> DatasetPlan | None:
+    """The dataset list at `path`. `family` fills `{model_family}` and names the default text cache;
+    `defaults`: config-level resolution, resolution_type, minimum_image_size for entries without their own."""
+    raw = _read_json(path, "dataset list", "create it (see config/multidatabackend.json.example) or set "
+                     "data_backend_config", problems)
     if not isinstance(raw, list):
         problems.append(f"{path}: the dataset list must be a JSON list of entries, got {type(raw).__name__}")
         return None
@@ -113,13 +167,19 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
     embeds: list[TextEmbedsDataset] = []
     conditioning: dict[str, ConditioningDataset] = {}
     seen: set[str] = set()
+    notes: list[str] = []
     for index, entry in enumerate(raw):
         if not isinstance(entry, dict):
             problems.append(f"{path}: entry {index} must be an object")
             continue
-        entry = _clean_keys(entry)
-        where = f"{path}: dataset {entry.get('id', index)!r}"
+        where = _entry_where(path, entry, index)
+        entry = _clean_keys(entry, where, problems)
+        entry = substitute_all(entry, family, lambda key, w=where: w, problems)
         kind = entry.get("dataset_type", "image")
+        if not isinstance(kind, str):
+            problems.append(f"{where}: dataset_type: {kind!r} must be one of 'image', 'video', 'conditioning' or "
+                            "'text_embeds' (a string)")
+            continue
         if (message := PENDING_VALUES.get(("dataset_type", kind))) is not None:
             problems.append(f"{where}: dataset_type: {message}")
             continue
@@ -127,6 +187,8 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
             problems.append(f"{where}: dataset_type {kind!r} is unknown; use 'image', 'video', 'conditioning' or 'text_embeds'")
             continue
         model = DATASET_MODELS[kind]
+        if model is ImageDataset:
+            entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS}, **entry}
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS, problems)
         item = _validate(where, model, kept, problems)
         if item is None:
@@ -140,6 +202,11 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
             folder = Path(item.instance_data_dir)
             if not folder.is_dir():
                 problems.append(f"{where}: instance_data_dir {str(folder)!r} is not a folder; fix the path")
+        cache = getattr(item, "cache_dir_vae", None) or getattr(item, "cache_dir", None)
+        if cache and (blocker := _is_file_in_the_way(Path(cache))) is not None:
+            key = "cache_dir_vae" if isinstance(item, ImageDataset) else "cache_dir"
+            problems.append(f"{where}: {key}: {str(blocker)!r} is a file, so the cache folder {cache!r} cannot be "
+                            "made; choose another folder")
         if isinstance(item, ImageDataset):
             images.append(item)
         elif isinstance(item, ConditioningDataset):
@@ -158,13 +225,59 @@ def load_datasets(path: Path, problems: list[str]) -> DatasetPlan | None:
             )
     if not images and not problems:
         problems.append(f"{path}: no enabled image or video dataset; add an entry with dataset_type 'image' or 'video'")
-    defaults = [e for e in embeds if e.default]
-    if len(defaults) > 1:
+    defaults_ = [e for e in embeds if e.default]
+    if len(defaults_) > 1:
         problems.append(f"{path}: several text_embeds entries have default: true; keep one")
-    chosen = defaults[0] if defaults else (embeds[0] if len(embeds) == 1 else None)
-    if len(embeds) > 1 and not defaults:
+    chosen = defaults_[0] if defaults_ else (embeds[0] if len(embeds) == 1 else None)
+    if len(embeds) > 1 and not defaults_:
         problems.append(f"{path}: several text_embeds entries and none has default: true; mark one")
-    return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning, all_text_embeds=named_embeds)
+    if not embeds and family is not None:
+        folder = DEFAULT_TEXT_CACHE.replace("{model_family}", family)
+        ident = next(n for n in ("text-embeds", "text-embeds-default", "difftune-text-embeds") if n not in seen)
+        chosen = TextEmbedsDataset(id=ident, default=True, cache_dir=folder, write_batch_size=32)
+        named_embeds[ident] = chosen
+        notes.append(f"{path}: no text_embeds entry, so text embeddings are cached in {folder}; add an entry with "
+                     "dataset_type 'text_embeds' and cache_dir to choose the folder")
+        if (blocker := _is_file_in_the_way(Path(folder))) is not None:
+            problems.append(f"{path}: the default text cache {folder!r} cannot be made ({str(blocker)!r} is a "
+                            "file); add a text_embeds entry with another cache_dir")
+    return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning, all_text_embeds=named_embeds,
+                       notes=notes)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+
+
+def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> None:
+    """Paths that would fail only after the model loads: fail them now."""
+    resume = train.resume_from_checkpoint
+    if resume is not None and resume != "latest":
+        folder = Path(resume).expanduser()
+        if not folder.is_dir():
+            problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} does not exist "
+                            f"(or is not a folder); use 'latest' or the path of a checkpoint folder under "
+                            f"{Path(train.output_dir) / 'checkpoints'}")
+        elif not (folder / "training_state.json").is_file():
+            problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} is not a complete "
+                            "checkpoint (no training_state.json); use 'latest' or another checkpoint folder")
+    source = train.pretrained_model_name_or_path
+    if source is not None:
+        local = Path(source).expanduser()
+        key = "pretrained_model_name_or_path"
+        if local.exists():
+            if not local.is_dir():
+                problems.append(f"{where_of(key)}: {key}: {source!r} is a file; give the model's folder (hub "
+                                "layout, with model_index.json) or a hub id such as owner/name")
+        elif source.startswith(("/", ".", "~")) or "\\" in source or (os.sep != "/" and os.sep in source):
+            problems.append(f"{where_of(key)}: {key}: the folder {source!r} does not exist; fix the path, or give "
+                            "a hub id such as owner/name")
+        elif not _HUB_ID.fullmatch(source):
+            problems.append(f"{where_of(key)}: {key}: {source!r} is neither an existing folder nor a hub id "
+                            "(owner/name, one slash); fix the path")
+    blocker = _is_file_in_the_way(Path(train.output_dir))
+    if blocker is not None:
+        problems.append(f"{where_of('output_dir')}: output_dir: {str(blocker)!r} is a file, so the output folder "
+                        f"{train.output_dir!r} cannot be made; choose another folder")
 
 
 def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:
@@ -238,31 +351,44 @@ def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, proble
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Validate config file + overrides + dataset list. Raises ConfigError listing every problem."""
+    """Validate config file + overrides + dataset list. Raises ConfigError listing every problem.
+    A problem in an override (`--key value`) is blamed on the command line, one in the file on the file."""
     cfg_path = Path(path) if path is not None else None
-    raw: dict[str, Any] = {}
-    if cfg_path is not None:
-        data = _read_json(cfg_path, "config file", "copy config/config.json.example to it, or pass --config PATH")
-        if not isinstance(data, dict):
-            raise ConfigError([f"{cfg_path}: the config must be a JSON object of keys and values"])
-        raw = _clean_keys(data)
-    raw.update(_clean_keys(overrides or {}))
-    where = str(cfg_path) if cfg_path else "command line"
+    file_where = str(cfg_path) if cfg_path else COMMAND_LINE
     problems: list[str] = []
-    kept = _split_known(where, raw, TrainConfig, PENDING_TRAIN_KEYS, problems)
-    train = _validate(where, TrainConfig, kept, problems)
+    from_file: dict[str, Any] = {}
+    if cfg_path is not None:
+        data = _read_json(cfg_path, "config file", "copy config/config.json.example to it, or pass --config PATH",
+                          problems)
+        if not isinstance(data, dict):
+            raise ConfigError([f"{cfg_path}: the config must be a JSON object of keys and values, got "
+                               f"{type(data).__name__}"])
+        from_file = apply_key_aliases(_clean_keys(data, file_where, problems), lambda k: file_where, problems)
+    cli = apply_key_aliases(_clean_keys(overrides or {}, COMMAND_LINE, problems), lambda k: COMMAND_LINE, problems)
+
+    def where_of(key: str) -> str:
+        return COMMAND_LINE if key in cli else file_where
+
+    raw = {**from_file, **cli}
+    family = family_name(raw.get("model_family"))
+    family = family if isinstance(family, str) and family in FAMILY_FACTS else None
+    raw = substitute_all(raw, family, where_of, problems)
+    kept = _split_known(where_of, raw, TrainConfig, PENDING_TRAIN_KEYS, problems)
+    train = _validate(where_of, TrainConfig, kept, problems)
     plan = None
     if train is not None:
+        check_paths(train, where_of, problems)
         try:
-            plan = load_datasets(Path(train.data_backend_config), problems)
+            plan = load_datasets(Path(train.data_backend_config), problems, train.model_family,
+                                 dataset_defaults(train.model_dump(include=set(DATASET_DEFAULT_KEYS))))
         except ConfigError as e:
             problems.extend(e.problems)
     if train is not None and plan is not None:
         check_media(train, plan, Path(train.data_backend_config), problems)
-        check_i2v_validation(train, plan, where, problems)
+        check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
     if problems or train is None or plan is None:
-        raise ConfigError(problems)
+        raise ConfigError(list(dict.fromkeys(problems)))
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)
 
 

@@ -1,9 +1,20 @@
-"""Keys of the spec format that difftune does not implement yet.
+"""Keys of the spec format (SimpleTuner's) that difftune does not implement yet.
 
 A user's config written for the original trainer may carry these. Each is accepted only with a value
 that changes nothing (its "off" value); any other value is a config error that says the feature is
 not implemented yet, so that no option is ever silently ignored. When a feature lands, its key moves
 from here into the schema.
+
+Three kinds of entries:
+- `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
+- `DEPENDS_ON`: a setting of a feature that only acts when its switch is on (`hub_model_id` without
+  `push_to_hub`, `group_offload_type` without `enable_group_offload`): any value is accepted while the
+  switch is off, and refused with the switch's message when it is on. Whole families of keys are
+  matched by prefix (`scheduled_sampling_*`, `fsdp_*`, `crepa_*`).
+- `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
+
+Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
+number, boolean or null they spell before they are compared with the off values.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "quantize_via": (("cpu", "accelerator"), "quantize_via only applies to quantized training, not implemented yet"),
     "evaluation_type": ((None, "none", "None"), "CLIP evaluation is not implemented yet; remove evaluation_type"),
     "eval_steps_interval": ((None, 0), "evaluation is not implemented yet; remove eval_steps_interval"),
+    "num_eval_images": ((None,), "evaluation is not implemented yet; remove num_eval_images"),
     "push_to_hub": ((False,), "uploading to the Hugging Face hub is not implemented yet; set push_to_hub to false"),
     "push_checkpoints_to_hub": ((False,), "hub uploads are not implemented yet; set push_checkpoints_to_hub to false"),
     "hub_model_id": ((None, ""), "hub uploads are not implemented yet; remove hub_model_id"),
@@ -32,29 +44,120 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "group_offload_type": ((None,), "group offload is not implemented yet; remove group_offload_type"),
     "group_offload_blocks_per_group": ((None,), "group offload is not implemented yet"),
     "group_offload_use_stream": ((False,), "group offload is not implemented yet"),
+    "group_offload_to_disk_path": ((None, ""), "group offload is not implemented yet"),
     "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
+    "musubi_blocks_to_swap": ((None, 0), "block swapping is not implemented yet; remove musubi_blocks_to_swap"),
+    "gradient_checkpointing_interval": (
+        (None,), "checkpointing every n-th block is not implemented yet; use gradient_checkpointing alone",
+    ),
+    "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
     "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
     "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
-    **{key: ((None,), f"CREPA is not implemented yet; remove {key}") for key in (
-        "crepa_block_index", "crepa_lambda", "crepa_adjacent_distance", "crepa_adjacent_tau", "crepa_encoder",
-        "crepa_encoder_image_size")},
+    "scheduled_sampling_max_step_offset": (
+        (None, 0), "scheduled sampling (rollout) is not implemented yet; set scheduled_sampling_max_step_offset to 0",
+    ),
+    "scheduled_sampling_reflexflow": ((None, False), "ReflexFlow scheduled sampling is not implemented yet"),
+    "fsdp_enable": ((False,), "FSDP is not implemented yet; set fsdp_enable to false (difftune runs DDP)"),
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "vae_cache_clear_each_epoch": ((False,), "vae_cache_clear_each_epoch is not implemented yet"),
+    "is_regularisation_data": ((False, None), "regularisation datasets are not implemented yet; remove the entry "
+                                              "or set is_regularisation_data to false"),
+    "is_regularization_data": ((False, None), "regularisation datasets are not implemented yet; remove the entry "
+                                              "or set is_regularization_data to false"),
+}
+
+# A setting that only acts when its switch is on: any value while the switch is off.
+DEPENDS_ON: dict[str, str] = {
+    "hub_model_id": "push_to_hub",
+    "quantize_via": "base_model_precision",
+    "eval_steps_interval": "evaluation_type",
+    "num_eval_images": "evaluation_type",
+    "group_offload_type": "enable_group_offload",
+    "group_offload_blocks_per_group": "enable_group_offload",
+    "group_offload_use_stream": "enable_group_offload",
+    "group_offload_to_disk_path": "enable_group_offload",
+}
+PREFIX_DEPENDS_ON: dict[str, str] = {
+    "crepa_": "crepa_enabled",
+    "scheduled_sampling_": "scheduled_sampling_max_step_offset",
+    "fsdp_": "fsdp_enable",
+}
+
+# (key, value) -> message, for keys difftune has, whose other values work
+PENDING_VALUES: dict[tuple[str, str], str] = {
+    ("optimizer", "adamw_schedulefree"): (
+        "not implemented yet: optimizer 'adamw_schedulefree' (schedule-free AdamW needs its train/eval mode "
+        "switched around validation and checkpoints); use 'adamw' or 'adamw_bf16' with an lr_scheduler"),
+    ("type", "huggingface"): (
+        "not implemented yet: datasets from the Hugging Face hub (type 'huggingface'); download it and use "
+        "type 'local' with instance_data_dir"),
+    ("type", "aws"): "not implemented yet: S3 datasets (type 'aws'); copy the files locally and use type 'local'",
+    ("type", "csv"): "not implemented yet: CSV datasets (type 'csv'); use type 'local' (caption_strategy 'parquet' "
+                     "reads a table of captions)",
 }
 
 
-def pending_problem(table: dict[str, tuple[tuple[Any, ...], str]], key: str, value: Any) -> str | None:
-    """The 'not implemented yet' message for `key=value`, or None when the value changes nothing."""
+def coerce(value: Any) -> Any:
+    """A string as typed on the command line -> the bool, null or number it spells; anything else unchanged."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    if text in ("null", "none", ""):
+        return None if text != "" else ""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return value
+
+
+def _is_off(neutral: tuple[Any, ...], value: Any) -> bool:
+    for candidate in (value, coerce(value)):
+        if any(type(candidate) is type(n) and candidate == n for n in neutral):
+            return True
+        if isinstance(candidate, int | float) and not isinstance(candidate, bool):
+            if any(type(n) in (int, float) and candidate == n for n in neutral):
+                return True
+        if candidate is None and None in neutral:
+            return True
+    return False
+
+
+def switch_of(key: str) -> str | None:
+    """The switch a setting depends on (None: it stands alone)."""
+    if key in DEPENDS_ON:
+        return DEPENDS_ON[key]
+    if key in PENDING_TRAIN_KEYS:  # a key of the family with its own off values (scheduled_sampling_reflexflow)
+        return None
+    return next((s for p, s in PREFIX_DEPENDS_ON.items() if key.startswith(p)), None)
+
+
+def is_pending(table: dict[str, tuple[tuple[Any, ...], str]], key: str) -> bool:
+    return key in table or (table is PENDING_TRAIN_KEYS and switch_of(key) is not None)
+
+
+def pending_problem(
+    table: dict[str, tuple[tuple[Any, ...], str]], key: str, value: Any, raw: dict[str, Any] | None = None
+) -> str | None:
+    """The 'not implemented yet' message for `key=value`, or None when the value changes nothing.
+    `raw`: the whole config, to see whether the switch of a dependent setting is on."""
+    switch = switch_of(key) if table is PENDING_TRAIN_KEYS else None
+    if switch is not None:
+        raw = raw or {}
+        if switch not in raw or pending_problem(table, switch, raw[switch]) is None:
+            return None  # the feature is off: its settings change nothing
+        if key not in table:
+            return f"not implemented yet: {table[switch][1]}"
     if key not in table:
         return None
     neutral, message = table[key]
-    if isinstance(value, str) and value.lower() in ("false", "null"):
-        value = False if value.lower() == "false" else None
-    if any(type(value) is type(n) and value == n for n in neutral):
+    if _is_off(neutral, value):
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if any(type(n) in (int, float) and value == n for n in neutral):
-            return None
     return f"not implemented yet: {message}"

@@ -15,10 +15,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from difftune.config.compat import family_name
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS, family_names
-from difftune.train.optimizers import OPTIMIZERS
+from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
@@ -35,6 +36,11 @@ def parse_resolutions(value: str) -> list[tuple[int, int]]:
         h = int(m.group(2) or m.group(1))
         out.append((w, h))
     return out
+
+
+def snap_size(w: int, h: int, multiple: int) -> tuple[int, int]:
+    """The nearest size whose sides are positive multiples of `multiple` (854 -> 848 for 16)."""
+    return tuple(max(multiple, round(side / multiple) * multiple) for side in (w, h))  # type: ignore[return-value]
 
 
 def read_json_file(path: str, what: str) -> object:
@@ -65,7 +71,8 @@ class TrainConfig(BaseModel):
 
     # --- model
     model_family: Literal[family_names()] = field(  # type: ignore[valid-type]
-        ..., "Model family to train: " + ", ".join(family_names()) + ".", "model"
+        ..., "Model family to train: " + ", ".join(family_names()) + " (SimpleTuner's kandinsky5_image and "
+        "kandinsky5_video are accepted too).", "model"
     )
     model_flavour: str | None = field(
         None,
@@ -132,6 +139,25 @@ class TrainConfig(BaseModel):
         False, "Encode images on the fly during training for every dataset; write no latents to disk "
         "(the VAE then stays in memory).", "data", advanced=True,
     )
+    vae_enable_tiling: bool = field(
+        False, "Decode validation samples (and encode on-the-fly latents) tile by tile: bounded memory at "
+        "large sizes, with faint seams possible. Cached latents are always encoded without it. The video "
+        "family tiles its VAE in any case.", "memory", advanced=True,
+    )
+    vae_enable_slicing: bool = field(
+        False, "Pass a batch through the VAE one image at a time (same result, less peak memory).", "memory",
+        advanced=True,
+    )
+    resolution: float | None = field(
+        None, "Default resolution of every dataset that does not set its own.", "data", gt=0, advanced=True
+    )
+    resolution_type: Literal["pixel", "pixel_area", "area"] | None = field(
+        None, "Default resolution_type of every dataset that does not set its own.", "data", advanced=True
+    )
+    minimum_image_size: float | None = field(
+        None, "Default minimum_image_size of every dataset that does not set its own.", "data", gt=0,
+        advanced=True,
+    )
     caption_dropout_probability: float = field(
         0.0, "Chance that a sample trains with an empty caption (keeps the model usable without a prompt "
         "and helps classifier-free guidance).", "training", ge=0.0, le=1.0,
@@ -154,7 +180,18 @@ class TrainConfig(BaseModel):
         0, "Stop after this many passes over the data (0: use max_train_steps).", "training", ge=0
     )
     max_grad_norm: float | None = field(
-        None, "Clip the gradient norm to this value (1.0 is usual); empty disables clipping.", "training", gt=0
+        None, "Clip gradients to this value (1.0 is usual; see grad_clip_method); empty disables clipping.",
+        "training", gt=0,
+    )
+    grad_clip_method: Literal["norm", "value"] = field(
+        "norm", "How max_grad_norm clips: 'norm' scales all gradients so their global norm is at most "
+        "max_grad_norm; 'value' clamps each gradient element to [-max_grad_norm, max_grad_norm]. (SimpleTuner's "
+        "default is 'value'; set it to train exactly as a SimpleTuner config did.)", "training", advanced=True,
+    )
+    disable_benchmark: bool = field(
+        True, "Keep cuDNN's algorithm benchmarking off (the default here: a resumed run repeats its losses "
+        "exactly). false lets cuDNN time and pick the fastest convolution algorithms (SimpleTuner's default), "
+        "which may change results in the last bits from run to run.", "memory", advanced=True,
     )
     optimizer: str = field(
         "adamw", "Optimizer. " + " ".join(f"'{k}': {v}" for k, v in OPTIMIZERS.items()), "training",
@@ -177,9 +214,10 @@ class TrainConfig(BaseModel):
     adam_epsilon: float = field(1e-8, "AdamW epsilon.", "training", advanced=True)
     flow_schedule_shift: float = field(
         1.0,
-        "Shift of the training timestep distribution: lower favours fine detail, higher favours composition.",
+        "Shift of the training timestep distribution: lower favours fine detail, higher favours composition. "
+        "Unused (any value) with flow_schedule_auto_shift.",
         "training",
-        gt=0,
+        ge=0,
     )
     flow_schedule_auto_shift: bool = field(
         False,
@@ -224,8 +262,10 @@ class TrainConfig(BaseModel):
     validation_step_interval: int = field(
         0, "Sample every N optimizer steps (0: only at the end of training).", "validation", ge=0
     )
-    validation_resolution: str = field(
-        "1024x1024", "WIDTHxHEIGHT of validation samples; several separated by commas.", "validation"
+    validation_resolution: str | None = field(
+        None, "WIDTHxHEIGHT of validation samples; several separated by commas. Sides that are not multiples "
+        "of 16 are rounded to the nearest (480x854 samples at 480x848, with a note). Empty: the family's "
+        "default (1024x1024 for images, 512x768 for video).", "validation",
     )
     validation_guidance: float | None = field(
         None, "Classifier-free guidance scale. Empty uses the family default.", "validation", ge=0
@@ -252,7 +292,8 @@ class TrainConfig(BaseModel):
         "dataset's video block sets its own. Empty: 24.", "validation", gt=0,
     )
     validation_disable_unconditional: bool = field(
-        False, "Sample without classifier-free guidance (no negative pass).", "validation", advanced=True
+        False, "Skip the extra unconditional sample (the empty prompt) that each validation writes beside "
+        "the prompted ones. Guidance and the negative prompt apply either way.", "validation", advanced=True,
     )
 
     # --- output
@@ -309,6 +350,16 @@ class TrainConfig(BaseModel):
     def _empty_is_none(cls, v: str | None) -> str | None:
         return v if v not in ("", None) else None
 
+    @field_validator("model_family", mode="before")
+    @classmethod
+    def _family_alias(cls, v: object) -> object:
+        return family_name(v)
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer_alias(cls, v: object) -> object:
+        return OPTIMIZER_ALIASES.get(v, v) if isinstance(v, str) else v
+
     @field_validator("optimizer")
     @classmethod
     def _optimizer(cls, v: str) -> str:
@@ -325,10 +376,12 @@ class TrainConfig(BaseModel):
 
     @field_validator("validation_resolution")
     @classmethod
-    def _resolution(cls, v: str) -> str:
+    def _resolution(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
         for w, h in parse_resolutions(v):
-            if w % 16 or h % 16 or w <= 0 or h <= 0:
-                raise ValueError(f"{w}x{h}: width and height must be positive multiples of 16")
+            if w <= 0 or h <= 0:
+                raise ValueError(f"{w}x{h}: width and height must be positive")
         return v
 
     @model_validator(mode="after")
@@ -359,6 +412,9 @@ class TrainConfig(BaseModel):
                              f"use {four_k_plus_one(n)}")
         if self.validation_using_datasets and self.eval_dataset_id is None:
             raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
+        if self.flow_schedule_shift <= 0 and not self.flow_schedule_auto_shift:
+            raise ValueError(f"flow_schedule_shift {self.flow_schedule_shift:g} must be above 0 (1.0 is the default), "
+                             "unless flow_schedule_auto_shift is on")
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
             raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
         return self
@@ -378,14 +434,24 @@ class TrainConfig(BaseModel):
         return main + list(library.items())
 
     def validation_sizes(self) -> list[tuple[int, int]]:
-        return parse_resolutions(self.validation_resolution)
+        """(width, height) of each validation size, snapped to the family's pixel multiple."""
+        multiple = FAMILY_FACTS[self.model_family].pixel_multiple
+        return [snap_size(w, h, multiple) for w, h in self._given_sizes()]
+
+    def validation_notes(self) -> list[str]:
+        """One line per validation size that was snapped (to print before the run starts)."""
+        multiple = FAMILY_FACTS[self.model_family].pixel_multiple
+        return [f"validation_resolution {w}x{h}: sides must be multiples of {multiple}; validation samples are "
+                f"{snap_size(w, h, multiple)[0]}x{snap_size(w, h, multiple)[1]}"
+                for w, h in self._given_sizes() if snap_size(w, h, multiple) != (w, h)]
+
+    def _given_sizes(self) -> list[tuple[int, int]]:
+        return parse_resolutions(self.validation_resolution or FAMILY_FACTS[self.model_family].default_resolution)
 
     def video_fps(self) -> float:
         return self.frame_rate if self.frame_rate is not None else FAMILY_FACTS[self.model_family].default_frame_rate
 
     def guidance(self) -> float:
-        if self.validation_disable_unconditional:
-            return 1.0
         if self.validation_guidance is not None:
             return self.validation_guidance
         return FAMILY_FACTS[self.model_family].default_guidance

@@ -22,6 +22,7 @@ from difftune.train.checkpoint import (
     save_checkpoint,
 )
 from difftune.train.commands import poll_commands
+from difftune.train.optimizers import clip_gradients
 from difftune.train.setup import Run
 from difftune.train.validation import validate
 
@@ -66,8 +67,7 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
             run.accelerator.backward(loss / accum)
         total += loss.item() / accum
     total = run.ranks.mean(total)  # every process logs, and decides on non-finite steps, alike
-    limit = run.cfg.max_grad_norm if run.cfg.max_grad_norm is not None else math.inf
-    norm = run.accelerator.clip_grad_norm_(run.params, limit)  # with no limit: only measures
+    norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method)
     if not math.isfinite(total) or (norm is not None and not torch.isfinite(torch.as_tensor(norm)).item()):
         run.optimizer.zero_grad(set_to_none=True)
         return math.nan if math.isfinite(total) else total

@@ -22,6 +22,8 @@ libraries as follows:
   and eps inside the square root of the RMS), with the same defaults as `optimi-adamw`.
 - `lion`: `lion_pytorch.Lion`. It has no epsilon, so `eps` is ignored. Lion's updates are signs, so
   it wants a learning rate 3-10x smaller than AdamW's, and a weight decay 3-10x larger.
+- `optimi-lion`: `optimi.Lion` from torch-optimi (like `lion`, no epsilon; Kahan summation on bf16/fp16
+  weights, the Triton kernel on CUDA when Triton is installed).
 - `prodigy`: `prodigyopt.Prodigy`. Prodigy estimates the step size itself, and `lr` multiplies that
   estimate, so 1.0 is the usual value. The learning rate given is passed through unchanged (a warning
   is emitted when it is below 0.1, because a typical AdamW rate such as 1e-4 makes Prodigy nearly
@@ -29,6 +31,11 @@ libraries as follows:
 - `adamw8bit`: `bitsandbytes.optim.AdamW8bit`. Both moments are stored in 8 bits with block-wise
   quantisation for every tensor of at least 4096 elements; smaller tensors keep 32-bit state
   (bitsandbytes' `min_8bit_size`). bitsandbytes 0.50 runs it on the CPU as well as on CUDA.
+
+SimpleTuner's names for the same implementations are accepted as aliases (`OPTIMIZER_ALIASES`):
+`torch-adamw` is `adamw`, `bnb-adamw8bit` is `adamw8bit`.
+
+`clip_gradients` applies `max_grad_norm` by norm or by value (`grad_clip_method`).
 
 All of them are `torch.optim.Optimizer`s whose `state_dict()` survives `torch.save` then
 `torch.load(weights_only=True)`, and loading it into a freshly built optimizer continues exactly where
@@ -41,6 +48,7 @@ import contextlib
 import functools
 import importlib
 import io
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -58,11 +66,16 @@ OPTIMIZERS: dict[str, str] = {
     "optimi-stableadamw": "StableAdamW (torch-optimi): AdamW with per-tensor update clipping, stable "
     "without gradient clipping; Kahan summation on bf16 weights.",
     "optimi-adamw": "AdamW from torch-optimi: a Triton kernel on CUDA, Kahan summation on bf16 weights.",
+    "optimi-lion": "Lion from torch-optimi: sign updates like 'lion', with Kahan summation on bf16 weights; "
+    "use a 3-10x smaller learning rate than AdamW. adam_epsilon is unused.",
     "prodigy": "Prodigy (prodigyopt): estimates its own step size; learning_rate multiplies it, so set "
     "learning_rate to 1.0.",
     "adamw8bit": "8-bit AdamW (bitsandbytes): optimizer state quantised to 8 bits, about 75% less state "
     "memory than AdamW; tensors under 4096 elements keep 32-bit state.",
 }
+
+# SimpleTuner's names -> ours (the same library and class)
+OPTIMIZER_ALIASES: dict[str, str] = {"torch-adamw": "adamw", "bnb-adamw8bit": "adamw8bit"}
 
 # Device types each name is known to run on. Others are probed (one real step on a small tensor).
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda")
@@ -90,6 +103,10 @@ def _lion(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, 
     return mod.Lion(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
+def _optimi_lion(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
+    return mod.Lion(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
 def _prodigy(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
     if lr < 0.1:
         warnings.warn(
@@ -112,6 +129,7 @@ _SPECS: dict[str, _Spec] = {
     "lion": _Spec("lion-pytorch", "lion_pytorch", _lion),
     "optimi-stableadamw": _Spec("torch-optimi", "optimi", _optimi("StableAdamW", kahan_sum=None)),
     "optimi-adamw": _Spec("torch-optimi", "optimi", _optimi("AdamW", kahan_sum=None)),
+    "optimi-lion": _Spec("torch-optimi", "optimi", _optimi_lion),
     "prodigy": _Spec("prodigyopt", "prodigyopt", _prodigy),
     "adamw8bit": _Spec("bitsandbytes", "bitsandbytes", _adamw8bit),
 }
@@ -119,12 +137,14 @@ assert set(_SPECS) == set(OPTIMIZERS)
 
 
 def _check_name(name: str) -> _Spec:
+    name = OPTIMIZER_ALIASES.get(name, name)
     if name not in _SPECS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     return _SPECS[name]
 
 
 def _import(name: str) -> Any:
+    name = OPTIMIZER_ALIASES.get(name, name)
     spec = _check_name(name)
     try:
         return importlib.import_module(spec.module)
@@ -148,6 +168,7 @@ def build_optimizer(
     Raises ValueError for an unknown name or no parameters, ImportError when the library is missing,
     and RuntimeError when the parameters live on a device the optimizer cannot run on.
     """
+    name = OPTIMIZER_ALIASES.get(name, name)
     spec = _check_name(name)
     params = list(params)
     if not params:
@@ -195,3 +216,16 @@ def optimizer_support(device: str | torch.device | None = None) -> dict[str, str
 def supported_optimizers(device: str | torch.device | None = None) -> list[str]:
     """The names of OPTIMIZERS that work on `device` (default: the current accelerator, else the CPU)."""
     return [name for name, reason in optimizer_support(device).items() if reason is None]
+
+
+def clip_gradients(accelerator: Any, params: list, max_grad_norm: float | None, method: str = "norm") -> Any:
+    """Apply `max_grad_norm` and return the gradients' global norm before clipping (measured in any case,
+    so a non-finite gradient is seen). 'norm': scale all gradients so their global norm is at most
+    max_grad_norm. 'value': clamp each element to [-max_grad_norm, max_grad_norm]."""
+    if method not in ("norm", "value"):
+        raise ValueError(f"grad_clip_method {method!r}: use 'norm' or 'value'")
+    limit = max_grad_norm if max_grad_norm is not None else math.inf
+    norm = accelerator.clip_grad_norm_(params, limit if method == "norm" else math.inf)  # inf: only measures
+    if method == "value" and math.isfinite(limit):
+        accelerator.clip_grad_value_(params, limit)
+    return norm

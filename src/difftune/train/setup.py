@@ -31,6 +31,7 @@ from difftune.train.events import Events
 from difftune.train.objective import TimestepSampling
 from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, size_rules
+from difftune.train.torch_options import apply_torch_options
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -154,6 +155,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     if not cfg.offload_during_startup:  # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
+    apply_torch_options(cfg, comps.vae)  # after caching: cached latents never depend on tiling
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
     data, pruned = build_data(run_cfg, family, cached, events, encode, ranks)
     report = DataReport(found, cached.failed, pruned, data).render()

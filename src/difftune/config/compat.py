@@ -1,0 +1,108 @@
+"""SimpleTuner spellings that difftune accepts as they are, turned into difftune's before validation.
+
+- family names with underscores (`kandinsky5_image`) -> `kandinsky5-image`;
+- key aliases (`validation_steps` -> `validation_step_interval`, `checkpointing_steps` ->
+  `checkpoint_step_interval`); both spellings with different values is a problem;
+- the `{model_family}` placeholder in any string value (cache folders, output_dir, ...), replaced by the
+  family's name at load time. Another `{word}` in a path is a problem (it would name a folder `{word}`);
+- config-level `resolution`, `resolution_type` and `minimum_image_size` are defaults for every image or
+  video dataset that does not set its own;
+- "did you mean" suggests a known key only when it is the same words, misspelt.
+
+Nothing here imports torch; every function takes plain JSON values (any type: a wrong type is left for
+the schema to report).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+from difftune.config.pending import coerce
+from difftune.models.registry import FAMILY_FACTS
+
+KEY_ALIASES: dict[str, str] = {
+    "validation_steps": "validation_step_interval",
+    "checkpointing_steps": "checkpoint_step_interval",
+}
+DATASET_DEFAULT_KEYS = ("resolution", "resolution_type", "minimum_image_size")
+PLACEHOLDERS = ("model_family",)
+# Values that are text, not paths: a `{...}` in them is left alone.
+TEXT_KEYS = frozenset({"validation_prompt", "validation_negative_prompt", "instance_prompt", "tracker_project_name",
+                       "tracker_run_name"})
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def family_name(value: Any) -> Any:
+    """`kandinsky5_image` -> `kandinsky5-image` (SimpleTuner's spelling); other values unchanged."""
+    if isinstance(value, str) and value not in FAMILY_FACTS and value.replace("_", "-") in FAMILY_FACTS:
+        return value.replace("_", "-")
+    return value
+
+
+def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str]) -> dict[str, Any]:
+    """Rename alias keys to difftune's; `where_of(key)` says where a key was written."""
+    out = dict(raw)
+    for alias, key in KEY_ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if key in out and coerce(out[key]) != coerce(value):
+            problems.append(f"{where_of(alias)}: {alias}: {value!r} disagrees with {key} {out[key]!r} (the same "
+                            f"setting, SimpleTuner's name and difftune's); keep one")
+            continue
+        out.setdefault(key, value)
+    return out
+
+
+def substitute(value: Any, family: str | None, key: str, where: str, problems: list[str]) -> Any:
+    """`{model_family}` -> the family, in strings (and lists of strings); unknown placeholders in paths reported."""
+    if isinstance(value, list):
+        return [substitute(v, family, key, where, problems) for v in value]
+    if not isinstance(value, str) or key in TEXT_KEYS or "{" not in value:
+        return value
+    unknown = [name for name in _PLACEHOLDER.findall(value) if name not in PLACEHOLDERS]
+    if unknown:
+        problems.append(f"{where}: {key}: {value!r} has the placeholder {{{unknown[0]}}}, which difftune does not "
+                        f"fill (it would become a folder literally named so); known: "
+                        + ", ".join("{" + p + "}" for p in PLACEHOLDERS))
+        return value
+    if family is None:
+        return value
+    return value.replace("{model_family}", family)
+
+
+def substitute_all(raw: dict[str, Any], family: str | None, where_of: Any, problems: list[str]) -> dict[str, Any]:
+    return {k: substitute(v, family, k, where_of(k), problems) for k, v in raw.items()}
+
+
+def dataset_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config-level dataset defaults that are set (None values are not defaults)."""
+    return {k: raw[k] for k in DATASET_DEFAULT_KEYS if raw.get(k) is not None}
+
+
+def _words(key: str) -> list[str]:
+    return [w for w in key.lower().split("_") if w]
+
+
+def _close(a: str, b: str, cutoff: float) -> bool:
+    return difflib.SequenceMatcher(None, a, b).ratio() >= cutoff
+
+
+def suggest(key: str, known: list[str]) -> str:
+    """'; did you mean X?' when X is `key` misspelt: the whole key is close (ignoring underscores) and about
+    as long, or it has as many words and each is close to a word of X. Otherwise the advice to remove it:
+    an unrelated key that merely shares a word (gradient_checkpointing_steps) is not suggested."""
+    def plausible(candidate: str) -> bool:
+        joined, theirs_joined = key.lower().replace("_", ""), candidate.replace("_", "")
+        if abs(len(joined) - len(theirs_joined)) <= 2 and _close(joined, theirs_joined, 0.85):
+            return True
+        words, theirs = _words(key), _words(candidate)
+        return bool(words) and len(words) == len(theirs) and all(
+            any(_close(w, t, 0.75) for t in theirs) for w in words)
+
+    for candidate in difflib.get_close_matches(key, known, n=5, cutoff=0.6):
+        if plausible(candidate):
+            return f"; did you mean {candidate!r}?"
+    return "; remove it or check the spelling"

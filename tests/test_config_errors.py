@@ -1,0 +1,190 @@
+"""Config errors that used to surface late (after loading a model, or as a traceback) fail in `check`,
+exit 2, and name the file, the key and the fix."""
+
+import json
+
+import pytest
+
+from conftest import write_config
+from difftune.cli import main
+from difftune.config import ConfigError, load_config
+from difftune.config.datasets import ImageDataset, TextEmbedsDataset
+from difftune.config.schema import TrainConfig
+
+
+def problems(path, **overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return "\n".join(info.value.problems)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    from difftune.models.lumina2 import Lumina2Family
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded for a bad config")
+
+    monkeypatch.setattr(Lumina2Family, "load", boom)
+    monkeypatch.setattr(Lumina2Family, "build_tiny", boom)
+
+
+def check(path, capsys, *extra) -> str:
+    assert main(["check", "--config", str(path), *extra]) == 2
+    return capsys.readouterr().err
+
+
+def test_resume_from_missing_checkpoint(tmp_path, dataset, capsys, no_model_loads):
+    path = write_config(tmp_path, dataset, resume_from_checkpoint=str(tmp_path / "output" / "checkpoint-99"))
+    err = check(path, capsys)
+    assert "resume_from_checkpoint" in err and "does not exist" in err and "latest" in err
+    load_config(write_config(tmp_path, dataset, resume_from_checkpoint="latest"))
+    incomplete = tmp_path / "half"
+    incomplete.mkdir()
+    assert "not a complete checkpoint" in problems(write_config(tmp_path, dataset, resume_from_checkpoint=str(incomplete)))
+    (incomplete / "training_state.json").write_text("{}")
+    load_config(write_config(tmp_path, dataset, resume_from_checkpoint=str(incomplete)))
+
+
+@pytest.mark.parametrize("source,ok", [
+    ("/nowhere/models/lumina", False), ("./models/lumina", False), ("~/no-such-model-dir", False),
+    ("models/lumina/v2", False), ("Alpha-VLLM/Lumina-Image-2.0", True), ("owner/name", True),
+    ("just-a-name", False), ("owner/", False),
+])
+def test_model_source_local_or_hub(tmp_path, dataset, source, ok):
+    path = write_config(tmp_path, dataset, pretrained_model_name_or_path=source)
+    if ok:
+        assert load_config(path).train.pretrained_model_name_or_path == source
+    else:
+        assert "pretrained_model_name_or_path" in problems(path)
+
+
+def test_model_source_existing_folder_is_local(tmp_path, dataset, monkeypatch):
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    load_config(write_config(tmp_path, dataset, pretrained_model_name_or_path="owner/name"))
+    (tmp_path / "weights.safetensors").write_text("")
+    assert "is a file" in problems(write_config(tmp_path, dataset, pretrained_model_name_or_path="weights.safetensors"))
+
+
+def test_output_dir_that_is_a_file(tmp_path, dataset, capsys, no_model_loads):
+    (tmp_path / "taken").write_text("a file")
+    err = check(write_config(tmp_path, dataset, output_dir=str(tmp_path / "taken")), capsys)
+    assert "output_dir" in err and "is a file" in err
+    assert "output_dir" in problems(write_config(tmp_path, dataset, output_dir=str(tmp_path / "taken" / "sub")))
+
+
+def test_cache_dir_that_is_a_file(tmp_path, dataset):
+    (tmp_path / "taken").write_text("a file")
+    text = problems(write_config(tmp_path, dataset, dataset={"cache_dir_vae": str(tmp_path / "taken")}))
+    assert "cache_dir_vae" in text and "'train'" in text
+
+
+def test_key_twice_in_a_file(tmp_path, dataset, capsys, no_model_loads):
+    path = write_config(tmp_path, dataset)
+    path.write_text(path.read_text()[:-1] + ', "lora_rank": 8, "lora_rank": 16}')
+    err = check(path, capsys)
+    assert str(path) in err and "lora_rank" in err and "twice" in err
+    path = write_config(tmp_path, dataset)
+    backend = tmp_path / "config" / "multidatabackend.json"
+    backend.write_text(backend.read_text().replace('"repeats"', '"x"').replace(
+        '"caption_strategy": "textfile"', '"caption_strategy": "textfile", "caption_strategy": "filename"', 1))
+    text = problems(path)
+    assert str(backend) in text and "'train'" in text and "caption_strategy" in text and "twice" in text
+
+
+def test_trailing_comma_named_at_its_line(tmp_path, dataset):
+    path = write_config(tmp_path, dataset)
+    path.write_text('{\n  "model_family": "lumina2",\n  "max_train_steps": 4,\n}\n')
+    text = problems(path)
+    assert "trailing comma at line 3" in text and str(path) in text
+    backend = tmp_path / "config" / "multidatabackend.json"
+    write_config(tmp_path, dataset)
+    backend.write_text(json.dumps(json.loads(backend.read_text()), indent=1)[:-2] + ",\n]")
+    assert "trailing comma" in problems(path)
+
+
+def test_empty_files(tmp_path, dataset):
+    path = write_config(tmp_path, dataset)
+    path.write_text("  \n")
+    assert "empty" in problems(path)
+    write_config(tmp_path, dataset)
+    (tmp_path / "config" / "multidatabackend.json").write_text("")
+    text = problems(path)
+    assert "multidatabackend.json" in text and "empty" in text
+
+
+def test_missing_model_family_lists_families(tmp_path, dataset):
+    path = write_config(tmp_path, dataset)
+    data = json.loads(path.read_text())
+    del data["model_family"]
+    path.write_text(json.dumps(data))
+    text = problems(path)
+    assert "model_family" in text and "lumina2" in text and "kandinsky5-image" in text and "kandinsky5-video" in text
+
+
+def test_command_line_mistake_is_blamed_on_the_command_line(tmp_path, dataset, capsys, no_model_loads):
+    path = write_config(tmp_path, dataset)
+    err = check(path, capsys, "--max_train_steps", "many", "--lora_rnk", "4")
+    assert "command line: max_train_steps" in err and "command line: unknown key 'lora_rnk'" in err
+    assert f"{path}: max_train_steps" not in err
+    bad_file = write_config(tmp_path, dataset, lora_rank="many")
+    err = check(bad_file, capsys, "--seed", "3")
+    assert f"{bad_file}: lora_rank" in err and "command line" not in err
+
+
+def test_missing_text_embeds_entry_says_where_the_cache_goes(tmp_path, dataset, capsys):
+    path = write_config(tmp_path, dataset)
+    backend = tmp_path / "config" / "multidatabackend.json"
+    backend.write_text(json.dumps(json.loads(backend.read_text())[:1]))
+    run = load_config(path)
+    assert run.datasets.text_embeds.cache_dir == "cache/text/lumina2"
+    assert run.datasets.text_embeds_for(run.datasets.images[0]).cache_dir == "cache/text/lumina2"
+    assert any("cache/text/lumina2" in n and "text_embeds" in n for n in run.notes())
+    assert main(["check", "--config", str(path)]) == 0
+    assert "note:" in capsys.readouterr().out
+
+
+# --- every key, given a value of the wrong JSON type, is a clean ConfigError ---------------------------------
+
+WRONG = [["image"], {"a": 1}, 12345, 1.5, True, None, "x"]
+
+
+def _dataset_keys():
+    keys = set(ImageDataset.model_fields) | set(TextEmbedsDataset.model_fields)
+    return sorted(keys | {"video", "parquet", "is_regularisation_data", "vae_cache_clear_each_epoch"})
+
+
+@pytest.mark.parametrize("key", _dataset_keys())
+def test_wrong_types_in_dataset_entry(tmp_path, dataset, key):
+    for value in WRONG:
+        for index in (0, 1):
+            path = write_config(tmp_path, dataset)
+            backend = tmp_path / "config" / "multidatabackend.json"
+            entries = json.loads(backend.read_text())
+            entries[index][key] = value
+            backend.write_text(json.dumps(entries))
+            try:
+                load_config(path)
+            except ConfigError as e:
+                assert e.problems and all(isinstance(p, str) for p in e.problems)
+
+
+@pytest.mark.parametrize("key", sorted(set(TrainConfig.model_fields) - {"data_backend_config"}))
+def test_wrong_types_in_config(tmp_path, dataset, key):
+    for value in WRONG:
+        path = write_config(tmp_path, dataset, **{key: value})
+        try:
+            load_config(path)
+        except ConfigError as e:
+            assert e.problems and all(isinstance(p, str) for p in e.problems)
+
+
+def test_wrong_type_dataset_type_and_list(tmp_path, dataset):
+    path = write_config(tmp_path, dataset, dataset={"dataset_type": ["image"]})
+    text = problems(path)
+    assert "dataset_type" in text and "['image']" in text
+    backend = tmp_path / "config" / "multidatabackend.json"
+    for bad in ({"not": "a list"}, [1, "two"], [[]]):
+        backend.write_text(json.dumps(bad))
+        assert problems(path)

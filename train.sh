@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# SimpleTuner's legacy entry point, kept for the quickstarts' `./train.sh`:
+#   ./train.sh [--key value ...]
+# runs `difftune train --config config/config.json [--key value ...]` from the current folder.
+# ENV=foo uses config/foo/config.json (SimpleTuner's config environments); CONFIG_PATH=path names the
+# file directly. Extra arguments are passed through as overrides. The exit status is difftune's.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ -n "${CONFIG_PATH:-}" ]]; then
+    config="$CONFIG_PATH"
+elif [[ -n "${ENV:-}" && "${ENV}" != "default" ]]; then
+    config="config/${ENV}/config.json"
+else
+    config="config/config.json"
+fi
+
+if [[ -x "$here/.venv/bin/difftune" ]]; then
+    exec "$here/.venv/bin/difftune" train --config "$config" "$@"
+elif command -v difftune >/dev/null 2>&1; then
+    exec difftune train --config "$config" "$@"
+else
+    echo "train.sh: difftune is not installed; run 'make setup' (or 'pip install -e .') first" >&2
+    exit 127
+fi
