@@ -4,6 +4,11 @@ A checkpoint is a folder `output_dir/checkpoints/checkpoint-NNNNNNN/` holding th
 the optimizer and LR-scheduler states, the sampler position and the RNG states, plus the LoRA in the
 pipeline's format for direct use. It is written under a temporary name and renamed into place, so a
 folder with the final name is always complete; leftovers of a killed save are ignored and removed.
+
+A checkpoint is "intact" only when its weights are finite too: `latest` passes over one that is not
+(with a warning) for the previous intact one; a path named explicitly that is not intact is an error.
+The results outside checkpoints (`pytorch_lora_weights.safetensors`, a `transformer/` folder, `ema/`)
+are written the same way: into a hidden temporary folder beside them, fsynced, then renamed over.
 """
 
 from __future__ import annotations
@@ -29,7 +34,28 @@ def checkpoints_dir(output_dir: Path) -> Path:
 
 
 def save_adapter(run: Run, folder: Path) -> Path:
-    return run.adapter.save(folder)
+    """The adapter in its loadable format, written atomically: every file or folder it produces is
+    whole under its final name (a reader or a kill never sees a half-written one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tmp-result-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        produced = run.adapter.save(tmp)
+        _fsync_tree(tmp)
+        for item in sorted(tmp.iterdir()):
+            final = folder / item.name
+            if item.is_dir() and final.exists():  # a folder cannot be renamed over a folder: set it aside
+                old = folder / f".old-result-{item.name}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(item, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(item, final)
+        _fsync_dir(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder / produced.relative_to(tmp)
 
 
 def save_checkpoint(run: Run) -> Path:
@@ -84,6 +110,10 @@ def _fsync_tree(folder: Path) -> None:
             continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -91,24 +121,73 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
-def find_latest(output_dir: Path) -> Path | None:
+def complete(output_dir: Path) -> list[Path]:
+    """Checkpoints whose save finished (they hold the state file), oldest first."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
-        return None
+        return []
     done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name[len(PREFIX):]), default=None)
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
 
-def resolve_resume(output_dir: Path, value: str) -> Path | None:
-    """'latest' -> newest complete checkpoint (None if there is none yet); a path -> that checkpoint."""
+def find_latest(output_dir: Path) -> Path | None:
+    done = complete(output_dir)
+    return done[-1] if done else None
+
+
+def weights_problem(path: Path) -> str | None:
+    """Why a checkpoint's trainable weights (and EMA weights) cannot be resumed from, or None. Reads them
+    whole: a checkpoint saved after weights went NaN or inf, or damaged since, is not intact."""
+    from difftune.data.cache import nonfinite
+
+    try:
+        bad = nonfinite(load_file(path / "trainable.safetensors"))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for any damage
+        return f"its trainable.safetensors cannot be read ({type(e).__name__}: {e})"
+    if bad is not None:
+        return f"its weights are not finite (NaN or inf in {bad})"
+    if (path / "ema.pt").is_file():
+        try:
+            ema = torch.load(path / "ema.pt", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a damaged pickle raises many types
+            return f"its ema.pt cannot be read ({type(e).__name__}: {e})"
+        tensors = {f"ema[{i}]": t for i, t in enumerate(_tensors(ema))}
+        if (bad := nonfinite(tensors)) is not None:
+            return f"its EMA weights are not finite (NaN or inf in {bad})"
+    return None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def resolve_resume(output_dir: Path, value: str, warn=None) -> Path | None:
+    """'latest' -> newest intact checkpoint (None if there is none yet), passing over any whose weights
+    are not finite with a `warn`ing; a path -> that checkpoint, which must be intact."""
     if value == "latest":
-        return find_latest(output_dir)
+        for path in reversed(complete(output_dir)):
+            problem = weights_problem(path)
+            if problem is None:
+                return path
+            if warn is not None:
+                warn(f"resume_from_checkpoint latest: passing over {path.name}: {problem}; trying the one before")
+        return None
     path = Path(value)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(
             f"resume_from_checkpoint: {path} is not a complete checkpoint (no {STATE_FILE}); "
             f"use 'latest' or a folder under {checkpoints_dir(output_dir)}"
         )
+    problem = weights_problem(path)
+    if problem is not None:
+        raise ValueError(f"resume_from_checkpoint: {path} is not intact: {problem}. Name an earlier checkpoint "
+                         f"under {checkpoints_dir(output_dir)}, or use 'latest' to take the newest intact one")
     return path
 
 
@@ -136,9 +215,7 @@ def clean_partial(output_dir: Path) -> None:
     """Remove leftovers of saves killed before their rename. A complete checkpoint set aside while its
     step was saved again (`.replaced-`) goes back under its name if the new copy never arrived."""
     root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return
-    for p in sorted(root.iterdir()):
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
         if p.name.startswith(".replaced-"):
             name = p.name.removeprefix(".replaced-").rsplit("-", 1)[0]
             if not (root / name).exists() and (p / STATE_FILE).is_file():
@@ -147,3 +224,13 @@ def clean_partial(output_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         elif p.name.startswith((".tmp-", ".old-")):
             shutil.rmtree(p, ignore_errors=True)
+    for folder in (output_dir, output_dir / "ema"):  # leftovers of save_adapter
+        for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if p.name.startswith(".old-result-"):  # killed between its two renames: put the old result back
+                name = p.name.removeprefix(".old-result-").rsplit("-", 1)[0]
+                if not (folder / name).exists():
+                    os.replace(p, folder / name)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+            elif p.name.startswith(".tmp-result-"):
+                shutil.rmtree(p, ignore_errors=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from difftune.data.batches import Batch
+from difftune.data.cache import nonfinite
 from difftune.train import objective
 from difftune.train.checkpoint import (
     clean_partial,
@@ -55,22 +56,49 @@ class NonFiniteError(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient."""
 
 
+class StepLoss(float):
+    """A step's mean loss. When it is not finite, `data_problem` says which inputs were bad, if any: then
+    the data, not the learning rate, is to blame."""
+
+    data_problem: str | None = None
+
+
+def input_problem(batch: Batch) -> str | None:
+    """Which of a batch's inputs hold NaN or inf, or latents of absurd size, with the files; or None."""
+    images = {"latents": batch.latents} | ({} if batch.conditioning is None else {"input-image latents": batch.conditioning})
+    tensors = images | {f"text {k}": v for k, v in batch.text.items() if isinstance(v, torch.Tensor)}
+    bad = nonfinite(tensors)
+    what = f"its {bad} hold NaN or inf" if bad else None
+    peak = max(float(t.abs().max()) for t in images.values() if t.numel())
+    if what is None and peak > 1e4:  # normalized latents are of order 1; this is damaged data, not training
+        what = f"its latents reach {peak:.3g} (normalized latents are of order 1)"
+    if what is None:
+        return None
+    return f"the batch's data is bad: {what} (files: {', '.join(str(p) for p in batch.paths) or 'unknown'})"
+
+
 def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     """One optimizer step over `gradient_accumulation_steps` micro-batches. Returns the mean loss; a
     step whose loss or gradient is not finite changes no weight (and returns that non-finite loss)."""
     accum = run.cfg.gradient_accumulation_steps
     total = 0.0
+    cause = None
     for micro in range(accum):
         sync = micro == accum - 1
         with nullcontext() if sync else run.accelerator.no_sync(run.transformer):
-            loss = micro_step(run, next(batches))
+            batch = next(batches)
+            loss = micro_step(run, batch)
             run.accelerator.backward(loss / accum)
         total += loss.item() / accum
+        if not math.isfinite(loss.item()):
+            cause = cause or input_problem(batch)
     total = run.ranks.mean(total)  # every process logs, and decides on non-finite steps, alike
     norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method)
     if not math.isfinite(total) or (norm is not None and not torch.isfinite(torch.as_tensor(norm)).item()):
         run.optimizer.zero_grad(set_to_none=True)
-        return math.nan if math.isfinite(total) else total
+        result = StepLoss(math.nan if math.isfinite(total) else total)
+        result.data_problem = cause
+        return result
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -130,7 +158,8 @@ def _train(run: Run) -> Path:
     if run.ranks.main:
         clean_partial(run.output_dir)
     run.ranks.barrier()
-    if cfg.resume_from_checkpoint and (ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint)):
+    warn = lambda message: run.events.emit("warning", message=message)  # noqa: E731
+    if cfg.resume_from_checkpoint and (ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint, warn)):
         load_checkpoint(run, ckpt)
         run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
     run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
@@ -147,13 +176,15 @@ def _train(run: Run) -> Path:
             step = run.state.step
             bad_steps = bad_steps + 1 if not math.isfinite(loss) else 0
             if bad_steps:
-                run.events.emit("warning", message=f"step {step}: loss or gradient not finite ({loss}); "
-                                                   "step skipped, weights unchanged")
+                cause = getattr(loss, "data_problem", None)  # bad inputs: the data is to blame, not the lr
+                run.events.emit("warning", message=f"step {step}: loss or gradient not finite ({loss})"
+                                + (f" because {cause}" if cause else "") + "; step skipped, weights unchanged")
                 if bad_steps >= cfg.max_nonfinite_steps:
-                    raise NonFiniteError(
-                        f"{bad_steps} steps in a row had a non-finite loss or gradient; training stopped. The "
-                        "last checkpoint is intact: lower learning_rate, set max_grad_norm, or check the data"
-                    )
+                    advice = (f"the last one because {cause}. Remove or replace those files (their cache "
+                              "entries are re-encoded when the files change)" if cause else
+                              "lower learning_rate, set max_grad_norm, or check the data")
+                    raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient; training "
+                                         f"stopped. The last checkpoint is intact: {advice}")
                 continue
             if run.ema is not None:
                 run.ema.step(step)
