@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-slow test-browser lint bench clean
+.PHONY: setup demo test test-slow test-browser test-ui lint bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test-slow: setup
 # The web UI in headless Chromium (Debian's `chromium`; skipped when it is not installed).
 test-browser: setup
 	$(BIN)/python -m pytest -q -m "browser"
+
+# The web UI without a browser: its API, its hardening, and the long seeded fuzz of every route.
+test-ui: setup
+	$(BIN)/python -m pytest -q tests/test_ui_api.py tests/test_ui_hardening.py tests/test_ui_fuzz.py
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -13,9 +13,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from difftune.config.fields import GROUPS
-from difftune.ui.paths import PathRefused, Roots, local_value, may_be_remote, path_kind
+from difftune.ui.paths import may_be_remote, path_kind
 
-__all__ = ["GROUPS", "describe_model", "form_schema", "path_problems", "train_fields", "dataset_fields"]
+__all__ = ["GROUPS", "describe_model", "form_schema", "train_fields", "dataset_fields"]
 
 
 def _split_nullable(prop: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -104,25 +104,3 @@ def form_schema() -> dict[str, Any]:
         "flavours": {name: list(facts.flavours) for name, facts in FAMILY_FACTS.items()},
         "default_flavour": {name: facts.default_flavour for name, facts in FAMILY_FACTS.items()},
     }
-
-
-def path_problems(roots: Roots, values: dict[str, Any], fields: list[dict[str, Any]], where: str,
-                  prefix: str = "") -> list[str]:
-    """Problems ("<where>: <key>: message") for path values of one config object that leave the roots."""
-    problems: list[str] = []
-    by_name = {f["name"]: f for f in fields}
-    for key, value in values.items():
-        spec = by_name.get(key)
-        if spec is None:
-            continue
-        if spec["kind"] == "object" and isinstance(value, dict):
-            problems += path_problems(roots, value, spec["fields"], where, prefix=f"{prefix}{key}.")
-            continue
-        if not spec["path"] or not isinstance(value, str) or not value:
-            continue
-        try:
-            if local_value(roots, value, spec["remote_ok"] or bool(prefix)):
-                roots.confine(value)
-        except PathRefused as e:
-            problems.append(f"{where}: {prefix}{key}: {e}")
-    return problems

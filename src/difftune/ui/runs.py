@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -98,8 +99,12 @@ class Run:
 
     # --- reading
     def read_events(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.events_path, "rb") as f:
+        try:  # non-blocking and regular files only: a FIFO put in output_dir must not stall the server
+            fd = os.open(self.events_path, os.O_RDONLY | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return self.events
+            with os.fdopen(fd, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 if f.tell() < self._pos:  # the log was replaced: read it again from the start
                     self._pos, self._partial, self.events = 0, b"", []

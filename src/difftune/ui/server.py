@@ -1,10 +1,15 @@
 """`difftune server`: the web UI. One page (static/index.html) over a small JSON API.
 
 Security: listens on 127.0.0.1 unless told otherwise; any other address needs an access token,
-checked on every request (header `X-Difftune-Token` or `Authorization: Bearer`, or the cookie the
-page gets from `/?token=...`) with a constant-time compare. Without a token only loopback Host names
-are answered (no DNS rebinding), and requests that change something must be JSON from the page's own
-origin (no cross-site forms). Every path stays inside the roots (ui/paths.py). Errors are JSON
+checked on every request with a constant-time compare: header `X-Difftune-Token` or `Authorization:
+Bearer`, or the HttpOnly, SameSite=Strict cookie the page gets from `/?token=...` (the query is taken
+on that first page only: a token in a URL ends up in histories and logs). Without a token only loopback
+Host names are answered (no DNS rebinding), and requests that change something must be JSON from the
+page's own origin (no cross-site forms). Bodies are limited in size and shape (ui/limits.py). Every
+path stays inside the roots, including each path a config makes the trainer use (ui/confine.py), and
+a path outside them is refused in the same words whether it exists or not. Routes that touch the
+filesystem are plain functions, which FastAPI runs in worker threads, and read only regular files of a
+bounded size: a FIFO or a device named in a config cannot stall the server. Errors are JSON
 `{"error": message}`; a bad request gets a 4xx, never a traceback.
 """
 
@@ -29,15 +34,15 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from difftune.config.load import ConfigError, load_config, load_datasets, split_problem
-from difftune.ui import dataset_fields, form_schema, path_problems, train_fields
-from difftune.ui.paths import PathRefused, Roots
+from difftune.ui import form_schema
+from difftune.ui.checking import check, datasets_location
+from difftune.ui.limits import BadJson, BodyLimit, parse_json
+from difftune.ui.paths import NotReadable, PathRefused, Roots, read_regular
 from difftune.ui.runs import Registry
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "difftune_token"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "testserver")
-DEFAULT_DATASETS = "config/multidatabackend.json"
 log = logging.getLogger("difftune.ui")
 
 
@@ -95,14 +100,27 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _read_json(path: Path, what: str) -> Any:
+    """A JSON file inside the roots: a regular file of bounded size, read without blocking."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_json(read_regular(path))
     except FileNotFoundError as e:
         raise ApiError(404, f"{path}: {what} not found") from e
-    except json.JSONDecodeError as e:
-        raise ApiError(422, f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"{path}: cannot read {what}: {e}") from e
+    except (NotReadable, BadJson) as e:
+        raise ApiError(422, f"{path}: cannot use it as the {what}: {e}") from e
+    except OSError as e:
+        raise ApiError(400, f"{path}: cannot read the {what}: {e.strerror or e}") from e
+
+
+def _writable(target: Path) -> None:
+    """ApiError unless `target` can be written as a file: no folder or special file of that name, and
+    the nearest existing folder above it is a folder (a file in the way would fail halfway)."""
+    if target.exists() and not target.is_file():
+        raise ApiError(400, f"{target}: something other than a file is in the way; choose another file name")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ApiError(400, f"{parent} is a file, so {target} cannot be written; choose another place")
 
 
 def create_app(roots: list[str | Path], token: str | None = None, state_dir: str | Path | None = None,
@@ -118,10 +136,16 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     app = FastAPI(title="difftune", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.roots, app.state.registry, app.state.token = confined, registry, token
 
+    # inner to the guard below (middleware added later runs first): bodies are read only once allowed
+    app.add_middleware(BodyLimit)
+
     # --- guard: host, token, same-origin JSON for changes; security headers on every answer
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
+        try:
+            host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
+        except ValueError:  # "[bad" and the like: not a name this server answers to
+            host = "?"
         if hosts and host not in hosts:
             return _error(403, f"host {host!r} is not served without an access token; open http://127.0.0.1 "
                           "or start the server with --token")
@@ -134,7 +158,9 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             if supplied is None:
                 supplied = request.cookies.get(COOKIE)
             if not _token_ok(supplied, token):
-                supplied, from_query = request.query_params.get("token"), True
+                # the query is taken on the first page only: it becomes the cookie, and a redirect drops it
+                first_page = request.url.path == "/" and request.method == "GET"
+                supplied, from_query = (request.query_params.get("token") if first_page else None), True
                 if not _token_ok(supplied, token):
                     return _error(401, "an access token is needed: open the URL printed when the server "
                                   "started (it ends with ?token=...), or send the X-Difftune-Token header")
@@ -146,7 +172,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                 return _error(415, "send JSON (Content-Type: application/json)")
         if from_query and request.url.path == "/" and request.method == "GET":
             response: Response = RedirectResponse("/", status_code=303)
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
         else:
             response = await call_next(request)
         response.headers.update({
@@ -209,7 +235,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         return {"roots": [str(r) for r in confined], "base": str(confined.base)}
 
     @app.get("/api/browse")
-    async def browse(path: str | None = None, files: bool = False):
+    def browse(path: str | None = None, files: bool = False):
         if not path:
             return {"path": None, "parent": None, "entries": [
                 {"name": str(r), "path": str(r), "kind": "folder"} for r in confined]}
@@ -229,103 +255,53 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         return {"path": str(folder), "parent": str(parent) if parent else None, "entries": entries,
                 "images": images}
 
-    # --- configurations
-    def datasets_location(config_path: Path, config: dict[str, Any]) -> Path:
-        value = config.get("data_backend_config", DEFAULT_DATASETS)
-        if not isinstance(value, str) or not value:
-            value = str(config_path.parent / "multidatabackend.json")
-        return confined.confine(value)
-
-    def check(config_path: Path, config: dict[str, Any], datasets: list[Any]) -> dict[str, Any]:
-        """Validate with `load_config` (the same messages as `difftune check`), files in a temp folder."""
-        problems: list[str] = []
-        try:
-            data_path = datasets_location(config_path, config)
-        except PathRefused as e:  # shown at the field; saving there is refused
-            problems.append(f"{config_path}: data_backend_config: {e}")
-            data_path = config_path.parent / "(outside the roots)"
-        with tempfile.TemporaryDirectory(prefix="difftune-ui-") as tmp:
-            tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
-            tmp_data.write_text(json.dumps(datasets))
-            cfg = dict(config)
-            if isinstance(cfg.get("data_backend_config", ""), str):
-                cfg["data_backend_config"] = str(tmp_data)
-            tmp_cfg.write_text(json.dumps(cfg))
-            try:
-                load_config(tmp_cfg)
-            except ConfigError as e:
-                problems += e.problems
-            if not any(p.startswith(f"{tmp_data}: ") for p in problems):
-                try:  # check stops at a bad config.json; the form shows the dataset problems too
-                    load_datasets(tmp_data, problems)
-                except ConfigError as e:
-                    problems += e.problems
-            problems = [p.replace(str(tmp_cfg), str(config_path)).replace(str(tmp_data), str(data_path))
-                        for p in dict.fromkeys(problems)]
-        problems = list(dict.fromkeys(problems + outside_roots(config_path, config, data_path, datasets)))
-        return {"ok": not problems, "config_path": str(config_path), "datasets_path": str(data_path),
-                "problems": [structured(p, config_path, data_path, datasets) for p in problems]}
-
-    def outside_roots(config_path: Path, config: dict[str, Any], data_path: Path, datasets: list[Any]) -> list[str]:
-        problems = path_problems(confined, config, train_fields(), str(config_path))
-        kinds = dataset_fields()
-        for index, entry in enumerate(datasets):
-            if isinstance(entry, dict) and entry.get("dataset_type", "image") in kinds:
-                where = f"{data_path}: dataset {entry.get('id', index)!r}"
-                problems += path_problems(confined, entry, kinds[entry.get("dataset_type", "image")]["fields"], where)
-        return problems
-
-    def structured(text: str, config_path: Path, data_path: Path, datasets: list[Any]) -> dict[str, Any]:
-        p = split_problem(text, (str(config_path), str(data_path)))
-        scope = "config" if p.file == str(config_path) else "datasets" if p.file == str(data_path) else "other"
-        index = None
-        if isinstance(p.dataset, int) and not isinstance(p.dataset, bool):
-            index = p.dataset
-        elif p.dataset is not None:
-            index = next((i for i, d in enumerate(datasets) if isinstance(d, dict) and d.get("id") == p.dataset), None)
-        if scope == "datasets" and index is None and p.dataset is None:
-            scope = "datasets-list"
-        return {"text": p.text, "scope": scope, "dataset_index": index, "key": p.key, "message": p.message,
-                "mentions": list(p.mentions)}
-
-    @app.get("/api/config")
-    async def open_config(path: str):
-        config_path = confined.confine(path)
+    # --- configurations (plain functions: FastAPI runs them in a worker thread, off the event loop)
+    def read_config(config_path: Path) -> dict[str, Any]:
         config = _read_json(config_path, "config file")
         if not isinstance(config, dict):
             raise ApiError(422, f"{config_path}: the config must be a JSON object of keys and values")
+        return config
+
+    @app.get("/api/config")
+    def open_config(path: str):
+        config_path = confined.confine(path)
+        config = read_config(config_path)
         datasets: list[Any] = []
         try:
-            data_path = datasets_location(config_path, config)
+            data_path = datasets_location(confined, config_path, config)
         except PathRefused:
             data_path = None  # the check below shows the problem at data_backend_config
-        if data_path is not None and data_path.exists():
+        if data_path is not None and data_path.is_file():
             loaded = _read_json(data_path, "dataset list")
             datasets = loaded if isinstance(loaded, list) else []
-        result = check(config_path, config, datasets)
+        result, _ = check(confined, config_path, config, datasets)
         return {"path": str(config_path), "config": config, "datasets": datasets, **result}
 
     @app.post("/api/config/check")
-    async def check_config(body: ConfigBody):
-        return check(confined.confine(body.path), body.config, body.datasets)
+    def check_config(body: ConfigBody):
+        return check(confined, confined.confine(body.path), body.config, body.datasets)[0]
 
     @app.put("/api/config")
-    async def save_config(body: ConfigBody):
+    def save_config(body: ConfigBody):
+        """Everything is checked before the first byte is written: both targets, their folders, the check."""
         config_path = confined.confine(body.path)
         if config_path.suffix != ".json":
             raise ApiError(400, f"{body.path!r}: a config file name ends with .json")
-        data_path = datasets_location(config_path, body.config)
+        data_path = datasets_location(confined, config_path, body.config)
         if data_path.suffix != ".json":
             raise ApiError(400, f"data_backend_config {str(data_path)!r}: a dataset list file name ends with .json")
-        if config_path.is_dir() or data_path.is_dir():
-            raise ApiError(400, "a folder of that name is in the way; choose another file name")
+        if data_path == config_path:
+            raise ApiError(400, "data_backend_config names the config file itself; give the dataset list its own file")
+        for target in (config_path, data_path):
+            _writable(target)
+        result, _ = check(confined, config_path, body.config, body.datasets)
         _write_json(data_path, body.datasets)
         _write_json(config_path, body.config)
-        return {"saved": [str(config_path), str(data_path)], **check(config_path, body.config, body.datasets)}
+        return {"saved": [str(config_path), str(data_path)], **result}
 
     # --- runs
     @app.get("/api/runs")
-    async def list_runs():
+    def list_runs():
         return {"runs": [run.summary() for run in registry.list() if confined.inside(run.output_dir)]}
 
     def find(run_id: str):
@@ -335,23 +311,23 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         return run
 
     @app.post("/api/runs")
-    async def start_run(body: PathBody):
+    def start_run(body: PathBody):
         config_path = confined.confine(body.path)
-        config = _read_json(config_path, "config file")
-        if not isinstance(config, dict):
-            raise ApiError(422, f"{config_path}: the config must be a JSON object of keys and values")
-        data_path = datasets_location(config_path, config)
-        datasets = _read_json(data_path, "dataset list") if data_path.is_file() else []
-        problems: list[str] = []
+        config = read_config(config_path)
+        datasets: Any = []
         try:
-            run_cfg = load_config(config_path)
-        except ConfigError as e:
-            problems = list(e.problems)
-        problems += outside_roots(config_path, config, data_path, datasets if isinstance(datasets, list) else [])
-        if problems:
-            raise ApiError(422, "the configuration cannot be used; fix the problems shown", ok=False,
-                           problems=[structured(p, config_path, data_path, datasets) for p in problems])
-        output_dir = confined.confine(run_cfg.train.output_dir)
+            data_path = datasets_location(confined, config_path, config)
+        except PathRefused:
+            data_path = None  # the check shows the problem at data_backend_config
+        if data_path is not None and not data_path.exists():
+            raise ApiError(422, f"{config_path}: data_backend_config: the dataset list {data_path} is not there; "
+                           "save the config from the page to write it")
+        if data_path is not None and data_path.is_file():
+            datasets = _read_json(data_path, "dataset list")
+        result, run_cfg = check(confined, config_path, config, datasets if isinstance(datasets, list) else [])
+        if run_cfg is None:
+            raise ApiError(422, "the configuration cannot be used; fix the problems shown", **result)
+        output_dir = confined.confine(run_cfg.train.output_dir, expand_user=False)
         if (active := registry.active_on(output_dir)) is not None:
             raise ApiError(409, f"run {active.id} is still writing to {output_dir}; stop it first")
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -359,11 +335,11 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         return run.summary(detail=True)
 
     @app.get("/api/runs/{run_id}")
-    async def get_run(run_id: str):
+    def get_run(run_id: str):
         return find(run_id).summary(detail=True)
 
     @app.post("/api/runs/{run_id}/command")
-    async def command(run_id: str, body: CommandBody):
+    def command(run_id: str, body: CommandBody):
         run = find(run_id)
         if body.command not in ("stop", "sample", "save", "kill"):
             raise ApiError(400, f"unknown command {body.command!r}; use stop, sample, save or kill")
@@ -374,7 +350,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         return run.summary(detail=True)
 
     @app.get("/api/runs/{run_id}/file")
-    async def run_file(run_id: str, path: str):
+    def run_file(run_id: str, path: str):
         run = find(run_id)
         if Path(path).is_absolute():
             raise ApiError(400, "give the path relative to the run's output folder")
@@ -389,7 +365,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                             filename=target.name)
 
     @app.get("/api/runs/{run_id}/log")
-    async def run_log(run_id: str, lines: int = 200):
+    def run_log(run_id: str, lines: int = 200):
         return {"lines": find(run_id).log_tail(max(1, min(lines, 2000)))}
 
     return app

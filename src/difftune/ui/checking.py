@@ -1,0 +1,111 @@
+"""Checking a config from the page: the messages of `difftune check`, plus root confinement.
+
+Runs in a worker thread (the routes that call it are plain functions), never on the event loop: the
+loader touches the filesystem. It reads nothing that confinement has not passed (ui/confine.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from difftune.config.load import (
+    ConfigError,
+    RunConfig,
+    _clean_keys,
+    load_config,
+    load_datasets,
+    split_problem,
+)
+from difftune.models.registry import FAMILY_FACTS
+from difftune.ui.confine import DATASETS_KEY, parsed_problems, raw_pass, special_problem
+from difftune.ui.paths import PathRefused, Roots
+
+DEFAULT_DATASETS = "config/multidatabackend.json"
+log = logging.getLogger("difftune.ui")
+
+
+def datasets_location(roots: Roots, config_path: Path, config: dict[str, Any]) -> Path:
+    """Where the config's dataset list lives (confined; PathRefused otherwise)."""
+    value = _clean_keys(config).get(DATASETS_KEY, DEFAULT_DATASETS)
+    if not isinstance(value, str) or not value:
+        value = str(config_path.parent / "multidatabackend.json")
+    return roots.confine(value, expand_user=False)
+
+
+def _unexpected(where: Path, e: Exception) -> str:
+    """A loader crash (a bug there) still answers with a message, and the log has the traceback."""
+    log.exception("the config loader failed")
+    return f"{where}: the check stopped on an unexpected error ({type(e).__name__}: {e}); please report it"
+
+
+def _load(tmp_cfg: Path, tmp_data: Path) -> tuple[RunConfig | None, Any, list[str]]:
+    """(RunConfig or None, the dataset plan when the list itself is valid, problems)."""
+    problems: list[str] = []
+    run_cfg = plan = None
+    try:
+        run_cfg = load_config(tmp_cfg)
+        plan = run_cfg.datasets
+    except ConfigError as e:
+        problems += e.problems
+    except Exception as e:  # noqa: BLE001 - see _unexpected
+        problems.append(_unexpected(tmp_cfg, e))
+    if run_cfg is None and not any(p.startswith(f"{tmp_data}: ") for p in problems):
+        try:  # check stops at a bad config.json; the form shows the dataset problems too
+            plan = load_datasets(tmp_data, problems)
+        except ConfigError as e:
+            problems += e.problems
+        except Exception as e:  # noqa: BLE001
+            problems.append(_unexpected(tmp_data, e))
+    return run_cfg, plan, problems
+
+
+def check(roots: Roots, config_path: Path, config: dict[str, Any],
+          datasets: list[Any]) -> tuple[dict[str, Any], RunConfig | None]:
+    """Validate with `load_config` (the same messages as `difftune check`, files in a temp folder), and
+    confine every path the run would use. Returns the answer for the page and the parsed config."""
+    problems: list[str] = []
+    try:
+        data_path = datasets_location(roots, config_path, config)
+        if (problem := special_problem(data_path, read_here=True)) is not None:
+            problems.append(f"{config_path}: {DATASETS_KEY}: {problem}")
+    except PathRefused as e:  # shown at the field; saving there is refused
+        problems.append(f"{config_path}: {DATASETS_KEY}: {e}")
+        data_path = config_path.parent / "(outside the roots)"
+    cfg_where, data_where = str(config_path), str(data_path)
+    raw, refused, cfg, entries = raw_pass(roots, config, datasets, cfg_where, data_where)
+    with tempfile.TemporaryDirectory(prefix="difftune-ui-") as tmp:
+        tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
+        tmp_data.write_text(json.dumps(entries))
+        if isinstance(cfg.get(DATASETS_KEY, ""), str):
+            cfg[DATASETS_KEY] = str(tmp_data)
+        tmp_cfg.write_text(json.dumps(cfg))
+        run_cfg, plan, loaded = _load(tmp_cfg, tmp_data)
+        loaded = [p.replace(str(tmp_cfg), cfg_where).replace(str(tmp_data), data_where) for p in loaded]
+    family = run_cfg.train.model_family if run_cfg else cfg.get("model_family")
+    family = family if isinstance(family, str) and family in FAMILY_FACTS else None
+    listed = {e.get("id") for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)}
+    parsed = parsed_problems(roots, run_cfg.train if run_cfg else None, plan, family, cfg_where, data_where, listed)
+    # a refused key was taken out before loading: what the loader or the defaults say about it is noise
+    later = [p for p in loaded + parsed if not any(p.startswith(r) for r in refused)]
+    problems = list(dict.fromkeys(problems + raw + later))
+    answer = {"ok": not problems, "config_path": cfg_where, "datasets_path": data_where,
+              "problems": [structured(p, config_path, data_path, datasets) for p in problems]}
+    return answer, (run_cfg if not problems else None)
+
+
+def structured(text: str, config_path: Path, data_path: Path, datasets: list[Any]) -> dict[str, Any]:
+    p = split_problem(text, (str(config_path), str(data_path)))
+    scope = "config" if p.file == str(config_path) else "datasets" if p.file == str(data_path) else "other"
+    index = None
+    if isinstance(p.dataset, int) and not isinstance(p.dataset, bool):
+        index = p.dataset
+    elif p.dataset is not None:
+        index = next((i for i, d in enumerate(datasets) if isinstance(d, dict) and d.get("id") == p.dataset), None)
+    if scope == "datasets" and index is None and p.dataset is None:
+        scope = "datasets-list"
+    return {"text": p.text, "scope": scope, "dataset_index": index, "key": p.key, "message": p.message,
+            "mentions": list(p.mentions)}
