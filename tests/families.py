@@ -61,15 +61,16 @@ class Case:
             return x0[:, :, :1]
         return torch.zeros_like(x0) if self.i2i else None
 
-    def stock(self, folder) -> Any:
+    def stock(self, folder, **kwargs) -> Any:
+        """The stock pipeline from `folder`; `kwargs` go to from_pretrained (torch_dtype, ...)."""
         if self.family == "lumina2":
-            pipe = Lumina2Pipeline.from_pretrained(folder)
+            pipe = Lumina2Pipeline.from_pretrained(folder, **kwargs)
         else:
             if self.video:
                 cls = Kandinsky5I2VPipeline if self.i2v else Kandinsky5T2VPipeline
             else:
                 cls = Kandinsky5I2IPipeline if self.i2i else Kandinsky5T2IPipeline
-            pipe = cls.from_pretrained(folder, tokenizer=load_qwen_processor(folder))
+            pipe = cls.from_pretrained(folder, tokenizer=load_qwen_processor(folder), **kwargs)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -10,11 +10,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from difftune.config import ConfigError, RunConfig, load_config
+from difftune.config import ConfigError, RunConfig, TrainConfig, load_config
 
 DEFAULT_CONFIG = "config/config.json"
 
@@ -62,24 +63,57 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+# Third-party lines that say nothing a difftune user can act on, dropped from the console:
+# transformers' notice that its image processors fall back to PIL without torchvision (difftune never
+# needs torchvision), and bitsandbytes' CPU notice about an optional kernel download (4-bit CPU kernels,
+# which difftune does not use; this machine reaches no kernel hub anyway).
+NOISE = ("requires torchvision (not installed)", "kernels-community")
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in NOISE)
+
+
 def quiet_libraries() -> None:
-    """The hub libraries draw a progress bar per component load; ours is the one that matters."""
-    from diffusers.utils import logging as diffusers_logging
+    """The hub libraries draw a progress bar per component load; ours is the one that matters. Their
+    import-time notices that do not concern the user are filtered (see NOISE); every other warning stays."""
     from transformers.utils import logging as transformers_logging
+
+    noise = _DropNoise()
+    for handler in transformers_logging._get_library_root_logger().handlers:
+        handler.addFilter(noise)
+    for name in ("bitsandbytes", "bitsandbytes.backends.cpu.ops"):
+        logging.getLogger(name).addFilter(noise)
+    from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
 
 
+def result_line(cfg: TrainConfig, path: Path) -> str:
+    """What was saved, in the words of what was trained."""
+    if cfg.model_type == "full":
+        return f"model saved to {path} (a diffusers transformer folder)"
+    kind = "LyCORIS" if cfg.lora_type == "lycoris" else "LoRA"
+    return f"{kind} saved to {path}"
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     quiet_libraries()
+    for note in run_cfg.notes():
+        print(f"note: {note}")
     from difftune.train.loop import train
     from difftune.train.setup import build_run
 
-    adapter = train(build_run(run_cfg))
-    print(f"LoRA saved to {adapter}")
-    print(f"validation samples in {Path(run_cfg.train.output_dir) / 'validation'}")
+    run = build_run(run_cfg)
+    result = train(run)
+    print(result_line(run_cfg.train, result))
+    written = [p for p in (run.output_dir / "validation").glob("*") if p.suffix in (".png", ".mp4")]
+    if run.validation and written:
+        print(f"validation samples in {run.output_dir / 'validation'}")
     return 0
 
 
@@ -153,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from difftune.models.hub import ComponentError
         from difftune.train.plan import DataError
 
-        if not isinstance(e, DataError):
+        if not isinstance(e, DataError | ComponentError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -395,6 +395,10 @@ class TrainConfig(BaseModel):
         if self.lora_type == "lycoris" and self.lycoris_config is None and self.model_type == "lora":
             raise ValueError("lora_type 'lycoris' needs lycoris_config: a JSON file such as "
                              '{"algo": "lokr", "linear_dim": 16, "linear_alpha": 1, "factor": 16}')
+        if self.model_type == "full" and self.weight_dtype_name() == "fp16":
+            # fp16 weights updated in place overflow and underflow (AdamW's epsilon is 0 in fp16): NaN at step 2.
+            raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
+                             "mixed_precision 'fp16' with base_model_default_dtype 'fp32' (classic fp16 autocast)")
         if self.lycoris_config is not None and self.lora_type != "lycoris":
             raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
         if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):

@@ -24,11 +24,12 @@ from diffusers import (
     Kandinsky5Transformer3DModel,
 )
 from PIL import Image
-from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from difftune.models.base import Components, SampleRequest
+from difftune.models.hub import ComponentError, component_class, is_processor, load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
-from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image, load_qwen_processor
+from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image
 from difftune.train.objective import resolution_shift
 
 # Self- and cross-attention projections only: not feed-forward, modulation or embedding layers.
@@ -48,27 +49,33 @@ class Kandinsky5ImageFamily:
         build_tiny_kandinsky5_image(folder, i2i=self.facts.needs_conditioning(flavour))
 
     def load(self, source: str, dtype: torch.dtype) -> Components:
+        transformer = Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype)
+        index = model_index(source)
+        if transformer.config.visual_cond and not is_processor(component_class(index, "tokenizer")):
+            # Image-to-image: the Qwen encoder sees the input image, which only the processor can prepare.
+            raise ComponentError(
+                f"{source}: this image-to-image model's tokenizer/ is a plain tokenizer "
+                f"({component_class(index, 'tokenizer')}), but its text encoder must see the input image: it needs "
+                "the Qwen2-VL processor (Qwen2VLProcessor, with preprocessor_config.json) as the stock "
+                "Kandinsky5I2IPipeline does; use the original repository's tokenizer/ folder")
         return Components(
             source=source,
-            transformer=Kandinsky5Transformer3DModel.from_pretrained(
-                source, subfolder="transformer", torch_dtype=dtype
-            ),
+            transformer=transformer,
             vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text=self.load_text(source, dtype),
+            text=self.load_text(source, dtype, index),
         )
 
     @staticmethod
-    def load_text(source: str, dtype: torch.dtype) -> dict[str, Any]:
-        """The text encoders and tokenizers, by their pipeline component names (the same in every K5 repo)."""
+    def load_text(source: str, dtype: torch.dtype, index: dict[str, Any]) -> dict[str, Any]:
+        """The text encoders and tokenizers by their pipeline component names, each of the class that
+        model_index.json names (the Qwen `tokenizer` is a processor in some repositories, a plain
+        tokenizer in others)."""
         return {
-            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                source, subfolder="text_encoder", torch_dtype=dtype
-            ),
-            # Works without torchvision (see tiny_kandinsky5): the stock processor needs it for video.
-            "tokenizer": load_qwen_processor(source, "tokenizer"),
-            "text_encoder_2": CLIPTextModel.from_pretrained(source, subfolder="text_encoder_2", torch_dtype=dtype),
-            "tokenizer_2": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2"),
+            "text_encoder": load_component(source, "text_encoder", index, Qwen2_5_VLForConditionalGeneration, dtype),
+            "tokenizer": load_component(source, "tokenizer", index, AutoTokenizer),
+            "text_encoder_2": load_component(source, "text_encoder_2", index, CLIPTextModel, dtype),
+            "tokenizer_2": load_component(source, "tokenizer_2", index, CLIPTokenizer),
         }
 
     def takes_conditioning(self, comps: Components) -> bool:
@@ -89,7 +96,8 @@ class Kandinsky5ImageFamily:
         encoder = comps.text["text_encoder"]
         device, dtype = encoder.device, encoder.dtype
         # Right padding keeps each prompt's states a prefix that does not depend on the batch (causal).
-        comps.text["tokenizer"].tokenizer.padding_side = "right"
+        tokenizer = comps.text["tokenizer"]
+        getattr(tokenizer, "tokenizer", tokenizer).padding_side = "right"  # a processor holds its tokenizer
         pipe = self.pipeline_class(images is not None)(transformer=None, vae=None, scheduler=None, **comps.text)
         extra = {} if images is None else {"image": images}
         qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype, **extra)

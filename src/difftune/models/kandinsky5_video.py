@@ -19,7 +19,6 @@ Conventions of the stock `Kandinsky5T2VPipeline` / `Kandinsky5I2VPipeline` that 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,10 @@ from diffusers import (
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
 )
-from huggingface_hub import hf_hub_download
 from PIL import Image
 
 from difftune.models.base import Components, SampleRequest
+from difftune.models.hub import model_index
 from difftune.models.kandinsky5_image import Kandinsky5ImageFamily
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny_kandinsky5_video import build_tiny_kandinsky5_video
@@ -46,13 +45,6 @@ ENCODE_SETTINGS = {
     "tiling": True, "tile_size": 256, "tile_stride": 192, "slicing": True,
 }
 I2V_PIPELINE = "Kandinsky5I2VPipeline"
-
-
-def pipeline_class_name(source: str) -> str:
-    """`_class_name` of the model_index.json of a local folder or hub repository."""
-    folder = Path(source)
-    index = folder / "model_index.json" if folder.is_dir() else Path(hf_hub_download(source, "model_index.json"))
-    return json.loads(index.read_text())["_class_name"]
 
 
 def configure_vae(vae: AutoencoderKLHunyuanVideo) -> None:
@@ -76,6 +68,8 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
         build_tiny_kandinsky5_video(folder, i2v=self.facts.first_frame(flavour))
 
     def load(self, source: str, dtype: torch.dtype) -> Components:
+        """Both video pipelines encode prompts from text alone: a plain Qwen tokenizer serves i2v too."""
+        index = model_index(source)
         vae = AutoencoderKLHunyuanVideo.from_pretrained(source, subfolder="vae", torch_dtype=dtype)
         configure_vae(vae)
         return Components(
@@ -83,8 +77,8 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
             transformer=Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
             vae=vae,
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text=self.load_text(source, dtype),
-            pipeline=pipeline_class_name(source),
+            text=self.load_text(source, dtype, index),
+            pipeline=index["_class_name"],
         )
 
     def takes_conditioning(self, comps: Components) -> bool:

@@ -24,6 +24,7 @@ from PIL import Image
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from difftune.models.base import Components, SampleRequest
+from difftune.models.hub import load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny import gemma_tokenizer
 from difftune.train.objective import resolution_shift
@@ -64,14 +65,15 @@ class Lumina2Family:
         pipe.save_pretrained(folder)
 
     def load(self, source: str, dtype: torch.dtype) -> Components:
+        index = model_index(source)
         return Components(
             source=source,
             transformer=Lumina2Transformer2DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
             vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text={
-                "text_encoder": Gemma2Model.from_pretrained(source, subfolder="text_encoder", torch_dtype=dtype),
-                "tokenizer": AutoTokenizer.from_pretrained(source, subfolder="tokenizer"),
+            text={  # of the classes model_index.json names, as the stock pipeline loads them
+                "text_encoder": load_component(source, "text_encoder", index, Gemma2Model, dtype),
+                "tokenizer": load_component(source, "tokenizer", index, AutoTokenizer),
             },
         )
 

@@ -4,8 +4,10 @@ Images are written as PNG; videos as MP4 plus a PNG contact sheet to glance at."
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from difftune.train.setup import Run
@@ -23,11 +25,60 @@ def validate(run: Run, label: str) -> list[Path]:
     return paths
 
 
+@contextmanager
+def plain_forward(model: Any) -> Iterator[Any]:
+    """The module as the stock pipeline would run it: its own forward, in its own dtype.
+
+    Under mixed precision, accelerate replaces a prepared module's forward with one that autocasts and
+    casts every output to fp32. A pipeline driving that wrapper hands fp32 latents to a bf16 VAE (a
+    crash) and samples with other numerics than a user's `load_lora_weights` would. The wrapper is put
+    back afterwards: training needs it. (`unwrap_model(keep_fp32_wrapper=False)` would strip it for good.)
+    """
+    wrapped, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
+    if wrapped is None or original is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
+
+
+@contextmanager
+def as_loaded(model: Any) -> Iterator[None]:
+    """LoRA weights in the dtype a user's pipeline holds them while sampling, then back to fp32.
+
+    Adapters train in fp32 on a bf16/fp16 base; `load_lora_weights` (peft) puts each LoRA layer in the
+    dtype of the layer it adapts. Sampling with the same rounding makes the samples the user's samples.
+    A full fine-tune is sampled as it trains (its saved folder loads in the same dtypes), and LyCORIS
+    has no stock loader to imitate."""
+    kept = []
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if base is None or not hasattr(module, "lora_A") or getattr(base, "weight", None) is None:
+            continue
+        for p in module.parameters():
+            if p.requires_grad and p.dtype != base.weight.dtype:
+                kept.append((p, p.data))
+                p.data = p.data.to(base.weight.dtype)
+    try:
+        yield
+    finally:
+        for p, data in kept:
+            p.data = data
+
+
 def _sample_all(run: Run, label: str, suffix: str) -> list[Path]:
     model = run.accelerator.unwrap_model(run.transformer)
     device = run.accelerator.device
     vae = run.comps.vae
     vae.to(device)
+    with plain_forward(model), as_loaded(model):
+        return _sample_requests(run, model, vae, label, suffix)
+
+
+def _sample_requests(run: Run, model: Any, vae: Any, label: str, suffix: str) -> list[Path]:
     model.eval()
     out_dir = run.output_dir / "validation"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,62 @@
+"""Load pipeline components the way the stock pipeline's `from_pretrained` does: by the class that
+`model_index.json` names for each component, from a local folder or a hub repository.
+
+A repository may, for example, ship a plain Qwen2 tokenizer where another ships the Qwen2-VL
+processor; the stock pipeline loads either, so difftune must too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ComponentError(ValueError):
+    """A component that the model folder does not have in a usable form (names the folder and the fix)."""
+
+
+def model_index(source: str) -> dict[str, Any]:
+    """`model_index.json` of a local folder or hub repository."""
+    folder = Path(source)
+    if folder.is_dir():
+        index = folder / "model_index.json"
+        if not index.is_file():
+            raise ComponentError(f"{source}: no model_index.json; give the folder of a diffusers pipeline "
+                                 "(the hub layout: model_index.json, transformer/, vae/, text_encoder/, ...)")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        index = Path(hf_hub_download(source, "model_index.json"))
+    return json.loads(index.read_text(encoding="utf-8"))
+
+
+def component_class(index: dict[str, Any], name: str) -> str | None:
+    """The class name model_index.json gives for component `name` (None when it lists none)."""
+    entry = index.get(name)
+    return entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[1] else None
+
+
+def is_processor(class_name: str | None) -> bool:
+    return bool(class_name) and class_name.endswith("Processor")
+
+
+def load_component(source: str, name: str, index: dict[str, Any], fallback: type, dtype: Any = None) -> Any:
+    """Component `name` as the class in model_index.json names it (`fallback` when it names none).
+    Qwen2-VL processors load without torchvision (see tiny_kandinsky5.load_qwen_processor)."""
+    import diffusers
+    import transformers
+
+    class_name = component_class(index, name)
+    if is_processor(class_name) and "Qwen2" in class_name:
+        from difftune.models.tiny_kandinsky5 import load_qwen_processor
+
+        try:
+            return load_qwen_processor(source, name)
+        except (OSError, ValueError) as e:
+            raise ComponentError(f"{source}: {name}/ should hold a {class_name} (model_index.json says so) but it "
+                                 f"cannot be loaded: {e}") from e
+    cls = (getattr(transformers, class_name, None) or getattr(diffusers, class_name, None)) if class_name else None
+    cls = cls or fallback
+    kwargs = {} if dtype is None else {"torch_dtype": dtype}
+    return cls.from_pretrained(source, subfolder=name, **kwargs)

@@ -1,0 +1,128 @@
+"""The user's path: bf16 (and fp16) mixed precision, with validation on, for every family, flavour kind
+and adapter kind: caching, training, validation, checkpoint, resume after a crash, and the final save.
+
+Every other test runs fp32; users run bf16. Validation must sample the plain module in the model's
+dtype, as the stock pipeline does after `load_lora_weights`: the bf16 samples are compared with it.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import write_config
+from difftune.config import ConfigError, load_config
+from difftune.data.images import fit
+from difftune.data.video import decode_frames
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+from families import CASES, make_clips, make_pairs
+from test_train import crash_then_resume, losses
+
+KINDS = ["lora", "lycoris", "full"]
+VALIDATION = dict(validation_prompt="a red circle", validation_negative_prompt="blurry",
+                  validation_resolution="64x48", validation_num_inference_steps=2, validation_guidance=4.0,
+                  validation_seed=11, validation_disable_unconditional=True)
+
+
+def case_config(case, tmp_path, dataset, kind: str, precision: str = "bf16", **overrides):
+    """A config for `case` trained as `kind` in `precision`, validating and checkpointing every 2 steps."""
+    extra: dict = {}
+    if case.i2i:
+        make_pairs(dataset, tmp_path / "inputs")
+        extra = {"dataset": {"conditioning_data": "inputs"}, "conditioning_dir": tmp_path / "inputs"}
+    if case.video:
+        dataset = make_clips(tmp_path / "clips")
+        extra = {"dataset": {"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
+                 "validation_num_video_frames": 17 if case.i2v else 9}
+    if kind == "lycoris":
+        lycoris = tmp_path / "lycoris.json"
+        lycoris.write_text(json.dumps({"algo": "lokr", "linear_dim": 8, "linear_alpha": 4, "factor": 4}))
+        extra |= {"lora_type": "lycoris", "lycoris_config": str(lycoris)}
+    if kind == "full":
+        extra |= {"model_type": "full", "optimizer": "adamw_bf16" if precision == "bf16" else "adamw"}
+    settings = dict(model_family=case.family, model_flavour=case.flavour, mixed_precision=precision,
+                    max_train_steps=4, checkpoint_step_interval=2, validation_step_interval=2,
+                    resume_from_checkpoint="latest", learning_rate=1e-3, **VALIDATION, **extra)
+    return write_config(tmp_path, dataset, **(settings | overrides)), dataset
+
+
+def sample_names(case) -> list[str]:
+    frames = ("@17" if case.i2v else "@9") if case.video else ""
+    return [f"step-000002-64x48{frames}.png", f"final-step-000004-64x48{frames}.png"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bf16_trains_validates_checkpoints_resumes_and_saves(case, kind, tmp_path, dataset, monkeypatch):
+    config, _ = case_config(case, tmp_path, dataset, kind)
+    crash_then_resume(monkeypatch, config, at_step=3)  # dies after step 3, resumes from the step-2 checkpoint
+    out = tmp_path / "output"
+    seen = losses(out)
+    assert sorted(seen) == [1, 2, 3, 4] and all(math.isfinite(v) for v in seen.values())
+    for name in sample_names(case):
+        image = np.asarray(Image.open(out / "validation" / name))
+        assert image.std() > 0, f"{name} is a flat image: the sample was not finite"
+    if kind == "full":
+        folder = out / "transformer"
+        weights = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+        dtypes = {v.dtype for v in weights.values()}  # bf16, and fp32 where the class keeps modules fp32
+        assert weights and torch.bfloat16 in dtypes and dtypes <= {torch.bfloat16, torch.float32}
+        assert all(torch.isfinite(v.float()).all() for v in weights.values())
+    else:
+        saved = load_file(out / "pytorch_lora_weights.safetensors")
+        assert saved and all(torch.isfinite(v.float()).all() for v in saved.values())
+        assert any(("lokr" if kind == "lycoris" else "lora_A") in k for k in saved)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "done" for e in events)
+    assert not [e for e in events if e["event"] == "warning" and "not finite" in e.get("message", "")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset):
+    """Our bf16 sample is the one a user gets from the stock pipeline in bf16 with load_lora_weights."""
+    config, data = case_config(case, tmp_path, dataset, "lora", max_train_steps=2, validation_step_interval=0,
+                               checkpoint_step_interval=0, resume_from_checkpoint=None)
+    run = build_run(load_config(config))
+    with torch.no_grad():  # make the adapter matter: lora_B starts at zero
+        for name, p in run.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    train(run)
+    name = sample_names(case)[1].replace("000004", "000002")
+    ours = np.asarray(Image.open(tmp_path / "output" / "validation" / name)).astype(int)
+    pipe = case.stock(run.comps.source, torch_dtype=torch.bfloat16)  # as a user loads it
+    pipe.load_lora_weights(tmp_path / "output")
+    image = None
+    if case.i2i:
+        image = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB")
+    if case.i2v:
+        image = fit(decode_frames(sorted(data.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
+    kw = {"num_frames": 17 if case.i2v else 9} if case.video else {}
+    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 2, 4.0, 11, image=image, **kw)[0]
+    if case.video:
+        from difftune.data.video import contact_sheet
+
+        theirs = contact_sheet(theirs)
+    theirs = np.asarray(theirs).astype(int)
+    assert ours.shape == theirs.shape and ours.std() > 0
+    assert np.abs(ours - theirs).max() <= 2
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_fp16_trains_validates_and_resumes(kind, tmp_path, dataset, monkeypatch):
+    """fp16 autocast; a full fine-tune keeps fp32 weights (fp16 weights cannot be trained: a config error)."""
+    extra = {"base_model_default_dtype": "fp32"} if kind == "full" else {}
+    if kind == "full":
+        with pytest.raises(ConfigError, match="full fine-tune cannot update fp16 weights"):
+            load_config(case_config(CASES[0], tmp_path / "refused", dataset, kind, precision="fp16")[0])
+    config, _ = case_config(CASES[0], tmp_path, dataset, kind, precision="fp16", **extra)
+    crash_then_resume(monkeypatch, config, at_step=3)
+    seen = losses(tmp_path / "output")
+    assert sorted(seen) == [1, 2, 3, 4] and all(math.isfinite(v) for v in seen.values())
+    for name in sample_names(CASES[0]):
+        assert np.asarray(Image.open(tmp_path / "output" / "validation" / name)).std() > 0
