@@ -1,0 +1,43 @@
+"""What `difftune train` prints is true and free of third-party noise."""
+
+import os
+import subprocess
+import sys
+
+from conftest import write_config
+from difftune import cli
+
+
+def test_a_run_prints_no_library_noise_and_says_what_it_saved(tmp_path, dataset):
+    config = write_config(tmp_path, dataset, max_train_steps=1, validation_prompt="a cat",
+                          validation_resolution="32x32", validation_num_inference_steps=1)
+    done = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONWARNINGS": "default"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("requires torchvision", "kernels-community", "Traceback", "Loading pipeline components"):
+        assert noise not in done.stderr + done.stdout, noise
+    assert f"LoRA saved to {tmp_path / 'output'}" in done.stdout
+    assert f"validation samples in {tmp_path / 'output' / 'validation'}" in done.stdout
+
+
+def test_full_finetune_says_model_and_no_samples_line_without_validation(tmp_path, dataset, capsys):
+    config = write_config(tmp_path, dataset, max_train_steps=1, model_type="full")
+    assert cli.main(["train", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA" not in out and "validation samples" not in out
+    assert f"model saved to {tmp_path / 'output' / 'transformer'}" in out
+
+
+def test_the_noise_filter_keeps_other_warnings(capsys):
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    cli.quiet_libraries()
+    logger = transformers_logging.get_logger("transformers.test")
+    logger.warning("`X` requires torchvision (not installed); falling back")
+    logger.warning("a warning the user needs")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load from kernels-community: offline")
+    err = capsys.readouterr().err
+    assert "a warning the user needs" in err
+    assert "torchvision" not in err and "kernels-community" not in err
