@@ -188,3 +188,10 @@ def test_wrong_type_dataset_type_and_list(tmp_path, dataset):
     for bad in ({"not": "a list"}, [1, "two"], [[]]):
         backend.write_text(json.dumps(bad))
         assert problems(path)
+
+
+@pytest.mark.parametrize("bad", ["../escape", "a/b", "..", ".", "a\\b"])
+def test_dataset_ids_are_folder_names(tmp_path, dataset, bad):
+    """An id names its default cache folder (cache/vae/<family>/<id>): it cannot hold a path."""
+    with pytest.raises(ConfigError, match="names a cache folder"):
+        load_config(write_config(tmp_path, dataset, dataset={"id": bad}))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from difftune.config.fields import field
 
@@ -79,10 +79,23 @@ class VideoOptions(BaseModel):
         return self
 
 
+def safe_id(value: str) -> str:
+    """A dataset id names a folder (the default latent cache is cache/vae/<family>/<id>): no path parts."""
+    if value in (".", "..") or any(c in value for c in "/\\\0"):
+        raise ValueError(f"id {value!r} names a cache folder: it may not contain '/', '\\' or NUL, nor be "
+                         "'.' or '..'; use letters, digits, '-' and '_'")
+    return value
+
+
 class ImageDataset(BaseModel):
     """A folder of images (or, with dataset_type 'video', of clips) with captions."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        return safe_id(v)
 
     id: str = field(..., "Unique name of the dataset (used in reports and cache paths).", "data", min_length=1)
     type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
@@ -205,6 +218,11 @@ class TextEmbedsDataset(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        return safe_id(v)
+
     id: str = field(..., "Unique name of the entry.", "data", min_length=1)
     type: Literal["local"] = field("local", "Where the cache lives; only 'local'.", "data")
     dataset_type: Literal["text_embeds"] = field("text_embeds", "Kind of entry.", "data")
@@ -218,6 +236,11 @@ class ConditioningDataset(BaseModel):
     """Conditioning images (image-to-image): each pairs with the training image of the same file name."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        return safe_id(v)
 
     id: str = field(..., "Unique name of the dataset; training sets name it in conditioning_data.", "data",
                     min_length=1)
