@@ -28,16 +28,29 @@ def test_full_finetune_says_model_and_no_samples_line_without_validation(tmp_pat
     assert f"model saved to {tmp_path / 'output' / 'transformer'}" in out
 
 
-def test_the_noise_filter_keeps_other_warnings(capsys):
+def test_the_noise_filter_keeps_other_warnings():
+    """The handlers keep the stream they were made with (pytest's, at import), so the test points them at
+    a buffer of its own: what the user's terminal would get."""
+    import io
     import logging
 
     from transformers.utils import logging as transformers_logging
 
     cli.quiet_libraries()
-    logger = transformers_logging.get_logger("transformers.test")
-    logger.warning("`X` requires torchvision (not installed); falling back")
-    logger.warning("a warning the user needs")
-    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load from kernels-community: offline")
-    err = capsys.readouterr().err
+    buffer = io.StringIO()
+    handlers = transformers_logging._get_library_root_logger().handlers
+    bnb = logging.StreamHandler(buffer)
+    logging.getLogger("bitsandbytes").addHandler(bnb)
+    old = [h.setStream(buffer) for h in handlers if isinstance(h, logging.StreamHandler)]
+    try:
+        logger = transformers_logging.get_logger("transformers.test")
+        logger.warning("`X` requires torchvision (not installed); falling back")
+        logger.warning("a warning the user needs")
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load from kernels-community: offline")
+    finally:
+        for h, stream in zip([h for h in handlers if isinstance(h, logging.StreamHandler)], old):
+            h.setStream(stream)
+        logging.getLogger("bitsandbytes").removeHandler(bnb)
+    err = buffer.getvalue()
     assert "a warning the user needs" in err
     assert "torchvision" not in err and "kernels-community" not in err

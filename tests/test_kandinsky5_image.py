@@ -50,7 +50,7 @@ def test_defaults_from_the_spec(tmp_path, dataset):
     assert cfg.flavour() == "t2i-lite-sft"
     assert cfg.model_source() == "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers"
     assert cfg.guidance() == 5.0 and cfg.flow_schedule_shift == 1.0
-    assert cfg.validation_resolution == "1024x1024"
+    assert cfg.validation_resolution is None and cfg.validation_sizes() == [(1024, 1024)]
 
 
 def test_spec_example_dataset_list_validates(tmp_path):

@@ -311,7 +311,7 @@ def test_crashes_and_kills_are_reported_as_failed(lumina2_dir, root, tmp_path, n
     broken_id = client.post("/api/runs", json={"path": str(broken)}).json()["id"]
     killed_id = client.post("/api/runs", json={"path": str(killed)}).json()["id"]
     run = wait_for(client, broken_id, lambda r: r["status"] == "failed")
-    assert run["log_tail"] and any("Error" in line for line in run["log_tail"])
+    assert run["log_tail"] and any("empty-model" in line and "model_index.json" in line for line in run["log_tail"])
     run = wait_for(client, killed_id, lambda r: r["status"] == "running" and r["step"] > 0)
     start = next(json.loads(line) for line in (root / "killed" / "output" / "events.jsonl").read_text().splitlines()
                  if json.loads(line)["event"] == "start")

@@ -5,7 +5,8 @@ first step on tiny Lumina2 (build_run from cold caches, then one optimizer step)
 tiny Lumina2 and tiny Kandinsky 5 image; the batch source's per-batch cost without the model
 (TrainingData at batch 4: sampler, cached latents and text embeddings, collate); latent cache
 throughput with vae_batch_size 1 and 8; discovery of 10,000 small files without and with the metadata
-cache; peak RSS. It calls the trainer's own functions so that the figures follow the code. Tiny models
+cache; the cost of verifying a cache entry where training reads it (checksum, layout, finiteness)
+against a plain `load_file`; peak RSS. It calls the trainer's own functions so that the figures follow the code. Tiny models
 are built before any timing starts: a one-off per machine (kept under $DIFFTUNE_HOME), not part of a run.
 """
 
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import psutil
 import torch
+from safetensors.torch import load_file
 
 from difftune.config import RunConfig, load_config
 from difftune.data.batches import TrainingData
-from difftune.data.cache import TensorCache
+from difftune.data.cache import TensorCache, read
 from difftune.data.discovery import discover
 from difftune.data.latents import fill_latent_cache
 from difftune.data.sampler import BucketSampler
@@ -51,6 +53,8 @@ SAMPLER_BATCHES = 200
 DISCOVERY_FILES = 10_000
 DISCOVERY_REPEATS = 3
 VIDEO_CLIPS = 16
+VERIFY_ENTRIES = 64
+VERIFY_SHAPES = {"tiny": (16, 8, 8), "1mib": (16, 128, 128)}  # the bench's latents; a 1024 px Lumina2 latent
 VIDEO_SOURCE = (64, 48, 30, 30.0)  # width, height, frames, fps of each synthetic clip (1 s at 30 fps)
 VIDEO_FRAMES = 17  # trained frames: resampled to 24 fps, 4k+1
 
@@ -191,6 +195,26 @@ def bench_cache(root: Path) -> dict[str, float]:
     return {f"cache_bs{batch}_per_s": CACHE_IMAGES / statistics.median(t) for batch, t in times.items()}
 
 
+def bench_verification(root: Path) -> dict[str, float]:
+    """Reading a cache entry as training does (`cache.read`: one read, safetensors load, CRC-32 over the
+    layout and bytes, finiteness) against a plain `load_file`, per entry, for tiny latents and a 1 MiB
+    latent. Interleaved, median over entries and 3 passes; the files are in the page cache."""
+    results: dict[str, float] = {}
+    for name, shape in VERIFY_SHAPES.items():
+        cache = TensorCache(root / name, {"bench": name})
+        paths = [cache.put(str(i), {"latents": torch.randn(shape)}) for i in range(VERIFY_ENTRIES)]
+        times: dict[str, list[float]] = {"plain": [], "verified": []}
+        for _ in range(3):
+            for path in paths:
+                for kind, load in (("plain", load_file), ("verified", read)):
+                    t = time.perf_counter()
+                    load(path)
+                    times[kind].append(time.perf_counter() - t)
+        plain, verified = statistics.median(times["plain"]), statistics.median(times["verified"])
+        results |= {f"verify_{name}_plain_ms": plain * 1000, f"verify_{name}_ms": verified * 1000}
+    return results
+
+
 def bench_discovery(root: Path) -> dict[str, float]:
     """discover() over 10,000 files: cold (no metadata cache: every header read), then warm (the
     metadata file the cold scan wrote). The files were just written, so they are in the page cache."""
@@ -288,6 +312,10 @@ def rows(r: dict[str, float]) -> list[tuple[str, str, str]]:
          f"{DISCOVERY_FILES:,} images 32x32 + .txt, no metadata cache, median of {DISCOVERY_REPEATS}"),
         ("discovery, warm", f"{r['discovery_warm_s']:.2f} s",
          f"same files, metadata cache from the cold scan, median of {DISCOVERY_REPEATS}"),
+        *((f"cache entry read, verified ({label})", f"{r[f'verify_{name}_ms']:.3f} ms",
+           f"cache.read (CRC-32, layout, finite) of a {label} latent entry; plain load_file "
+           f"{r[f'verify_{name}_plain_ms']:.3f} ms; median of {VERIFY_ENTRIES} entries x 3")
+          for name, label in (("tiny", "16x8x8 f32"), ("1mib", "16x128x128 f32 (1 MiB)"))),
         ("peak RSS", f"{r['peak_rss_mib']:.0f} MiB", "whole benchmark process (ru_maxrss)"),
     ]
 
@@ -327,6 +355,7 @@ def main() -> int:
         results |= phase("Kandinsky 5 Video", lambda: bench_video(root / "video"))
         results |= phase("latent cache fill", lambda: bench_cache(root / "cache"))
         results |= phase("discovery", lambda: bench_discovery(root / "discovery"))
+        results |= phase("cache verification", lambda: bench_verification(root / "verify"))
         results["peak_rss_mib"] = peak_rss_mib()
         results["other_cores"] = other_cores(snapshot)
         total = time.perf_counter() - started

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 import zlib
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import load, save_file
@@ -71,12 +71,15 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The name of the first floating tensor holding NaN or inf, or None. A sum is finite exactly
-    when no element is NaN or inf (barring overflow, which only values near 3e38 reach): one fast pass."""
+    """The name of the first floating tensor holding NaN or inf, or None. Checked with numpy: torch's
+    reductions wait on its thread pool, which on a busy 2-core machine made this 50x slower."""
     for name, t in sorted(tensors.items()):
-        if t.is_floating_point() and t.numel() and not math.isfinite(t.float().sum().item()):
-            if not torch.isfinite(t).all():
-                return name
+        if not t.is_floating_point() or not t.numel():
+            continue
+        t = t.detach().cpu()
+        arr = t.numpy() if t.dtype in (torch.float16, torch.float32, torch.float64) else t.float().numpy()
+        if not np.isfinite(arr).all():
+            return name
     return None
 
 

@@ -78,6 +78,8 @@ def encode_validation(
     prompts = cfg.validation_prompts()
     if not prompts:
         return []
+    if not cfg.validation_disable_unconditional:  # what the model draws from no prompt at all
+        prompts.append(("unconditional", ""))
     path = validation_image(run_cfg, found) if family.facts.takes_input_image(cfg.flavour()) else None
     image: Image.Image | None = load_input_image(path) if path is not None else None
     suffix = "" if path is None else f"\x00validation:{path.resolve()}:{path.stat().st_mtime_ns}"
