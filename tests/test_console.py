@@ -48,7 +48,7 @@ def test_the_noise_filter_keeps_other_warnings():
         logger.warning("a warning the user needs")
         logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load from kernels-community: offline")
     finally:
-        for h, stream in zip([h for h in handlers if isinstance(h, logging.StreamHandler)], old):
+        for h, stream in zip([h for h in handlers if isinstance(h, logging.StreamHandler)], old, strict=True):
             h.setStream(stream)
         logging.getLogger("bitsandbytes").removeHandler(bnb)
     err = buffer.getvalue()
