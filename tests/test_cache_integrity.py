@@ -133,7 +133,7 @@ def test_damaged_entries_in_training_are_left_out_deleted_and_reencoded(tmp_path
     run2 = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=4, train_batch_size=1,
                                               output_dir=str(tmp_path / "out2"))))
     infos = [e["message"] for e in events_of(tmp_path / "out2") if e["event"] == "info"]
-    assert any("latent cache: 4 files, 1 newly encoded" in m for m in infos)  # the renamed tensor, at start-up
+    assert "latent cache: 4 files: 3 from the cache, 1 newly encoded" in infos  # the renamed tensor, at start-up
 
     def collate(texts):
         seen.extend(texts)
@@ -152,8 +152,8 @@ def test_damaged_entries_in_training_are_left_out_deleted_and_reencoded(tmp_path
     # The next start encodes what was deleted; every entry verifies again.
     build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1, output_dir=str(tmp_path / "out3"))))
     infos = [e["message"] for e in events_of(tmp_path / "out3") if e["event"] == "info"]
-    assert any("latent cache: 4 files, 1 newly encoded" in m for m in infos)
-    assert any("text cache: 4 captions, 1 newly encoded" in m for m in infos)
+    assert "latent cache: 4 files: 3 from the cache, 1 newly encoded" in infos
+    assert "text cache: 4 captions, 3 distinct: 2 from the cache, 1 newly encoded" in infos
     for path in {*latent_files, *text_files}:
         read(path)
     assert load_file(zeroed)["latents"].abs().sum() > 0

@@ -148,7 +148,23 @@ def test_text_cache_follows_caption_changes(tmp_path, dataset):
     run = build_run(load_config(path))
     events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
     messages = [e["message"] for e in events if e["event"] == "info" and e["message"].startswith("text cache")]
-    assert len(messages) == 2 and messages[1] == "text cache: 4 captions, 1 newly encoded"
+    assert len(messages) == 2 and messages[1] == "text cache: 4 captions, 4 distinct: 3 from the cache, 1 newly encoded"
+
+
+def test_cache_counts_add_up(tmp_path, dataset):
+    """One entry deleted (rebuilt), one image damaged after discovery's header read (fails to decode):
+    the line says what happened to each file, and the parts add up to the total."""
+    path = write_config(tmp_path, dataset, max_train_steps=1)
+    run = build_run(load_config(path))
+    entries = sorted({c.latent_file for c in run.data.items})
+    entries[0].unlink()
+    image = sorted(dataset.glob("*.png"))[-1]
+    blob = image.read_bytes()
+    image.write_bytes(blob[: len(blob) // 2])  # the header still reads; the pixels do not
+    run = build_run(load_config(path))
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    lines = [e["message"] for e in events if e["event"] == "info" and e["message"].startswith("latent cache")]
+    assert lines[-1] == "latent cache: 4 files: 2 from the cache, 1 newly encoded, 1 failed (skipped: see the data report)"
 
 
 def test_kill_during_caching_resumes(tmp_path):

@@ -43,7 +43,8 @@ def test_t2v_trains_on_real_world_clips_and_reports_every_file(tmp_path):
         (clips / f"{name}.txt").write_text(f"clip {name}")
     path = video_run_config(tmp_path, clips, max_train_steps=3, validation_prompt="a square",
                             validation_resolution="32x32", validation_num_video_frames=5,
-                            validation_num_inference_steps=2, frame_rate=24)
+                            validation_num_inference_steps=2, frame_rate=24,
+                            validation_disable_unconditional=True)
     run = build_run(load_config(path))
     report = "\n".join(json.loads(line).get("text", "") for line in (run.output_dir / "events.jsonl").open())
     assert "short.mp4: 6 frame(s) at 24 fps, shorter than num_frames 9" in report

@@ -96,9 +96,9 @@ def test_prompt_library_samples_every_prompt(tmp_path, dataset):
     run = build_run(load_config(path))
     train(run)
     names = sorted(p.name for p in (run.output_dir / "validation").glob("final-*.png"))
-    assert names == sorted(f"final-step-000002{n}-{s}.png" for n in ("", "-portrait", "-landscape")
+    assert names == sorted(f"final-step-000002{n}-{s}.png" for n in ("", "-portrait", "-landscape", "-unconditional")
                            for s in ("32x32", "64x48"))
-    assert len(list((run.output_dir / "validation").glob("step-000001*.png"))) == 6
+    assert len(list((run.output_dir / "validation").glob("step-000001*.png"))) == 8
 
 
 def test_commands_save_sample_stop(tmp_path, dataset):
@@ -151,7 +151,8 @@ def test_ema_saved_validated_and_resumed(tmp_path, dataset, monkeypatch):
 
     common = dict(max_train_steps=5, checkpoint_step_interval=2, use_ema=True, ema_decay=0.5,
                   resume_from_checkpoint="latest", validation_prompt="a red circle",
-                  validation_resolution="32x32", validation_num_inference_steps=2)
+                  validation_resolution="32x32", validation_num_inference_steps=2,
+                  validation_disable_unconditional=True)
     run = build_run(load_config(write_config(tmp_path / "a", dataset, **common)))
     train(run)
     out = tmp_path / "a" / "output"

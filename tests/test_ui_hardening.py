@@ -142,9 +142,8 @@ def test_caption_table_and_model_paths_are_confined(client, root, outside):
 
 
 def test_the_default_text_cache_is_the_trainers(root, tmp_path, monkeypatch):
-    """ui/confine.text_cache_root repeats train/caching.text_cache_for's rule (which opens the cache)."""
+    """The UI confines DatasetPlan.text_cache_root; the trainer opens the cache it names."""
     from difftune.train.caching import text_cache_for
-    from difftune.ui.confine import text_cache_root
 
     monkeypatch.chdir(tmp_path)
     datasets = json.loads((root / "config" / "multidatabackend.json").read_text())
@@ -153,7 +152,7 @@ def test_the_default_text_cache_is_the_trainers(root, tmp_path, monkeypatch):
         run_cfg = load_config(root / "config" / "config.json")
         ds = run_cfg.datasets.images[0]
         cache, _ = text_cache_for(run_cfg, ds, {"model": "x"})
-        expected = Path(text_cache_root(run_cfg.datasets, ds, "lumina2"))
+        expected = Path(run_cfg.datasets.text_cache_root(ds, "lumina2"))
         assert cache.folder.resolve().is_relative_to(expected.resolve()), (cache.folder, expected)
 
 

@@ -272,6 +272,12 @@ class DatasetPlan(BaseModel):
             return self.all_text_embeds[dataset.text_embeds]
         return self.text_embeds
 
+    def text_cache_root(self, dataset: ImageDataset, family: str) -> str:
+        """The folder of a dataset's text cache: its text_embeds entry's cache_dir, else cache/text/<family>
+        (the trainer opens it; the web UI confines it without opening it)."""
+        entry = self.text_embeds_for(dataset)
+        return entry.cache_dir if entry else f"cache/text/{family}"
+
     def conditioning_dir(self, dataset: ImageDataset) -> str | None:
         if dataset.conditioning_data is None:
             return None

@@ -77,7 +77,7 @@ def _suggest(key: str, known: list[str]) -> str:
     return suggest(key, known)
 
 
-def _clean_keys(raw: dict[str, Any], where: str = "", problems: list[str] | None = None) -> dict[str, Any]:
+def clean_keys(raw: dict[str, Any], where: str = "", problems: list[str] | None = None) -> dict[str, Any]:
     """`--key` -> `key` (SimpleTuner allows both); the string "null" -> None."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -173,7 +173,7 @@ def load_datasets(
             problems.append(f"{path}: entry {index} must be an object")
             continue
         where = _entry_where(path, entry, index)
-        entry = _clean_keys(entry, where, problems)
+        entry = clean_keys(entry, where, problems)
         entry = substitute_all(entry, family, lambda key, w=where: w, problems)
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):
@@ -363,8 +363,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not isinstance(data, dict):
             raise ConfigError([f"{cfg_path}: the config must be a JSON object of keys and values, got "
                                f"{type(data).__name__}"])
-        from_file = apply_key_aliases(_clean_keys(data, file_where, problems), lambda k: file_where, problems)
-    cli = apply_key_aliases(_clean_keys(overrides or {}, COMMAND_LINE, problems), lambda k: COMMAND_LINE, problems)
+        from_file = apply_key_aliases(clean_keys(data, file_where, problems), lambda k: file_where, problems)
+    cli = apply_key_aliases(clean_keys(overrides or {}, COMMAND_LINE, problems), lambda k: COMMAND_LINE, problems)
 
     def where_of(key: str) -> str:
         return COMMAND_LINE if key in cli else file_where

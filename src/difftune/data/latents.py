@@ -100,14 +100,17 @@ def fill_latent_cache(
     samples: list[Sample], cache: TensorCache, crop_style: str, seed: int,
     encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int,
     on_progress: Callable[[int], None] | None = None, first_frame: bool = False,
+    stats: dict[str, int] | None = None,
 ) -> tuple[list[CachedSample], list[tuple[Path, str]]]:
-    """Returns the samples with valid cache entries, and the files that failed with their reason.
+    """Returns the samples with valid cache entries, and the files that failed with their reason;
+    `stats["encoded"]` is set to how many of them were encoded now (the rest were in the cache).
     `first_frame` (image-to-video): each clip's first frame is also encoded on its own, as the pipeline
     encodes its input image; with the VAE's GroupNorm over all frames it differs from the clip's first
     latent frame."""
     done: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
     pending: dict[tuple[int, ...], list[tuple[Sample, list[tuple[Path, str]]]]] = defaultdict(list)
+    encoded = 0
 
     for sample in samples:
         uv = crop_position(sample, crop_style, seed)
@@ -161,8 +164,11 @@ def fill_latent_cache(
                         failed.append((sample.path, str(e)))
                         continue
                     done.append(_cached(sample, cache, keys, crop_style, seed))
+                    encoded += 1
             if on_progress:
                 on_progress(len(chunk))
+    if stats is not None:
+        stats["encoded"] = encoded
     done.sort(key=lambda c: (c.sample.dataset_id, str(c.sample.path)))
     return done, failed
 

@@ -22,7 +22,7 @@ from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
 from difftune.data.images import fit, load_rgb
-from difftune.data.latents import CachedSample, fill_latent_cache, latent_key, text_jobs, uncached
+from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs, uncached
 from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.registry import FAMILY_FACTS
@@ -117,7 +117,7 @@ def encode_validation(
 def text_cache_for(run_cfg: RunConfig, ds, identity: dict) -> tuple[TensorCache, int]:
     """The text cache of a dataset (its own text_embeds entry, or the default) and its batch size."""
     entry = run_cfg.datasets.text_embeds_for(ds)
-    root = Path(entry.cache_dir) if entry else Path("cache/text") / run_cfg.train.model_family
+    root = Path(run_cfg.datasets.text_cache_root(ds, run_cfg.train.model_family))
     return TensorCache(root, identity), (entry.write_batch_size if entry else 32)
 
 
@@ -134,7 +134,7 @@ def fill_caches(
     text_caches: dict[str, TensorCache] = {}
     for module in comps.text_modules():
         module.to(device)
-    encoded, text_failed, total = 0, [], 0
+    encoded, text_failed, total, distinct = 0, [], 0, 0
     all_jobs = {}
     for ds, d in zip(datasets, found, strict=True):
         cache, batch = text_cache_for(run_cfg, ds, identity["text"])
@@ -142,7 +142,7 @@ def fill_caches(
         jobs = text_jobs(d.samples, ds.crop_style, cfg.seed, with_empty=cfg.caption_dropout_probability > 0)
         unique = sorted({job.key: job for job in jobs}.values(), key=lambda job: job.key)
         all_jobs[ds.id] = (cache, batch, unique)
-        total += len(jobs)
+        total, distinct = total + len(jobs), distinct + len(unique)
         mine = ranks.shard(unique)
         n, _ = fill_text_cache(  # failures are reported by the second pass
             cache, mine, lambda prompts, images: family.encode_text(comps, prompts, images=images), batch,
@@ -155,8 +155,9 @@ def fill_caches(
         encoded, text_failed = encoded + n, text_failed + bad
     validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found) if ranks.main else []
     per_process = ranks.gather(encoded)
-    events.emit("info", message=f"text cache: {total} captions, {sum(per_process)} newly encoded"
-                + (f" (per process: {per_process})" if ranks.count > 1 else ""))
+    new = sum(per_process)
+    events.emit("info", message=f"text cache: {total} captions, {distinct} distinct: "
+                + counts(distinct - new - len(text_failed), new, len(text_failed), per_process))
     comps.text = {}  # the text encoders' job is done: free the memory before training
     _free(device)
 
@@ -167,7 +168,7 @@ def fill_caches(
     cached: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
     on_the_fly = False
-    latents_encoded = 0
+    latents_encoded = 0  # by this process, in its share
     for ds, disc, rule in zip(datasets, found, rules, strict=True):
         if cfg.vae_cache_disable or ds.vae_cache_disable:
             on_the_fly = True  # encoded during training: nothing written, the VAE stays loaded
@@ -181,17 +182,23 @@ def fill_caches(
                              **({"first_frame": True} if first_frame else {})})
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         mine = ranks.shard(disc.samples)
-        latents_encoded += sum(1 for s in mine if not cache.has(latent_key(s, ds.crop_style, cfg.seed)))
+        counted: dict[str, int] = {}
         fill_latent_cache(mine, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
-                          on_progress=progress(events, f"latents ({ds.id})", len(mine)), first_frame=first_frame)
+                          on_progress=progress(events, f"latents ({ds.id})", len(mine)), first_frame=first_frame,
+                          stats=counted)
+        latents_encoded += counted["encoded"]
         ranks.barrier()
         done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
                                       first_frame=first_frame)
         cached += done
         failed += bad
     per_process = ranks.gather(latents_encoded)
-    events.emit("info", message=f"latent cache: {sum(len(d.samples) for d in found)} files, {sum(per_process)} "
-                "newly encoded" + (f" (per process: {per_process})" if ranks.count > 1 else ""))
+    files, new = sum(len(d.samples) for d in found), sum(per_process)
+    later = sum(len(d.samples) for ds, d in zip(datasets, found, strict=True)
+                if cfg.vae_cache_disable or ds.vae_cache_disable)
+    events.emit("info", message=f"latent cache: {files} files: "
+                + counts(len(cached) - later - new, new, len(failed), per_process)
+                + (f", {later} encoded during training (vae_cache_disable)" if later else ""))
     cached = [c for c in cached if all(text_caches[c.sample.dataset_id].has(k) for k in c.text_keys)]
     for key, why in text_failed:  # an input image that failed to load, or a caption encoded to NaN
         if "\x00" in key:
@@ -205,6 +212,13 @@ def fill_caches(
         comps.vae = comps.vae.to("cpu") if validation else None
     _free(device)
     return Cached(cached, text_caches, failed, validation, on_the_fly)
+
+
+def counts(reused: int, new: int, failed: int, per_process: list[int]) -> str:
+    """'13 from the cache, 1 newly encoded, 2 failed': parts that add up to the total before them."""
+    line = f"{reused} from the cache, {new} newly encoded" + (f" (per process: {per_process})"
+                                                               if len(per_process) > 1 else "")
+    return line + (f", {failed} failed (skipped: see the data report)" if failed else "")
 
 
 def _patch_conv(vae) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 from difftune.config.load import (
     ConfigError,
     RunConfig,
-    _clean_keys,
+    clean_keys,
     load_config,
     load_datasets,
     split_problem,
@@ -30,7 +30,7 @@ log = logging.getLogger("difftune.ui")
 
 def datasets_location(roots: Roots, config_path: Path, config: dict[str, Any]) -> Path:
     """Where the config's dataset list lives (confined; PathRefused otherwise)."""
-    value = _clean_keys(config).get(DATASETS_KEY, DEFAULT_DATASETS)
+    value = clean_keys(config).get(DATASETS_KEY, DEFAULT_DATASETS)
     if not isinstance(value, str) or not value:
         value = str(config_path.parent / "multidatabackend.json")
     return roots.confine(value, expand_user=False)

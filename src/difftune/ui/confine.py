@@ -4,13 +4,13 @@ Confinement works on the config as the loader reads it, in two passes, because t
 opens files that a config names (lycoris_config, user_prompt_library) and tests others for existence:
 
 1. `raw_pass`, before loading: every path-valued key of config.json and of each dataset entry, spelled
-   as the loader reads it (leading dashes stripped by the loader's own `_clean_keys`), with the schema
+   as the loader reads it (leading dashes stripped by the loader's own `clean_keys`), with the schema
    default where the key is absent. A refused key is taken out before the loader sees it, so that the
    loader neither opens it nor tells whether it exists, and a file the loader reads must be a regular
    file under the size limit (a FIFO would block the check forever).
 2. `parsed_problems`, after loading: every path of the parsed config and dataset plan, defaults
    included: the latent cache (`ImageDataset.vae_cache_root`, the function the data layer calls), the
-   default text cache (`text_cache_root`, as train/caching.py computes it) and the caption table where
+   default text cache (`DatasetPlan.text_cache_root`, the rule the trainer uses) and the caption table where
    train/plan.py looks for it.
 
 Path keys are found from the schema (ui/paths.path_kind), so a new path key is confined without a list
@@ -26,23 +26,13 @@ from typing import Any
 
 from difftune.config.compat import family_name, substitute_all
 from difftune.config.datasets import DatasetPlan, ImageDataset
-from difftune.config.load import _clean_keys
+from difftune.config.load import clean_keys
 from difftune.config.schema import TrainConfig
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import dataset_fields, train_fields
 from difftune.ui.paths import MAX_READ_BYTES, PathRefused, Roots, local_value
 
 DATASETS_KEY = "data_backend_config"  # confined by the server: it names the file the page writes
-
-
-def text_cache_root(plan: DatasetPlan, ds: ImageDataset, family: str) -> str:
-    """The text cache folder of a dataset: its text_embeds entry's cache_dir, else cache/text/<family>.
-
-    The same rule as train/caching.text_cache_for, which cannot be called here: it opens the cache
-    (creating the folder) and imports torch. tests/test_ui_hardening.py keeps the two equal.
-    """
-    entry = plan.text_embeds_for(ds)
-    return entry.cache_dir if entry else str(Path("cache/text") / family)
 
 
 def caption_table_path(roots: Roots, ds: ImageDataset) -> str | None:
@@ -123,7 +113,7 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
     problems: list[str] = []
     refused: set[str] = set()
     # spelled and filled as the loader does: leading dashes stripped, `{model_family}` replaced
-    cfg = _clean_keys(config)
+    cfg = clean_keys(config)
     family = family_name(cfg.get("model_family"))
     family = family if isinstance(family, str) and family in FAMILY_FACTS else None
     cfg = substitute_all(cfg, family, lambda key: config_where, [])
@@ -137,7 +127,7 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
         if not isinstance(entry, dict):
             entries.append(entry)
             continue
-        entry = substitute_all(_clean_keys(entry), family, lambda key: data_where, [])
+        entry = substitute_all(clean_keys(entry), family, lambda key: data_where, [])
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):  # named as the loader names an unknown type (a list would crash it)
             entry["dataset_type"] = kind = json.dumps(kind)
@@ -181,7 +171,7 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
                              " - that is the default latent cache; set cache_dir_vae to a folder inside the roots")
         entry = plan.text_embeds_for(ds)
         if entry is None or entry.id not in listed_ids:
-            problems += _default(roots, text_cache_root(plan, ds, family), f"{where}: text_embeds",
+            problems += _default(roots, plan.text_cache_root(ds, family), f"{where}: text_embeds",
                                  " - that is the default text cache; add a text_embeds entry whose cache_dir "
                                  "is inside the roots")
     return list(dict.fromkeys(problems))
