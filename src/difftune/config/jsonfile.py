@@ -24,6 +24,10 @@ def _line_col(text: str, pos: int) -> tuple[int, int]:
 
 def _syntax_message(path: Path, text: str, e: json.JSONDecodeError) -> str:
     pos = e.pos
+    if pos < len(text) and text[pos] == ",":  # Python 3.13 points at the comma itself, 3.12 at the closer
+        pos += 1
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
     before = pos - 1
     while before >= 0 and text[before] in " \t\r\n":
         before -= 1

@@ -95,8 +95,16 @@ def _adamw(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float,
 def _optimi(cls: str, kahan_sum: bool | None) -> Callable[..., Any]:
     def build(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
         return getattr(mod, cls)(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps,
-                                 kahan_sum=kahan_sum)
+                                 kahan_sum=kahan_sum, **_no_triton_off_cuda(params))
     return build
+
+
+def _no_triton_off_cuda(params: list) -> dict[str, bool]:
+    """optimi's StableAdamW (0.3) decides on Triton before it has looked at any parameter, so with a
+    CUDA build of torch (which ships Triton) it takes the Triton kernel for CPU tensors and fails ("0
+    active drivers"). Off CUDA the for-loop is the only path anyway: say so."""
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return {} if tensors and all(t.is_cuda for t in tensors) else {"triton": False}
 
 
 def _lion(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
