@@ -36,7 +36,7 @@ def test_wrong_type_names_key(tmp_path, dataset):
 
 
 def test_pending_feature_is_rejected_not_ignored(tmp_path, dataset):
-    text = problems(write_config(tmp_path, dataset, base_model_precision="int8-quanto", report_to="wandb",
+    text = problems(write_config(tmp_path, dataset, base_model_precision="nf4-bnb", report_to="wandb",
                                  enable_group_offload=True))
     assert "base_model_precision" in text and "not implemented yet" in text
     assert "report_to" in text and "enable_group_offload" in text

@@ -66,8 +66,14 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
 # Third-party lines that say nothing a difftune user can act on, dropped from the console:
 # transformers' notice that its image processors fall back to PIL without torchvision (difftune never
 # needs torchvision), and bitsandbytes' CPU notice about an optional kernel download (4-bit CPU kernels,
-# which difftune does not use; this machine reaches no kernel hub anyway).
-NOISE = ("requires torchvision (not installed)", "kernels-community")
+# which difftune does not use; this machine reaches no kernel hub anyway). torchao, imported by diffusers
+# whenever it is installed: its CUDA-only kernel libraries that a CPU build of torch cannot load, torch's
+# notice about its enum registrations, and diffusers' notice about torchao checkpoint classes (difftune
+# quantizes after loading and never loads torchao checkpoints).
+NOISE = ("requires torchvision (not installed)", "kernels-community", "/torchao/_C",
+         "is an Enum subclass and is now natively supported by torch.compile", "Unable to import `torchao`")
+NOISY_LOGGERS = ("bitsandbytes", "bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree",
+                 "diffusers.quantizers.torchao.torchao_quantizer")
 
 
 class _DropNoise(logging.Filter):
@@ -79,13 +85,13 @@ class _DropNoise(logging.Filter):
 def quiet_libraries() -> None:
     """The hub libraries draw a progress bar per component load; ours is the one that matters. Their
     import-time notices that do not concern the user are filtered (see NOISE); every other warning stays."""
+    noise = _DropNoise()
+    for name in NOISY_LOGGERS:  # before the imports below, which may import torchao
+        logging.getLogger(name).addFilter(noise)
     from transformers.utils import logging as transformers_logging
 
-    noise = _DropNoise()
     for handler in transformers_logging._get_library_root_logger().handlers:
         handler.addFilter(noise)
-    for name in ("bitsandbytes", "bitsandbytes.backends.cpu.ops"):
-        logging.getLogger(name).addFilter(noise)
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()

@@ -90,7 +90,8 @@ class LycorisAdapter:
         from difftune.adapters.lycoris import attach_lycoris
 
         self.config = json.loads(Path(cfg.lycoris_config).read_text())
-        self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family)
+        self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family,
+                                                   bypass=cfg.base_model_precision != "no_change")
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.params

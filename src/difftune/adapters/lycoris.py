@@ -131,12 +131,16 @@ def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     return positional, config, dict(preset)
 
 
-def attach_lycoris(transformer: torch.nn.Module, config: Mapping[str, Any], *, family: str | None = None
-                   ) -> tuple[LycorisNetwork, list[torch.nn.Parameter]]:
+def attach_lycoris(transformer: torch.nn.Module, config: Mapping[str, Any], *, family: str | None = None,
+                   bypass: bool = False) -> tuple[LycorisNetwork, list[torch.nn.Parameter]]:
     """Wrap `transformer`'s target modules with a LyCORIS network built from a lycoris_config; returns the network
     (applied: the transformer's forward now includes it) and its trainable parameters. The transformer is frozen and
-    the adapter is fp32 on the transformer's device (as difftune's LoRA)."""
+    the adapter is fp32 on the transformer's device (as difftune's LoRA). `bypass`: the base weights are quantized,
+    so each layer adds the network's output to its own (LyCORIS' bypass mode) instead of merging weights; the
+    saved file is the same."""
     positional, kwargs, preset = split_config(config)
+    if bypass:
+        kwargs["bypass_mode"] = True
     transformer.requires_grad_(False)
     with preset_applied(resolve_preset(transformer, preset, family)):
         network = create_lycoris(transformer, positional["multiplier"], positional["linear_dim"],

@@ -23,13 +23,8 @@ from typing import Any
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "base_model_precision": (
-        ("no_change",),
-        "quantized training (int8-quanto, int8-torchao, ...) is not implemented yet; use 'no_change'",
-    ),
     "text_encoder_1_precision": (("no_change",), "text-encoder quantization is not implemented yet; use 'no_change'"),
     "text_encoder_2_precision": (("no_change",), "text-encoder quantization is not implemented yet; use 'no_change'"),
-    "quantize_via": (("cpu", "accelerator"), "quantize_via only applies to quantized training, not implemented yet"),
     "evaluation_type": ((None, "none", "None"), "CLIP evaluation is not implemented yet; remove evaluation_type"),
     "eval_steps_interval": ((None, 0), "evaluation is not implemented yet; remove eval_steps_interval"),
     "num_eval_images": ((None,), "evaluation is not implemented yet; remove num_eval_images"),
@@ -71,7 +66,6 @@ PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 # A setting that only acts when its switch is on: any value while the switch is off.
 DEPENDS_ON: dict[str, str] = {
     "hub_model_id": "push_to_hub",
-    "quantize_via": "base_model_precision",
     "eval_steps_interval": "evaluation_type",
     "num_eval_images": "evaluation_type",
     "group_offload_type": "enable_group_offload",
@@ -90,6 +84,19 @@ PENDING_VALUES: dict[tuple[str, str], str] = {
     ("optimizer", "adamw_schedulefree"): (
         "not implemented yet: optimizer 'adamw_schedulefree' (schedule-free AdamW needs its train/eval mode "
         "switched around validation and checkpoints); use 'adamw' or 'adamw_bf16' with an lr_scheduler"),
+    ("base_model_precision", "int4-torchao"): (
+        "not implemented yet: base_model_precision 'int4-torchao' (torchao's int4 weight-only layout needs its "
+        "CUDA kernels or the separate mslk package); use 'int4-quanto', or 'int8-torchao'"),
+    ("base_model_precision", "nf4-bnb"): (
+        "not implemented yet: base_model_precision 'nf4-bnb' (bitsandbytes 4-bit, CUDA only); use 'int4-quanto' "
+        "or 'int8-quanto'"),
+    ("base_model_precision", "int2-quanto"): (
+        "not implemented yet: base_model_precision 'int2-quanto'; use 'int4-quanto' or 'int8-quanto'"),
+    ("base_model_precision", "fp8uz-quanto"): (
+        "not implemented yet: base_model_precision 'fp8uz-quanto'; use 'fp8-quanto'"),
+    ("quantize_via", "pipeline"): (
+        "not implemented yet: quantize_via 'pipeline' (quantizing while the pipeline loads); use 'cpu' or "
+        "'accelerator'"),
     ("type", "huggingface"): (
         "not implemented yet: datasets from the Hugging Face hub (type 'huggingface'); download it and use "
         "type 'local' with instance_data_dir"),

@@ -21,6 +21,9 @@ from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
 
+# base_model_precision values that work (models/quantize.py makes them); the spec's others are refused
+# in config/pending.py (PENDING_VALUES) with what to use instead.
+QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto", "fp8-torchao", "int4-quanto")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -250,6 +253,16 @@ class TrainConfig(BaseModel):
     base_model_default_dtype: Literal["bf16", "fp16", "fp32"] | None = field(
         None, "Dtype of the frozen base weights. Empty follows mixed_precision.", "memory", advanced=True
     )
+    base_model_precision: Literal[QUANTIZED_PRECISIONS] = field(  # type: ignore[valid-type]
+        "no_change", "Store the frozen transformer's linear weights quantized (weight-only), for LoRA and LyCORIS: "
+        "'int8-quanto' or 'int8-torchao' halve a bf16 model's memory; 'fp8-quanto', 'fp8-torchao' (8-bit float) "
+        "and 'int4-quanto' (a quarter) also exist. The adapter trains in full precision and loads into the "
+        "unquantized pipeline. 'no_change': the weights as loaded.", "memory",
+    )
+    quantize_via: Literal["cpu", "accelerator"] = field(
+        "cpu", "Where base_model_precision quantizes: 'cpu' (before the model moves, so the accelerator never "
+        "holds it in full precision) or 'accelerator' (faster on a GPU).", "memory", advanced=True,
+    )
     gradient_checkpointing: bool = field(
         False, "Recompute activations in the backward pass: much less memory, about 30% slower.", "memory"
     )
@@ -399,6 +412,10 @@ class TrainConfig(BaseModel):
             # fp16 weights updated in place overflow and underflow (AdamW's epsilon is 0 in fp16): NaN at step 2.
             raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
                              "mixed_precision 'fp16' with base_model_default_dtype 'fp32' (classic fp16 autocast)")
+        if self.model_type == "full" and self.base_model_precision != "no_change":
+            raise ValueError(f"a full fine-tune cannot train quantized weights (base_model_precision "
+                             f"{self.base_model_precision!r}); use model_type 'lora' (or lora_type 'lycoris') "
+                             "on the quantized base, or base_model_precision 'no_change'")
         if self.lycoris_config is not None and self.lora_type != "lycoris":
             raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
         if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):

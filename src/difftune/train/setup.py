@@ -24,6 +24,7 @@ from difftune.data.report import DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
+from difftune.models.quantize import quantize_transformer
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
@@ -152,6 +153,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
             f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
             f"set model_flavour to a matching flavour of {cfg.model_family}"
         )
+    # Before it reaches the accelerator (quantize_via 'cpu') and before any adapter wraps its layers.
+    quantize_transformer(comps.transformer, cfg.base_model_precision, cfg.quantize_via, device,
+                         park=cfg.offload_during_startup, emit=events.emit)
     if not cfg.offload_during_startup:  # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)

@@ -1,0 +1,167 @@
+"""Quantized base models (base_model_precision): LoRA and LyCORIS train on an int8 transformer, the
+saved adapter has the keys of an unquantized run and loads into the unquantized stock pipeline, validation
+samples on the quantized model, the checkpoint holds no base weight, and a resumed run repeats its losses."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from conftest import write_config
+from difftune.cli import main
+from difftune.config import ConfigError, load_config
+from difftune.models.quantize import tensor_bytes, weight_bytes
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+from families import Case
+from test_train import crash_then_resume, losses
+
+FAMILIES = ["lumina2", "kandinsky5-image"]
+PRECISIONS = ["int8-quanto", "int8-torchao"]
+FAST = dict(max_train_steps=2, lora_rank=4, validation_prompt="a red circle", validation_resolution="32x32",
+            validation_num_inference_steps=2, validation_disable_unconditional=True)
+
+
+def events(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+def run_once(root, images, family: str, **overrides):
+    path = write_config(root, images, model_family=family, model_flavour="tiny-random", **{**FAST, **overrides})
+    run = build_run(load_config(path))
+    result = train(run)
+    return run, result
+
+
+@pytest.fixture(scope="module")
+def unquantized_keys(tmp_path_factory):
+    """Keys of the LoRA each family saves without quantization (trained once per module)."""
+    from difftune.demo import make_dataset
+
+    root = tmp_path_factory.mktemp("plain")
+    make_dataset(root / "images", count=2)
+    keys = {}
+    for family in FAMILIES:
+        _, result = run_once(root / family, root / "images", family, max_train_steps=1)
+        keys[family] = sorted(load_file(result))
+    return keys
+
+
+def quantized_weights(module) -> int:
+    """How many weights are tensor subclasses (quantized), not plain float tensors."""
+    return sum(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in module.parameters())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_quantized_base_loads_into_the_unquantized_pipeline(
+    tmp_path, dataset, family, precision, unquantized_keys
+):
+    run, result = run_once(tmp_path, dataset, family, base_model_precision=precision)
+    history = losses(run.output_dir)
+    assert sorted(history) == [1, 2] and all(math.isfinite(v) for v in history.values())
+    assert (run.output_dir / "validation" / "final-step-000002-32x32.png").exists()  # sampled on the int8 base
+    model = run.accelerator.unwrap_model(run.transformer)
+    assert quantized_weights(model) > 0
+    # The adapter trains in fp32 beside int8 base weights.
+    assert all(p.dtype == torch.float32 and type(p) is torch.nn.Parameter for p in run.params)
+    memory = [e for e in events(run.output_dir) if e["event"] == "info" and "bytes_before" in e]
+    assert len(memory) == 1 and memory[0]["bytes_after"] < 0.6 * memory[0]["bytes_before"], memory
+    assert precision in memory[0]["message"]
+
+    saved = load_file(result)
+    assert sorted(saved) == unquantized_keys[family]
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    pipe = Case(family, "tiny-random").stock(run.comps.source)  # the stock pipeline, unquantized
+    pipe.load_lora_weights(result.parent)
+    assert quantized_weights(pipe.transformer) == 0
+    adapter = next(iter(pipe.transformer.peft_config))
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=adapter)
+    assert sorted(f"transformer.{k}" for k in loaded) == sorted(saved)
+    for name, tensor in loaded.items():  # every saved tensor arrived, unchanged
+        torch.testing.assert_close(tensor, saved[f"transformer.{name}"])
+
+
+def test_resume_on_quantized_base_gives_same_losses(tmp_path, dataset, monkeypatch):
+    common = dict(max_train_steps=4, checkpoint_step_interval=2, resume_from_checkpoint="latest",
+                  base_model_precision="int8-quanto", lora_rank=4)
+    train(build_run(load_config(write_config(tmp_path / "a", dataset, **common))))
+    expected = losses(tmp_path / "a" / "output")
+    crash_then_resume(monkeypatch, write_config(tmp_path / "b", dataset, **common), at_step=3)
+    resumed = losses(tmp_path / "b" / "output")
+    assert sorted(resumed) == sorted(expected) == [1, 2, 3, 4]
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    # The checkpoint holds the adapter, never the (quantized) base weights.
+    checkpoint = tmp_path / "b" / "output" / "checkpoints" / "checkpoint-0000002"
+    trainable = load_file(checkpoint / "trainable.safetensors")
+    assert trainable and all("lora_" in k for k in trainable)
+    total = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    assert total < 1_000_000, total
+
+
+def test_lycoris_on_quantized_base(tmp_path, dataset):
+    (tmp_path / "lycoris.json").write_text(json.dumps({"algo": "lokr", "linear_dim": 4, "linear_alpha": 1,
+                                                       "factor": 4}))
+    common = dict(lora_type="lycoris", lycoris_config=str(tmp_path / "lycoris.json"))
+    _, plain = run_once(tmp_path / "plain", dataset, "lumina2", max_train_steps=1, **common)
+    run, result = run_once(tmp_path / "q", dataset, "lumina2", base_model_precision="int8-torchao", **common)
+    assert quantized_weights(run.accelerator.unwrap_model(run.transformer)) > 0
+    assert all(math.isfinite(v) for v in losses(run.output_dir).values())
+    assert sorted(load_file(result)) == sorted(load_file(plain))
+
+
+def test_full_fine_tune_on_quantized_base_is_refused_in_check(tmp_path, dataset, capsys):
+    path = write_config(tmp_path, dataset, model_type="full", base_model_precision="int8-quanto")
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "full fine-tune" in err and "base_model_precision" in err
+
+
+@pytest.mark.parametrize("value", ["int4-torchao", "nf4-bnb", "int2-quanto"])
+def test_unimplemented_precision_is_refused(tmp_path, dataset, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, dataset, base_model_precision=value))
+    text = "\n".join(info.value.problems)
+    assert "base_model_precision" in text and "not implemented yet" in text and value in text
+
+
+def test_precision_settings_are_typed(tmp_path, dataset):
+    cfg = load_config(write_config(tmp_path, dataset, base_model_precision="int8-torchao",
+                                   quantize_via="accelerator")).train
+    assert (cfg.base_model_precision, cfg.quantize_via) == ("int8-torchao", "accelerator")
+    assert load_config(write_config(tmp_path, dataset)).train.base_model_precision == "no_change"
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, dataset, quantize_via="pipeline"))
+    assert "not implemented yet" in "\n".join(info.value.problems)
+    with pytest.raises(ConfigError):  # text encoders stay unquantized in this version
+        load_config(write_config(tmp_path, dataset, text_encoder_1_precision="int8-quanto"))
+
+
+def test_weight_bytes_count_quantized_tensors():
+    from optimum.quanto import freeze, qint8, quantize
+
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert weight_bytes(layer) == (64 * 64 + 64) * 4
+    quantize(layer, weights=qint8)
+    freeze(layer)
+    assert tensor_bytes(layer[0].weight) < 64 * 64 * 2
+    assert weight_bytes(layer) < (64 * 64 + 64) * 4 / 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_learns_one_image_on_quantized_base(tmp_path, monkeypatch, family, precision):
+    """test_learning's run (300 LoRA steps on one image), on the quantized base; the LoRA is judged in the
+    unquantized stock pipeline."""
+    import test_learning
+
+    kind = f"{family}-{precision}"
+    monkeypatch.setitem(test_learning.KINDS, kind, (family, {"base_model_precision": precision}))
+    test_learning.test_learns_one_image(kind, tmp_path)
