@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-slow test-browser test-ui lint bench clean
+.PHONY: setup demo test test-slow test-browser test-ui lint bench bench-memory clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m difftune.bench
+
+# Weight bytes per base_model_precision at real size (random init, CPU; BENCHMARKS.md, issue 13).
+bench-memory: setup
+	$(BIN)/python -m difftune.bench_memory
 
 clean:
 	rm -rf $(VENV) demo build *.egg-info
