@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from conftest import write_config
 from difftune.cli import main
 from difftune.config import ConfigError, load_config
+from difftune.data.cache import fingerprint
+from difftune.models import get_family
 from difftune.models.quantize import tensor_bytes, weight_bytes
 from difftune.train.loop import train
 from difftune.train.setup import build_run
@@ -139,8 +141,9 @@ def test_precision_settings_are_typed(tmp_path, dataset):
     with pytest.raises(ConfigError) as info:
         load_config(write_config(tmp_path, dataset, quantize_via="pipeline"))
     assert "not implemented yet" in "\n".join(info.value.problems)
-    with pytest.raises(ConfigError):  # text encoders stay unquantized in this version
-        load_config(write_config(tmp_path, dataset, text_encoder_1_precision="int8-quanto"))
+    cfg = load_config(write_config(tmp_path, dataset, text_encoder_1_precision="int8-quanto")).train
+    assert cfg.text_encoder_precisions() == {"text_encoder": "int8-quanto"}
+    assert (cfg.text_encoder_2_precision, cfg.base_model_precision) == ("no_change", "no_change")
 
 
 def test_weight_bytes_count_quantized_tensors():
@@ -165,3 +168,101 @@ def test_learns_one_image_on_quantized_base(tmp_path, monkeypatch, family, preci
     kind = f"{family}-{precision}"
     monkeypatch.setitem(test_learning.KINDS, kind, (family, {"base_model_precision": precision}))
     test_learning.test_learns_one_image(kind, tmp_path)
+
+
+# --- text encoders (text_encoder_1_precision, text_encoder_2_precision)
+
+def text_encoder_lines(output_dir) -> dict[str, dict]:
+    """The bytes line of each quantized text encoder, by its setting."""
+    return {e["message"].split()[0]: e for e in events(output_dir)
+            if e["event"] == "info" and "bytes_before" in e and e["message"].startswith("text_encoder_")}
+
+
+def assert_memory_lines(output_dir) -> None:
+    memory = [e for e in events(output_dir) if e["event"] == "memory"]
+    assert [e["phase"] for e in memory] == ["model load", "caching", "first optimizer step"], memory
+    for e in memory:
+        assert isinstance(e["rss_peak_bytes"], int) and e["rss_peak_bytes"] > 2**20, e
+    assert memory[0]["rss_peak_bytes"] <= memory[1]["rss_peak_bytes"] <= memory[2]["rss_peak_bytes"]
+
+
+def test_lumina2_with_quantized_text_encoder_trains_and_validates(tmp_path, dataset, monkeypatch):
+    from difftune.models.lumina2 import Lumina2Family
+
+    seen = []  # (negative, quantized) for every encode_text call: captions and validation prompts alike
+    original = Lumina2Family.encode_text
+
+    def spy(self, comps, prompts, negative=False, images=None):
+        seen.append((negative, quantized_weights(comps.text["text_encoder"]) > 0))
+        return original(self, comps, prompts, negative=negative, images=images)
+
+    monkeypatch.setattr(Lumina2Family, "encode_text", spy)
+    run, result = run_once(tmp_path, dataset, "lumina2", text_encoder_1_precision="int8-quanto")
+    assert sorted(losses(run.output_dir)) == [1, 2] and all(math.isfinite(v) for v in losses(run.output_dir).values())
+    assert (run.output_dir / "validation" / "final-step-000002-32x32.png").exists()
+    assert result.exists() and quantized_weights(run.accelerator.unwrap_model(run.transformer)) == 0
+    # Captions, the validation prompt and the negative prompt all went through the quantized Gemma2.
+    assert seen and all(q for _, q in seen) and {n for n, _ in seen} == {False, True}
+    lines = text_encoder_lines(run.output_dir)
+    assert list(lines) == ["text_encoder_1_precision"]
+    assert "Gemma2" in lines["text_encoder_1_precision"]["message"]
+    assert 0 < lines["text_encoder_1_precision"]["bytes_after"] < lines["text_encoder_1_precision"]["bytes_before"]
+    assert_memory_lines(run.output_dir)
+
+
+def test_kandinsky5_with_quantized_text_encoders_trains(tmp_path, dataset):
+    run, _ = run_once(tmp_path, dataset, "kandinsky5-image", text_encoder_1_precision="int8-torchao",
+                      text_encoder_2_precision="int8-quanto", validation_prompt=None)
+    assert sorted(losses(run.output_dir)) == [1, 2] and all(math.isfinite(v) for v in losses(run.output_dir).values())
+    lines = text_encoder_lines(run.output_dir)
+    assert sorted(lines) == ["text_encoder_1_precision", "text_encoder_2_precision"]
+    assert "Qwen2.5-VL" in lines["text_encoder_1_precision"]["message"]
+    assert "CLIP" in lines["text_encoder_2_precision"]["message"]
+    assert lines["text_encoder_1_precision"]["bytes_after"] < lines["text_encoder_1_precision"]["bytes_before"]
+
+
+def test_text_cache_identity_follows_the_encoder_precision(tmp_path, dataset):
+    """A quantized encoder writes to its own text cache; 'no_change' keeps the folder of the identity used
+    before text encoders could be quantized, so existing caches stay valid."""
+    def text_run(name: str, **overrides) -> tuple[set[str], str]:
+        path = write_config(tmp_path, dataset, output_dir=str(tmp_path / name), max_train_steps=1, **overrides)
+        before = set(p.name for p in (tmp_path / "cache" / "text").glob("*"))
+        train(build_run(load_config(path)))
+        line = next(e["message"] for e in events(tmp_path / name)
+                    if e["event"] == "info" and e["message"].startswith("text cache:"))
+        return set(p.name for p in (tmp_path / "cache" / "text").glob("*")) - before, line
+
+    new, line = text_run("plain")
+    family = get_family("lumina2")
+    comps = family.load(family_source(), torch.float32)  # mixed_precision 'no': the fp32 the run loaded
+    assert new == {fingerprint(family.identity(comps)["text"])}, "no_change must keep the old cache folder"
+    assert "0 from the cache" in line
+    new, line = text_run("int8", text_encoder_1_precision="int8-quanto")
+    assert len(new) == 1 and "0 from the cache" in line  # encoded again, into a folder of its own
+    recorded = json.loads((tmp_path / "cache" / "text" / next(iter(new)) / "fingerprint.json").read_text())
+    assert recorded["precisions"] == {"text_encoder": "int8-quanto"}
+    new, line = text_run("plain-again")
+    assert new == set() and ", 0 newly encoded" in line  # the first cache, reused as it was
+
+
+def family_source() -> str:
+    from difftune.models import tiny_model
+
+    return str(tiny_model("lumina2", "tiny-random"))
+
+
+def test_precision_of_a_missing_text_encoder_is_refused_in_check(tmp_path, dataset, capsys):
+    path = write_config(tmp_path, dataset, text_encoder_2_precision="int8-quanto")  # Lumina2: Gemma2 only
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "text_encoder_2_precision" in err and "no text encoder 2" in err and "Gemma2" in err
+    load_config(write_config(tmp_path, dataset, text_encoder_2_precision="no_change"))  # changes nothing
+
+
+@pytest.mark.parametrize("key", ["text_encoder_1_precision", "text_encoder_2_precision"])
+@pytest.mark.parametrize("value", ["int4-torchao", "nf4-bnb"])
+def test_unimplemented_text_encoder_precision_is_refused(tmp_path, dataset, key, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, dataset, model_family="kandinsky5-image", **{key: value}))
+    text = "\n".join(info.value.problems)
+    assert key in text and "not implemented yet" in text and value in text

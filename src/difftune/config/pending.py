@@ -23,8 +23,6 @@ from typing import Any
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "text_encoder_1_precision": (("no_change",), "text-encoder quantization is not implemented yet; use 'no_change'"),
-    "text_encoder_2_precision": (("no_change",), "text-encoder quantization is not implemented yet; use 'no_change'"),
     "evaluation_type": ((None, "none", "None"), "CLIP evaluation is not implemented yet; remove evaluation_type"),
     "eval_steps_interval": ((None, 0), "evaluation is not implemented yet; remove eval_steps_interval"),
     "num_eval_images": ((None,), "evaluation is not implemented yet; remove num_eval_images"),
@@ -103,6 +101,14 @@ PENDING_VALUES: dict[tuple[str, str], str] = {
     ("type", "aws"): "not implemented yet: S3 datasets (type 'aws'); copy the files locally and use type 'local'",
     ("type", "csv"): "not implemented yet: CSV datasets (type 'csv'); use type 'local' (caption_strategy 'parquet' "
                      "reads a table of captions)",
+}
+
+
+# The text encoders take the precisions of base_model_precision: the same ones are not implemented yet.
+PENDING_VALUES |= {
+    (key, value): message.replace("base_model_precision", key)
+    for (base, value), message in list(PENDING_VALUES.items()) if base == "base_model_precision"
+    for key in ("text_encoder_1_precision", "text_encoder_2_precision")
 }
 
 

@@ -21,8 +21,8 @@ from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
 
-# base_model_precision values that work (models/quantize.py makes them); the spec's others are refused
-# in config/pending.py (PENDING_VALUES) with what to use instead.
+# base_model_precision and text_encoder_{1,2}_precision values that work (models/quantize.py makes them); the
+# spec's others are refused in config/pending.py (PENDING_VALUES) with what to use instead.
 QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto", "fp8-torchao", "int4-quanto")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
@@ -259,9 +259,21 @@ class TrainConfig(BaseModel):
         "and 'int4-quanto' (a quarter) also exist. The adapter trains in full precision and loads into the "
         "unquantized pipeline. 'no_change': the weights as loaded.", "memory",
     )
+    text_encoder_1_precision: Literal[QUANTIZED_PRECISIONS] = field(  # type: ignore[valid-type]
+        "no_change", "Store the first text encoder's linear weights quantized (weight-only), with the values of "
+        "base_model_precision: Gemma2 for Lumina2, Qwen2.5-VL for Kandinsky 5 (sensitive to quantization: "
+        "'no_change' is recommended there). A quantized encoder gives other embeddings, so the text cache is "
+        "encoded again. 'no_change': the weights as loaded.", "memory", advanced=True,
+    )
+    text_encoder_2_precision: Literal[QUANTIZED_PRECISIONS] = field(  # type: ignore[valid-type]
+        "no_change", "Store the second text encoder's linear weights quantized (weight-only), with the values of "
+        "base_model_precision: CLIP for Kandinsky 5; Lumina2 has no second text encoder. 'no_change': the "
+        "weights as loaded.", "memory", advanced=True,
+    )
     quantize_via: Literal["cpu", "accelerator"] = field(
-        "cpu", "Where base_model_precision quantizes: 'cpu' (before the model moves, so the accelerator never "
-        "holds it in full precision) or 'accelerator' (faster on a GPU).", "memory", advanced=True,
+        "cpu", "Where base_model_precision and the text encoders' precisions quantize: 'cpu' (before the model "
+        "moves, so the accelerator never holds it in full precision) or 'accelerator' (faster on a GPU).", "memory",
+        advanced=True,
     )
     gradient_checkpointing: bool = field(
         False, "Recompute activations in the backward pass: much less memory, about 30% slower.", "memory"
@@ -416,6 +428,12 @@ class TrainConfig(BaseModel):
             raise ValueError(f"a full fine-tune cannot train quantized weights (base_model_precision "
                              f"{self.base_model_precision!r}); use model_type 'lora' (or lora_type 'lycoris') "
                              "on the quantized base, or base_model_precision 'no_change'")
+        for key, precision, index in self._text_encoder_keys():
+            if precision != "no_change" and index >= len(facts.text_encoders):
+                have = " and ".join(f"{name} (text_encoder_{i + 1}_precision)"
+                                    for i, name in enumerate(facts.text_encoders))
+                raise ValueError(f"{key} {precision!r}: {self.model_family} has no text encoder {index + 1} "
+                                 f"(its text encoders: {have or 'none'}); remove {key} or set it to 'no_change'")
         if self.lycoris_config is not None and self.lora_type != "lycoris":
             raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
         if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):
@@ -479,6 +497,16 @@ class TrainConfig(BaseModel):
 
     def effective_lora_alpha(self) -> float:
         return self.lora_alpha if self.lora_alpha is not None else float(self.lora_rank)
+
+    def _text_encoder_keys(self) -> list[tuple[str, str, int]]:
+        return [("text_encoder_1_precision", self.text_encoder_1_precision, 0),
+                ("text_encoder_2_precision", self.text_encoder_2_precision, 1)]
+
+    def text_encoder_precisions(self) -> dict[str, str]:
+        """Pipeline component name ('text_encoder', 'text_encoder_2') -> precision, for each text encoder
+        to quantize: empty when both are 'no_change'."""
+        return {("text_encoder", "text_encoder_2")[index]: precision
+                for _, precision, index in self._text_encoder_keys() if precision != "no_change"}
 
     def weight_dtype_name(self) -> str:
         if self.base_model_default_dtype is not None:

@@ -1,6 +1,9 @@
-"""Quantized base weights (`base_model_precision`): the frozen transformer's linear layers, weight-only.
+"""Quantized frozen weights, weight-only, linear layers: the transformer (`base_model_precision`) and the
+text encoders (`text_encoder_1_precision`, `text_encoder_2_precision`).
 
-One call, `quantize_transformer`, between loading the transformer and attaching the adapter. The
+One call, `quantize_transformer`, between loading the transformer and attaching the adapter; one,
+`quantize_text_encoders`, between loading the text encoders and encoding the first caption (the text
+cache's fingerprint holds their precisions: a quantized encoder gives other embeddings). The
 libraries do the work: optimum-quanto (`quantize` + `freeze`) and torchao (`quantize_` with a
 weight-only config). LoRA and LyCORIS then wrap the quantized layers under the same module names, so
 saved adapters keep the key names of an unquantized run and load into the unquantized stock pipeline.
@@ -39,7 +42,7 @@ def _torchao(config: str) -> Callable[[torch.nn.Module, list[str]], None]:
     return apply
 
 
-# base_model_precision -> how its layers are quantized (weight-only: activations stay in the training dtype)
+# precision -> how its layers are quantized (weight-only: activations stay in the training dtype)
 QUANTIZERS: dict[str, Callable[[torch.nn.Module, list[str]], None]] = {
     "int8-quanto": _quanto("qint8"),
     "int4-quanto": _quanto("qint4"),
@@ -68,26 +71,51 @@ def quantized_layers(module: torch.nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
+def quantize_frozen(
+    module: torch.nn.Module, precision: str, via: str, device: torch.device, park: bool, emit: Callable[..., Any],
+    what: str, key: str,
+) -> None:
+    """Quantize a frozen module's linear layers in place (nothing at 'no_change').
+
+    via 'cpu': quantize where it was loaded (the CPU), so the accelerator never holds the full-precision
+    module; 'accelerator': move it there first (faster on a GPU). `park`: leave it on the CPU afterwards.
+    `emit`: the events' emit, for the memory line; `what` names the module in it, `key` the setting."""
+    if precision == "no_change":
+        return
+    before = weight_bytes(module)
+    module.requires_grad_(False)
+    if via == "accelerator":
+        module.to(device)
+    QUANTIZERS[precision](module, quantized_layers(module))
+    if park:
+        module.to("cpu")
+    after = weight_bytes(module)
+    emit("info", message=f"{key} {precision}: {what} weights {before / 2**20:.1f} MiB -> "
+                         f"{after / 2**20:.1f} MiB ({len(quantized_layers(module))} linear layers, "
+                         f"quantized on the {'accelerator' if via == 'accelerator' else 'CPU'})",
+         bytes_before=before, bytes_after=after, module=what)
+
+
 def quantize_transformer(
     transformer: torch.nn.Module, precision: str, via: str, device: torch.device, park: bool,
     emit: Callable[..., Any],
 ) -> None:
-    """Quantize the frozen transformer's linear layers in place.
+    """Quantize the frozen transformer (base_model_precision). `park`: offload_during_startup."""
+    quantize_frozen(transformer, precision, via, device, park, emit, "transformer", "base_model_precision")
 
-    via 'cpu': quantize where it was loaded (the CPU), so the accelerator never holds the full-precision
-    model; 'accelerator': move it there first (faster on a GPU). `park`: leave it on the CPU afterwards
-    (offload_during_startup). `emit`: the events' emit, for the memory line."""
-    if precision == "no_change":
-        return
-    before = weight_bytes(transformer)
-    transformer.requires_grad_(False)
-    if via == "accelerator":
-        transformer.to(device)
-    QUANTIZERS[precision](transformer, quantized_layers(transformer))
-    if park:
-        transformer.to("cpu")
-    after = weight_bytes(transformer)
-    emit("info", message=f"base_model_precision {precision}: transformer weights {before / 2**20:.1f} MiB -> "
-                         f"{after / 2**20:.1f} MiB ({len(quantized_layers(transformer))} linear layers, "
-                         f"quantized on the {'accelerator' if via == 'accelerator' else 'CPU'})",
-         bytes_before=before, bytes_after=after)
+
+def quantize_text_encoders(
+    text: dict[str, Any], precisions: dict[str, str], names: tuple[str, ...], via: str, device: torch.device,
+    emit: Callable[..., Any],
+) -> None:
+    """Quantize the text encoders (text_encoder_1_precision, text_encoder_2_precision) in place, right
+    after loading and before any caption is encoded. `text`: the components by pipeline name; `precisions`:
+    component name ('text_encoder', 'text_encoder_2') -> precision; `names`: the family's encoders, in order."""
+    for index, component in enumerate(("text_encoder", "text_encoder_2")):
+        if component not in precisions:
+            continue
+        if component not in text:  # the config check refuses this first; a model folder may still lack it
+            raise ValueError(f"text_encoder_{index + 1}_precision: the model has no component {component!r}")
+        label = f"text encoder {index + 1}" + (f" ({names[index]})" if index < len(names) else "")
+        quantize_frozen(text[component], precisions[component], via, device, False, emit, label,
+                        f"text_encoder_{index + 1}_precision")

@@ -25,6 +25,9 @@ class FamilyFacts:
     first_frame_flavours: frozenset[str] = frozenset()  # image-to-video: conditioned on each clip's first frame
     default_frame_rate: float = 24.0  # video families: fps of validation videos and of resampled clips
     comfyui_layout: str | None = None  # key layout of its ComfyUI LoRAs (adapters/comfyui.py); None: none
+    # Its text encoders in pipeline order: the first is component `text_encoder` (text_encoder_1_precision),
+    # the second `text_encoder_2` (text_encoder_2_precision).
+    text_encoders: tuple[str, ...] = ()
 
     def needs_conditioning(self, flavour: str) -> bool:
         return flavour in self.conditioning_flavours
@@ -45,6 +48,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_guidance=4.0,
         module="difftune.models.lumina2",
         comfyui_layout="lumina2",
+        text_encoders=("Gemma2",),
     ),
     "kandinsky5-image": FamilyFacts(
         name="kandinsky5-image",
@@ -60,6 +64,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_guidance=5.0,
         module="difftune.models.kandinsky5_image",
         comfyui_layout="kandinsky5",
+        text_encoders=("Qwen2.5-VL", "CLIP"),
         conditioning_flavours=frozenset({"i2i-lite-sft", "i2i-lite-pretrain", TINY_FLAVOUR + "-i2i"}),
     ),
     "kandinsky5-video": FamilyFacts(
@@ -89,6 +94,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_resolution="512x768",
         video=True,
         comfyui_layout="kandinsky5",  # the same transformer class as the image family
+        text_encoders=("Qwen2.5-VL", "CLIP"),
         first_frame_flavours=frozenset({
             "i2v-lite-5s", "i2v-lite-pretrain-5s", "i2v-pro-sft-5s", "i2v-pro-pretrain-5s", TINY_FLAVOUR + "-i2v",
         }),

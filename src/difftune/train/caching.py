@@ -114,6 +114,13 @@ def encode_validation(
     ]
 
 
+def text_cache_identity(text: dict, precisions: dict[str, str]) -> dict:
+    """The text cache's identity: the family's, plus the precision of each quantized text encoder (a
+    quantized encoder gives other embeddings). Unquantized encoders add nothing, so caches written before
+    text encoders could be quantized stay valid."""
+    return {**text, "precisions": precisions} if precisions else text
+
+
 def text_cache_for(run_cfg: RunConfig, ds, identity: dict) -> tuple[TensorCache, int]:
     """The text cache of a dataset (its own text_embeds entry, or the default) and its batch size."""
     entry = run_cfg.datasets.text_embeds_for(ds)
@@ -131,13 +138,14 @@ def fill_caches(
     cfg = run_cfg.train
     datasets = run_cfg.datasets.images
     identity = family.identity(comps)
+    text_identity = text_cache_identity(identity["text"], cfg.text_encoder_precisions())
     text_caches: dict[str, TensorCache] = {}
     for module in comps.text_modules():
         module.to(device)
     encoded, text_failed, total, distinct = 0, [], 0, 0
     all_jobs = {}
     for ds, d in zip(datasets, found, strict=True):
-        cache, batch = text_cache_for(run_cfg, ds, identity["text"])
+        cache, batch = text_cache_for(run_cfg, ds, text_identity)
         text_caches[ds.id] = cache
         jobs = text_jobs(d.samples, ds.crop_style, cfg.seed, with_empty=cfg.caption_dropout_probability > 0)
         unique = sorted({job.key: job for job in jobs}.values(), key=lambda job: job.key)

@@ -23,6 +23,7 @@ from difftune.train.checkpoint import (
     save_checkpoint,
 )
 from difftune.train.commands import poll_commands
+from difftune.train.memory import record_peak_memory
 from difftune.train.optimizers import clip_gradients
 from difftune.train.setup import Run
 from difftune.train.validation import validate
@@ -169,11 +170,14 @@ def _train(run: Run) -> Path:
     started = time.perf_counter()
     stopped = False
     bad_steps = 0
+    first = run.state.step + 1  # this process's first optimizer step (later than 1 after a resume)
     try:
         while run.state.step < run.total_steps and not stopped:
             loss = optimizer_step(run, batches)
             run.state.step += 1
             step = run.state.step
+            if step == first:
+                record_peak_memory(run.events, "first optimizer step", run.accelerator.device)
             bad_steps = bad_steps + 1 if not math.isfinite(loss) else 0
             if bad_steps:
                 cause = getattr(loss, "data_problem", None)  # bad inputs: the data is to blame, not the lr

@@ -24,11 +24,12 @@ from difftune.data.report import DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
-from difftune.models.quantize import quantize_transformer
+from difftune.models.quantize import quantize_text_encoders, quantize_transformer
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
+from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, size_rules
@@ -156,9 +157,14 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     # Before it reaches the accelerator (quantize_via 'cpu') and before any adapter wraps its layers.
     quantize_transformer(comps.transformer, cfg.base_model_precision, cfg.quantize_via, device,
                          park=cfg.offload_during_startup, emit=events.emit)
+    # Before any caption is encoded (the text cache's fingerprint holds these precisions).
+    quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
+                           device, emit=events.emit)
     if not cfg.offload_during_startup:  # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
+    record_peak_memory(events, "model load", device)
     cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
+    record_peak_memory(events, "caching", device)
     apply_torch_options(cfg, comps.vae)  # after caching: cached latents never depend on tiling
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
     data, pruned = build_data(run_cfg, family, cached, events, encode, ranks)
