@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -122,8 +123,11 @@ def test_edit_an_existing_config_keeps_what_was_not_asked(tmp_path, dataset):
 
 def test_nothing_is_written_when_cancelled(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A suite started in the background by a shell without job control inherits SIGINT ignored, and so
+    # would the wizard: give it the default handler a terminal user's process has.
     child = pexpect.spawn(sys.executable, ["-m", "difftune.cli", "configure"], cwd=str(tmp_path), env=env,
-                          encoding="utf-8", timeout=60)
+                          encoding="utf-8", timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect("model_family: ")
     child.sendcontrol("c")
     child.expect("nothing written")
