@@ -119,3 +119,16 @@ def make_clips(folder, count: int = 3, frames: int = 12):
         synthetic_clip(folder / f"clip{i}.mp4", frames=frames, seed=i)
         (folder / f"clip{i}.txt").write_text(f"a moving square number {i}")
     return folder
+
+
+def case_data(case: Case, tmp_path, dataset) -> tuple[Any, dict[str, Any]]:
+    """The dataset folder a case trains on and the config keys it needs: input images beside the targets
+    for i2i, captioned clips (9 frames; 17 validation frames for i2v, as the stock pipeline needs) for video."""
+    if case.i2i:
+        make_pairs(dataset, tmp_path / "inputs")
+        return dataset, {"dataset": {"conditioning_data": "inputs"}, "conditioning_dir": tmp_path / "inputs"}
+    if case.video:
+        return make_clips(tmp_path / "clips"), {
+            "dataset": {"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
+            "validation_num_video_frames": 17 if case.i2v else 9}
+    return dataset, {}

@@ -20,7 +20,7 @@ from difftune.data.images import fit
 from difftune.data.video import decode_frames
 from difftune.train.loop import train
 from difftune.train.setup import build_run
-from families import CASES, make_clips, make_pairs
+from families import CASES, case_data
 from test_train import crash_then_resume, losses
 
 KINDS = ["lora", "lycoris", "full"]
@@ -31,14 +31,7 @@ VALIDATION = dict(validation_prompt="a red circle", validation_negative_prompt="
 
 def case_config(case, tmp_path, dataset, kind: str, precision: str = "bf16", **overrides):
     """A config for `case` trained as `kind` in `precision`, validating and checkpointing every 2 steps."""
-    extra: dict = {}
-    if case.i2i:
-        make_pairs(dataset, tmp_path / "inputs")
-        extra = {"dataset": {"conditioning_data": "inputs"}, "conditioning_dir": tmp_path / "inputs"}
-    if case.video:
-        dataset = make_clips(tmp_path / "clips")
-        extra = {"dataset": {"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
-                 "validation_num_video_frames": 17 if case.i2v else 9}
+    dataset, extra = case_data(case, tmp_path, dataset)
     if kind == "lycoris":
         lycoris = tmp_path / "lycoris.json"
         lycoris.write_text(json.dumps({"algo": "lokr", "linear_dim": 8, "linear_alpha": 4, "factor": 4}))

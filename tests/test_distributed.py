@@ -78,6 +78,8 @@ def test_two_processes_killed_then_resumed(tmp_path, images):
     assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
 
 
+@pytest.mark.slow  # about 20-40 s on 2 cores: in make test-slow; make test keeps the two-process
+# equality and kill/resume tests
 def test_stop_command_stops_every_process(tmp_path, images):
     from difftune.train.commands import send_command
 
@@ -93,6 +95,8 @@ def test_stop_command_stops_every_process(tmp_path, images):
     assert events[-1]["event"] == "stopped" and events[-1]["step"] < 10_000
 
 
+@pytest.mark.slow  # about 20-40 s on 2 cores: in make test-slow; make test keeps the two-process
+# equality and kill/resume tests
 def test_two_processes_image_to_video(tmp_path):
     """Kandinsky 5 Video i2v under DDP: the first-frame conditioning and the network's config reached through
     the DDP wrapper; the same losses as one process with the same global batch."""

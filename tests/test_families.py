@@ -20,7 +20,7 @@ from difftune.models.base import SampleRequest
 from difftune.train import objective
 from difftune.train.loop import train
 from difftune.train.setup import build_run
-from families import CASES, make_clips, make_pairs
+from families import CASES, case_data
 
 IMAGE = Image.new("RGB", (64, 48), (200, 40, 40))
 
@@ -134,14 +134,7 @@ def test_save_reload_identical_and_pipeline_runs(case, tmp_path):
 
 
 def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
-    extra = {}
-    if case.i2i:
-        make_pairs(dataset, tmp_path / "inputs")
-        extra = {"dataset": {"conditioning_data": "inputs"}, "conditioning_dir": tmp_path / "inputs"}
-    if case.video:
-        dataset = make_clips(tmp_path / "clips")
-        extra = {"dataset": {"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
-                 "validation_num_video_frames": 17 if case.i2v else 9}
+    dataset, extra = case_data(case, tmp_path, dataset)
     path = write_config(tmp_path, dataset, model_family=case.family, model_flavour=case.flavour,
                         max_train_steps=3, validation_prompt="a red circle", validation_negative_prompt="blurry",
                         validation_resolution="64x48", validation_num_inference_steps=3, validation_guidance=4.0,

@@ -45,17 +45,22 @@ def save_adapter(run: Run, folder: Path) -> Path:
         _fsync_tree(tmp)
         for item in sorted(tmp.iterdir()):
             final = folder / item.name
-            if item.is_dir() and final.exists():  # a folder cannot be renamed over a folder: set it aside
-                old = folder / f".old-result-{item.name}-{os.getpid()}"
-                os.replace(final, old)
-                os.replace(item, final)
-                shutil.rmtree(old, ignore_errors=True)
+            if item.is_dir() and final.exists():
+                swap_in(item, final, folder / f".old-result-{item.name}-{os.getpid()}")
             else:
                 os.replace(item, final)
         _fsync_dir(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder / produced.relative_to(tmp)
+
+
+def swap_in(new: Path, final: Path, aside: Path) -> None:
+    """Put folder `new` where folder `final` is. A folder cannot be renamed over a folder, so the old one
+    is renamed to `aside` first, then deleted; a kill in between leaves both complete."""
+    os.replace(final, aside)
+    os.replace(new, final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def save_checkpoint(run: Run) -> Path:
@@ -80,10 +85,7 @@ def save_checkpoint(run: Run) -> Path:
     if final.exists():  # the same step saved again (for example at the end): replace it whole
         # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it
         # back under its name instead of deleting the only copy of that step.
-        replaced = root / f".replaced-{final.name}-{os.getpid()}"
-        os.replace(final, replaced)
-        os.replace(tmp, final)
-        shutil.rmtree(replaced, ignore_errors=True)
+        swap_in(tmp, final, root / f".replaced-{final.name}-{os.getpid()}")
     else:
         os.replace(tmp, final)
     prune_checkpoints(run.output_dir, run.cfg.checkpoints_total_limit)
