@@ -132,3 +132,12 @@ def case_data(case: Case, tmp_path, dataset) -> tuple[Any, dict[str, Any]]:
             "dataset": {"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
             "validation_num_video_frames": 17 if case.i2v else 9}
     return dataset, {}
+
+
+def wake_lora(model) -> None:
+    """Give every lora_B random values: they start at zero, so an untrained LoRA changes nothing and a
+    comparison of samples would not see it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)

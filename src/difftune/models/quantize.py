@@ -86,12 +86,13 @@ def quantize_frozen(
     module.requires_grad_(False)
     if via == "accelerator":
         module.to(device)
-    QUANTIZERS[precision](module, quantized_layers(module))
+    layers = quantized_layers(module)
+    QUANTIZERS[precision](module, layers)
     if park:
         module.to("cpu")
     after = weight_bytes(module)
     emit("info", message=f"{key} {precision}: {what} weights {before / 2**20:.1f} MiB -> "
-                         f"{after / 2**20:.1f} MiB ({len(quantized_layers(module))} linear layers, "
+                         f"{after / 2**20:.1f} MiB ({len(layers)} linear layers, "
                          f"quantized on the {'accelerator' if via == 'accelerator' else 'CPU'})",
          bytes_before=before, bytes_after=after, module=what)
 

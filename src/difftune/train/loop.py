@@ -90,8 +90,9 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
             batch = next(batches)
             loss = micro_step(run, batch)
             run.accelerator.backward(loss / accum)
-        total += loss.item() / accum
-        if not math.isfinite(loss.item()):
+        value = loss.item()  # one device sync per micro-batch
+        total += value / accum
+        if not math.isfinite(value):
             cause = cause or input_problem(batch)
     total = run.ranks.mean(total)  # every process logs, and decides on non-finite steps, alike
     norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method)

@@ -111,10 +111,6 @@ def _lion(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, 
     return mod.Lion(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
-def _optimi_lion(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
-    return mod.Lion(params, lr=lr, betas=betas, weight_decay=weight_decay)
-
-
 def _prodigy(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
     if lr < 0.1:
         warnings.warn(
@@ -137,7 +133,7 @@ _SPECS: dict[str, _Spec] = {
     "lion": _Spec("lion-pytorch", "lion_pytorch", _lion),
     "optimi-stableadamw": _Spec("torch-optimi", "optimi", _optimi("StableAdamW", kahan_sum=None)),
     "optimi-adamw": _Spec("torch-optimi", "optimi", _optimi("AdamW", kahan_sum=None)),
-    "optimi-lion": _Spec("torch-optimi", "optimi", _optimi_lion),
+    "optimi-lion": _Spec("torch-optimi", "optimi", _lion),  # the same signature as lion-pytorch's
     "prodigy": _Spec("prodigyopt", "prodigyopt", _prodigy),
     "adamw8bit": _Spec("bitsandbytes", "bitsandbytes", _adamw8bit),
 }
@@ -152,7 +148,6 @@ def _check_name(name: str) -> _Spec:
 
 
 def _import(name: str) -> Any:
-    name = OPTIMIZER_ALIASES.get(name, name)
     spec = _check_name(name)
     try:
         return importlib.import_module(spec.module)
