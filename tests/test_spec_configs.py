@@ -227,6 +227,8 @@ def same(expected: Any, actual: Any) -> bool:
     """The value a block gives == what the config holds (nested models compared key by key)."""
     if isinstance(actual, BaseModel) and isinstance(expected, dict):
         return all(same(v, getattr(actual, clean(k))) for k, v in expected.items())
+    if isinstance(actual, list) and isinstance(expected, list):  # a list of nested models (tread_config.routes)
+        return len(actual) == len(expected) and all(same(e, a) for e, a in zip(expected, actual, strict=True))
     return expected == actual
 
 

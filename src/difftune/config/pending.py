@@ -10,7 +10,7 @@ Three kinds of entries:
 - `DEPENDS_ON`: a setting of a feature that only acts when its switch is on (`hub_model_id` without
   `push_to_hub`, `group_offload_type` without `enable_group_offload`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys are
-  matched by prefix (`scheduled_sampling_*`, `fsdp_*`, `crepa_*`).
+  matched by prefix (`scheduled_sampling_reflexflow_*`, `fsdp_*`, `crepa_*`).
 - `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
 
 Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
@@ -44,12 +44,23 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
         (None,), "checkpointing every n-th block is not implemented yet; use gradient_checkpointing alone",
     ),
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
-    "tread_config": ((None,), "TREAD token routing is not implemented yet; remove tread_config"),
     "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
-    "scheduled_sampling_max_step_offset": (
-        (None, 0), "scheduled sampling (rollout) is not implemented yet; set scheduled_sampling_max_step_offset to 0",
+    # ReflexFlow (arXiv 2512.04904) changes the rollout loss; its exact terms are not specified where we could
+    # check them, so it is refused rather than guessed. SimpleTuner turns it on by default with rollouts: not here.
+    "scheduled_sampling_reflexflow": (
+        (None, False), "ReflexFlow (scheduled_sampling_reflexflow) is not implemented yet: difftune's rollout trains "
+        "on the plain flow-matching loss; set scheduled_sampling_reflexflow to false",
     ),
-    "scheduled_sampling_reflexflow": ((None, False), "ReflexFlow scheduled sampling is not implemented yet"),
+    "scheduled_sampling_start_step": (
+        (None, 0), "a rollout start step is not implemented yet; use scheduled_sampling_ramp_steps (from step 0)",
+    ),
+    "scheduled_sampling_ramp_shape": (
+        (None, "linear"), "only the linear rollout ramp is implemented; set scheduled_sampling_ramp_shape to 'linear'",
+    ),
+    "scheduled_sampling_strategy": (
+        (None, "uniform"), "only 'uniform' rollout lengths (0 to scheduled_sampling_max_step_offset) are implemented; "
+        "set scheduled_sampling_strategy to 'uniform'",
+    ),
     "fsdp_enable": ((False,), "FSDP is not implemented yet; set fsdp_enable to false (difftune runs DDP)"),
 }
 
@@ -73,7 +84,7 @@ DEPENDS_ON: dict[str, str] = {
 }
 PREFIX_DEPENDS_ON: dict[str, str] = {
     "crepa_": "crepa_enabled",
-    "scheduled_sampling_": "scheduled_sampling_max_step_offset",
+    "scheduled_sampling_reflexflow_": "scheduled_sampling_reflexflow",
     "fsdp_": "fsdp_enable",
 }
 
@@ -147,7 +158,7 @@ def switch_of(key: str) -> str | None:
     """The switch a setting depends on (None: it stands alone)."""
     if key in DEPENDS_ON:
         return DEPENDS_ON[key]
-    if key in PENDING_TRAIN_KEYS:  # a key of the family with its own off values (scheduled_sampling_reflexflow)
+    if key in PENDING_TRAIN_KEYS:  # a key with its own off values (scheduled_sampling_reflexflow)
         return None
     return next((s for p, s in PREFIX_DEPENDS_ON.items() if key.startswith(p)), None)
 

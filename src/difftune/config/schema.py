@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from difftune.config.compat import family_name
 from difftune.config.datasets import four_k_plus_one
+from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig
 from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
@@ -278,6 +279,40 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = field(
         False, "Recompute activations in the backward pass: much less memory, about 30% slower.", "memory"
     )
+    tread_config: TreadConfig | None = field(
+        None, "TREAD token routing (faster training): a share of the image/video tokens skips a span of blocks and "
+        "rejoins after it, e.g. {\"routes\": [{\"selection_ratio\": 0.5, \"start_layer_idx\": 2, "
+        "\"end_layer_idx\": -2}]}. Tokens are chosen at random per sample; caption tokens and the input frame of "
+        "image-to-video always stay. Training only: validation sees every token. Empty: off.", "training",
+        advanced=True,
+    )
+    scheduled_sampling_max_step_offset: int = field(
+        0, "Scheduled sampling (rollout): a rolled-out sample is denoised by the model itself, without gradient, "
+        "for 0 to this many steps of the validation sampling schedule down to its training noise level, and the "
+        "loss is taken on that latent (with the velocity that leads from it to the clean latent). 0: off.",
+        "training", ge=0, advanced=True,
+    )
+    scheduled_sampling_probability: float = field(
+        0.0, "Chance that a sample is rolled out (with scheduled_sampling_max_step_offset > 0). 0 changes nothing.",
+        "training", ge=0.0, le=1.0, advanced=True,
+    )
+    scheduled_sampling_ramp_steps: int = field(
+        0, "Ramp the rollout chance linearly from scheduled_sampling_prob_start to scheduled_sampling_prob_end "
+        "over this many optimizer steps (it stays at the end value after); replaces scheduled_sampling_probability. "
+        "0: no ramp.", "training", ge=0, advanced=True,
+    )
+    scheduled_sampling_prob_start: float = field(
+        0.0, "Rollout chance at step 0 of the ramp (scheduled_sampling_ramp_steps).", "training", ge=0.0, le=1.0,
+        advanced=True,
+    )
+    scheduled_sampling_prob_end: float = field(
+        0.5, "Rollout chance at the end of the ramp (scheduled_sampling_ramp_steps).", "training", ge=0.0, le=1.0,
+        advanced=True,
+    )
+    scheduled_sampling_sampler: Literal[ROLLOUT_SAMPLERS] = field(  # type: ignore[valid-type]
+        "euler", "Solver of the rollout steps: 'euler' (the flow sampler's own step); the spec's others are not "
+        "implemented yet.", "training", advanced=True,
+    )
 
     # --- validation
     validation_prompt: str | None = field(None, "Prompt sampled during training; empty disables validation.", "validation")
@@ -454,6 +489,13 @@ class TrainConfig(BaseModel):
         if self.flow_schedule_shift <= 0 and not self.flow_schedule_auto_shift:
             raise ValueError(f"flow_schedule_shift {self.flow_schedule_shift:g} must be above 0 (1.0 is the default), "
                              "unless flow_schedule_auto_shift is on")
+        rollout = self.scheduled_sampling_max_step_offset > 0  # while off, its settings change nothing
+        if rollout and self.scheduled_sampling_sampler != "euler":
+            raise ValueError(f"not implemented yet: scheduled_sampling_sampler {self.scheduled_sampling_sampler!r}; "
+                             "use 'euler' (the rollouts are a few short steps)")
+        if rollout and self.scheduled_sampling_ramp_steps and self.scheduled_sampling_probability:
+            raise ValueError("scheduled_sampling_ramp_steps replaces scheduled_sampling_probability with a ramp from "
+                             "scheduled_sampling_prob_start to scheduled_sampling_prob_end; remove one of them")
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
             raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
         return self

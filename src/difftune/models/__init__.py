@@ -26,4 +26,4 @@ def tiny_model(family_name: str, flavour: str) -> Path:
 
     family = get_family(family_name)
     # The version suffix changes whenever a builder changes, so a stale tiny model is never reused.
-    return ensure_built(f"{family_name}-{flavour}-v2", lambda folder: family.build_tiny(folder, flavour))
+    return ensure_built(f"{family_name}-{flavour}-v3", lambda folder: family.build_tiny(folder, flavour))

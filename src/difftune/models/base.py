@@ -59,6 +59,7 @@ class SampleRequest:
 class Family(Protocol):
     facts: FamilyFacts
     lora_target_modules: tuple[str, ...] | str  # module-name suffixes, or a regex (peft target_modules)
+    tread_layout: str  # where TREAD finds the blocks and the routable tokens: 'joint' or 'visual' (train/tread.py)
 
     def build_tiny(self, folder: Path, flavour: str) -> None:
         """Write a tiny random-init model of a tiny flavour in the hub folder layout (deterministic)."""

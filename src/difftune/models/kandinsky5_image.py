@@ -44,6 +44,7 @@ def _to_network(latents: torch.Tensor) -> torch.Tensor:
 class Kandinsky5ImageFamily:
     facts: FamilyFacts = FAMILY_FACTS["kandinsky5-image"]
     lora_target_modules = ATTENTION_PROJECTIONS
+    tread_layout = "visual"  # TREAD: the visual tokens are a stream of their own, text another (train/tread.py)
 
     def build_tiny(self, folder: Path, flavour: str) -> None:
         build_tiny_kandinsky5_image(folder, i2i=self.facts.needs_conditioning(flavour))

@@ -35,6 +35,7 @@ MAX_SEQUENCE_LENGTH = 256  # the pipeline's default; validation pads to it so sa
 class Lumina2Family:
     facts: FamilyFacts = FAMILY_FACTS["lumina2"]
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
+    tread_layout = "joint"  # TREAD: caption and image tokens share one sequence (train/tread.py)
 
     def build_tiny(self, folder: Path, flavour: str) -> None:
         torch.manual_seed(0)

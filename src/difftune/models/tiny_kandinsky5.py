@@ -166,7 +166,8 @@ def tiny_transformer(visual_cond: bool) -> Kandinsky5Transformer3DModel:
     transformer = Kandinsky5Transformer3DModel(
         in_visual_dim=LATENT_CHANNELS, out_visual_dim=LATENT_CHANNELS, in_text_dim=QWEN_HIDDEN,
         in_text_dim2=CLIP_HIDDEN, time_dim=32, patch_size=(1, 2, 2), model_dim=32, ff_dim=64,
-        num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),  # head_dim = sum(axes_dims) = 16
+        num_text_blocks=1, num_visual_blocks=4, axes_dims=(4, 6, 6),  # head_dim = sum(axes_dims) = 16
+        # 4 visual blocks: the specs' TREAD route (start_layer_idx 2 to end_layer_idx -2) fits.
         # visual_cond: the visual input is [noise, conditioning latents, mask] = 2 * 16 + 1 channels.
         visual_cond=visual_cond, attention_type="regular",
     )

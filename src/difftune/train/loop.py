@@ -14,7 +14,7 @@ import torch
 
 from difftune.data.batches import Batch
 from difftune.data.cache import nonfinite
-from difftune.train import objective
+from difftune.train import objective, rollout
 from difftune.train.checkpoint import (
     clean_partial,
     load_checkpoint,
@@ -41,7 +41,7 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     noise = torch.randn((size, *x0.shape[1:]), generator=run.generator)[lo : lo + x0.shape[0]]
     sigmas = objective.sample_sigmas(size, shift, run.generator, run.sampling)[lo : lo + x0.shape[0]]
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
-    x_t = objective.noisy_input(x0, noise, sigmas)
+    x_t, noise = rollout.noisy_input(run, batch, x0, noise, sigmas, shift)  # scheduled sampling, when on
     with run.accelerator.autocast():
         # image-to-image: the input images' latents; image-to-video: each clip's first frame encoded alone
         conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)

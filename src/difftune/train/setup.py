@@ -25,6 +25,7 @@ from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
+from difftune.train import tread
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
@@ -160,6 +161,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     # Before any caption is encoded (the text cache's fingerprint holds these precisions).
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
+    tread.check(cfg.tread_config, family, comps.transformer)  # a route that does not fit fails now, not after caching
     if not cfg.offload_during_startup:  # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     record_peak_memory(events, "model load", device)
@@ -199,6 +201,8 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
                                  num_training_steps=steps)
+    generator = torch.Generator().manual_seed(cfg.seed)  # noise, timesteps, TREAD routes, rollouts: resumable
+    tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))
     transformer, optimizer = accelerator.prepare(comps.transformer, optimizer)
     ema = EMA(params, cfg.ema_decay, cfg.ema_update_interval, cfg.ema_device) if cfg.use_ema else None
     events.total_steps = steps
@@ -207,7 +211,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         params=params,
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
         validation=prepared.validation, events=events, output_dir=output_dir,
-        total_steps=steps, generator=torch.Generator().manual_seed(cfg.seed), ema=ema,
+        total_steps=steps, generator=generator, ema=ema,
         sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
     )

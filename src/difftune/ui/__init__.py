@@ -56,7 +56,7 @@ def describe_field(name: str, prop: dict[str, Any], required: bool, defs: dict[s
     elif "enum" in core:
         out["kind"] = "choice"
         out["choices"] = list(core["enum"])
-    elif core.get("type") == "array":
+    elif core.get("type") == "array" and "$ref" not in (core.get("items") or {}):  # lists of objects: JSON
         out["kind"] = "list"
         out["item"] = (core.get("items") or {}).get("type", "string")
     elif core.get("type") in ("boolean", "integer", "number", "string"):

@@ -1,0 +1,37 @@
+"""Typed sub-objects and choices of the experimental training keys: `tread_config` (train/tread.py) and
+scheduled sampling (train/rollout.py). Import-light, like the rest of config/."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Rollout samplers of the spec; only 'euler' is implemented (TrainConfig refuses the others while rollouts are on).
+ROLLOUT_SAMPLERS = ("euler", "unipc", "dpm", "rk4", "heun")
+
+
+class TreadRoute(BaseModel):
+    """One span of blocks that a share of the image/video tokens skips."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    selection_ratio: float = Field(
+        ..., ge=0.0, lt=1.0, description="Share of the image/video tokens that skip the route's blocks (0.5: half).",
+    )
+    start_layer_idx: int = Field(
+        ..., description="First block of the route (0-based; negative counts from the end, -1 is the last block).",
+    )
+    end_layer_idx: int = Field(
+        ..., description="Last block of the route, included (negative counts from the end); the routed tokens "
+        "rejoin after it.",
+    )
+
+
+class TreadConfig(BaseModel):
+    """TREAD token routing: routes of blocks that part of the tokens skip during training."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    routes: list[TreadRoute] = Field(
+        ..., min_length=1, description="The routes, as a JSON list such as "
+        '[{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]; they must not share a block.',
+    )
