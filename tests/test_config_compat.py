@@ -109,7 +109,7 @@ def test_apply_torch_options():
 
 
 @pytest.mark.parametrize("key,value", [
-    ("scheduled_sampling_strategy", "biased_late"), ("fsdp_enable", True), ("crepa_drop_vae_encoder", True),
+    ("scheduled_sampling_strategy", "biased_late"), ("crepa_drop_vae_encoder", True),
     ("num_eval_images", 4), ("musubi_blocks_to_swap", 8), ("gradient_checkpointing_interval", 2),
     ("enable_group_offload", True), ("scheduled_sampling_reflexflow", True), ("crepa_enabled", "true"),
 ])

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from difftune.config import TrainConfig
 from difftune.models.base import Family
+from difftune.train.checkpointing import enable_checkpointing
 
 
 class Adapter(Protocol):
@@ -147,7 +148,13 @@ def _copy_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
                          "start a new output_dir or restore the settings")
     with torch.no_grad():
         for name, value in state.items():
-            live[name].copy_(value)
+            target = live[name]
+            if hasattr(target, "device_mesh"):  # an FSDP2 shard (DTensor): this process's part of the full tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements,
+                                          src_data_rank=None)
+            target.copy_(value)
 
 
 def build_adapter(cfg: TrainConfig, family: Family, transformer: Any) -> Adapter:
@@ -158,5 +165,5 @@ def build_adapter(cfg: TrainConfig, family: Family, transformer: Any) -> Adapter
     else:
         adapter = LoraAdapter(cfg, family, transformer)
     if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+        enable_checkpointing(transformer, cfg.gradient_checkpointing_interval)
     return adapter

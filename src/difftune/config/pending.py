@@ -8,9 +8,9 @@ from here into the schema.
 Three kinds of entries:
 - `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
 - `DEPENDS_ON`: a setting of a feature that only acts when its switch is on (`hub_model_id` without
-  `push_to_hub`, `group_offload_type` without `enable_group_offload`): any value is accepted while the
+  `push_to_hub`, `eval_steps_interval` without `evaluation_type`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys are
-  matched by prefix (`scheduled_sampling_reflexflow_*`, `fsdp_*`, `crepa_*`).
+  matched by prefix (`scheduled_sampling_reflexflow_*`, `crepa_*`).
 - `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
 
 Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
@@ -33,16 +33,7 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
         (False,), "the built-in prompt library is not implemented yet; use user_prompt_library",
     ),
     "validation_guidance_rescale": ((0, 0.0), "guidance rescale is not supported by this pipeline; use 0.0"),
-    "enable_group_offload": ((False,), "group offload is not implemented yet; set it to false"),
-    "group_offload_type": ((None,), "group offload is not implemented yet; remove group_offload_type"),
-    "group_offload_blocks_per_group": ((None,), "group offload is not implemented yet"),
-    "group_offload_use_stream": ((False,), "group offload is not implemented yet"),
-    "group_offload_to_disk_path": ((None, ""), "group offload is not implemented yet"),
     "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
-    "musubi_blocks_to_swap": ((None, 0), "block swapping is not implemented yet; remove musubi_blocks_to_swap"),
-    "gradient_checkpointing_interval": (
-        (None,), "checkpointing every n-th block is not implemented yet; use gradient_checkpointing alone",
-    ),
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
     "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
     # ReflexFlow (arXiv 2512.04904) changes the rollout loss; its exact terms are not specified where we could
@@ -61,7 +52,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
         (None, "uniform"), "only 'uniform' rollout lengths (0 to scheduled_sampling_max_step_offset) are implemented; "
         "set scheduled_sampling_strategy to 'uniform'",
     ),
-    "fsdp_enable": ((False,), "FSDP is not implemented yet; set fsdp_enable to false (difftune runs DDP)"),
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -77,15 +67,10 @@ DEPENDS_ON: dict[str, str] = {
     "hub_model_id": "push_to_hub",
     "eval_steps_interval": "evaluation_type",
     "num_eval_images": "evaluation_type",
-    "group_offload_type": "enable_group_offload",
-    "group_offload_blocks_per_group": "enable_group_offload",
-    "group_offload_use_stream": "enable_group_offload",
-    "group_offload_to_disk_path": "enable_group_offload",
 }
 PREFIX_DEPENDS_ON: dict[str, str] = {
     "crepa_": "crepa_enabled",
     "scheduled_sampling_reflexflow_": "scheduled_sampling_reflexflow",
-    "fsdp_": "fsdp_enable",
 }
 
 # (key, value) -> message, for keys difftune has, whose other values work
@@ -95,14 +80,8 @@ PENDING_VALUES: dict[tuple[str, str], str] = {
         "switched around validation and checkpoints); use 'adamw' or 'adamw_bf16' with an lr_scheduler"),
     ("base_model_precision", "int4-torchao"): (
         "not implemented yet: base_model_precision 'int4-torchao' (torchao's int4 weight-only layout needs its "
-        "CUDA kernels or the separate mslk package); use 'int4-quanto', or 'int8-torchao'"),
-    ("base_model_precision", "nf4-bnb"): (
-        "not implemented yet: base_model_precision 'nf4-bnb' (bitsandbytes 4-bit, CUDA only); use 'int4-quanto' "
-        "or 'int8-quanto'"),
-    ("base_model_precision", "int2-quanto"): (
-        "not implemented yet: base_model_precision 'int2-quanto'; use 'int4-quanto' or 'int8-quanto'"),
-    ("base_model_precision", "fp8uz-quanto"): (
-        "not implemented yet: base_model_precision 'fp8uz-quanto'; use 'fp8-quanto'"),
+        "CUDA kernels (tile_packed_to_4d) or the separate mslk package, and could not be tested here); use "
+        "'int4-quanto' or 'nf4-bnb' for 4 bits"),
     ("quantize_via", "pipeline"): (
         "not implemented yet: quantize_via 'pipeline' (quantizing while the pipeline loads); use 'cpu' or "
         "'accelerator'"),

@@ -8,6 +8,7 @@ import-light by design.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -19,12 +20,15 @@ from difftune.config.compat import family_name
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig
 from difftune.config.fields import field
+from difftune.config.fsdp_keys import fsdp_checks
+from difftune.config.offload_keys import offload_checks
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
 
 # base_model_precision and text_encoder_{1,2}_precision values that work (models/quantize.py makes them); the
 # spec's others are refused in config/pending.py (PENDING_VALUES) with what to use instead.
-QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto", "fp8-torchao", "int4-quanto")
+QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto", "fp8-torchao", "int4-quanto",
+                        "nf4-bnb", "int2-quanto", "fp8uz-quanto")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -257,7 +261,8 @@ class TrainConfig(BaseModel):
     base_model_precision: Literal[QUANTIZED_PRECISIONS] = field(  # type: ignore[valid-type]
         "no_change", "Store the frozen transformer's linear weights quantized (weight-only), for LoRA and LyCORIS: "
         "'int8-quanto' or 'int8-torchao' halve a bf16 model's memory; 'fp8-quanto', 'fp8-torchao' (8-bit float) "
-        "and 'int4-quanto' (a quarter) also exist. The adapter trains in full precision and loads into the "
+        "and 'int4-quanto' or 'nf4-bnb' (bitsandbytes NF4; about a quarter) also exist, and 'int2-quanto' (an eighth; a "
+        "large quality cost) and 'fp8uz-quanto' (AMD's fp8). The adapter trains in full precision and loads into the "
         "unquantized pipeline. 'no_change': the weights as loaded.", "memory",
     )
     text_encoder_1_precision: Literal[QUANTIZED_PRECISIONS] = field(  # type: ignore[valid-type]
@@ -278,6 +283,72 @@ class TrainConfig(BaseModel):
     )
     gradient_checkpointing: bool = field(
         False, "Recompute activations in the backward pass: much less memory, about 30% slower.", "memory"
+    )
+    gradient_checkpointing_interval: int | None = field(
+        None, "With gradient_checkpointing: checkpoint only every n-th transformer block (blocks 0, n, 2n, ...); "
+        "the others keep their activations. Between no checkpointing and full checkpointing in memory and speed. "
+        "Empty or 1: every block.", "memory", advanced=True, ge=1,
+    )
+    # --- block streaming (train/offload.py; the checks are in config/offload_keys.py)
+    enable_group_offload: bool = field(
+        False, "Stream the transformer's blocks: the frozen base weights of every block live in CPU memory and are "
+        "copied to the accelerator one group of blocks at a time, in the forward and again (last to first) in the "
+        "backward pass; at most 2 groups (the running one and the next) are there at once. Embedders, norms, the "
+        "final layer and the adapter stay resident. For 16-24 GB cards; pairs well with gradient_checkpointing "
+        "(which bounds the memory of the backward pass too). LoRA and LyCORIS, not a full fine-tune; never with "
+        "enable_model_cpu_offload.", "memory",
+    )
+    group_offload_type: Literal["block_level", "leaf_level"] = field(
+        "block_level", "With enable_group_offload: what moves as one piece. 'block_level' (groups of "
+        "group_offload_blocks_per_group transformer blocks) is the one implemented.", "memory", advanced=True,
+    )
+    group_offload_blocks_per_group: int = field(
+        1, "With enable_group_offload: transformer blocks per group (more: fewer, larger copies; the accelerator "
+        "holds up to twice this many blocks).", "memory", ge=1, advanced=True,
+    )
+    group_offload_use_stream: bool = field(
+        False, "With enable_group_offload: copy the next group while the current one computes (a side CUDA "
+        "stream, from pinned memory); off, each group is copied when it is needed. Accepted without CUDA, where "
+        "the copies simply run in turn (synchronously).", "memory", advanced=True,
+    )
+    group_offload_to_disk_path: str | None = field(
+        None, "Offloading the streamed weights to disk instead of CPU memory is not implemented yet: leave empty "
+        "(the weights stay in CPU memory).", "memory", advanced=True,
+    )
+    musubi_blocks_to_swap: int | None = field(
+        None, "SimpleTuner's block swap: stream only the last N blocks of the main block stack (Lumina2 'layers', "
+        "Kandinsky 5 'visual_transformer_blocks') one block at a time with the next one prefetched; the other "
+        "blocks stay resident. A larger N saves more memory and costs more copying; N above the stack's size "
+        "streams the whole stack. Empty or 0: off. An alternative to enable_group_offload (not both).", "memory",
+        ge=0, advanced=True,
+    )
+
+    # --- several processes: FSDP2 (train/fsdp.py; the checks are in config/fsdp_keys.py)
+    fsdp_enable: bool = field(
+        False, "Shard the transformer's weights, gradients and optimizer state between the processes (FSDP2) "
+        "instead of copying the whole model to each (DDP, the default). For models too large for one "
+        "accelerator (Kandinsky 5 Video Pro); launch with `accelerate launch --num_processes N`. LoRA or full; "
+        "not with use_ema, LyCORIS, a quantized base or fp16.", "memory", advanced=True,
+    )
+    fsdp_version: int = field(2, "FSDP version: only 2 (torch's fully_shard).", "memory", advanced=True)
+    fsdp_reshard_after_forward: bool = field(
+        True, "Free each block's gathered weights after its forward pass and gather them again for the backward "
+        "pass (less memory, more communication); false keeps them until the backward pass.", "memory",
+        advanced=True,
+    )
+    fsdp_state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = field(
+        "SHARDED_STATE_DICT", "How checkpoints hold the optimizer state under FSDP: 'SHARDED_STATE_DICT' (each "
+        "process writes its own shard; never gathered whole) or 'FULL_STATE_DICT' (gathered by process 0 into one "
+        "file). Weights are always gathered into the usual result files.", "memory", advanced=True,
+    )
+    fsdp_cpu_ram_efficient_loading: bool = field(
+        False, "Only process 0 reads the transformer's weights from disk; the others build it empty and receive "
+        "their shards from process 0. Not implemented yet: only false (every process loads the whole model).",
+        "memory", advanced=True,
+    )
+    fsdp_transformer_layer_cls_to_wrap: list[str] | None = field(
+        None, "Class names of the blocks sharded as one unit each (comma-separated on the command line). Empty: "
+        "the family's transformer blocks, found in the loaded model.", "memory", advanced=True,
     )
     tread_config: TreadConfig | None = field(
         None, "TREAD token routing (faster training): a share of the image/video tokens skips a span of blocks and "
@@ -371,7 +442,7 @@ class TrainConfig(BaseModel):
     tracker_project_name: str | None = field(None, "Project name, recorded in the event log.", "output", advanced=True)
     tracker_run_name: str | None = field(None, "Run name, recorded in the event log.", "output", advanced=True)
 
-    @field_validator("lora_target_modules", mode="before")
+    @field_validator("lora_target_modules", "fsdp_transformer_layer_cls_to_wrap", mode="before")
     @classmethod
     def _targets(cls, v: object) -> object:
         if isinstance(v, str):
@@ -463,12 +534,20 @@ class TrainConfig(BaseModel):
             raise ValueError(f"a full fine-tune cannot train quantized weights (base_model_precision "
                              f"{self.base_model_precision!r}); use model_type 'lora' (or lora_type 'lycoris') "
                              "on the quantized base, or base_model_precision 'no_change'")
+        bnb = [k for k, v in (("base_model_precision", self.base_model_precision),
+                              *((k, v) for k, v, _ in self._text_encoder_keys())) if v == "nf4-bnb"]
+        if bnb and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"{bnb[0]} 'nf4-bnb' needs the bitsandbytes package: install it with "
+                             "`pip install 'difftune[bnb]'` (or bitsandbytes), or use 'int4-quanto'")
         for key, precision, index in self._text_encoder_keys():
             if precision != "no_change" and index >= len(facts.text_encoders):
                 have = " and ".join(f"{name} (text_encoder_{i + 1}_precision)"
                                     for i, name in enumerate(facts.text_encoders))
                 raise ValueError(f"{key} {precision!r}: {self.model_family} has no text encoder {index + 1} "
                                  f"(its text encoders: {have or 'none'}); remove {key} or set it to 'no_change'")
+        if self.gradient_checkpointing_interval not in (None, 1) and not self.gradient_checkpointing:
+            raise ValueError("gradient_checkpointing_interval only acts with gradient_checkpointing; set "
+                             "gradient_checkpointing to true, or remove gradient_checkpointing_interval")
         if self.lycoris_config is not None and self.lora_type != "lycoris":
             raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
         if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):
@@ -496,6 +575,9 @@ class TrainConfig(BaseModel):
         if rollout and self.scheduled_sampling_ramp_steps and self.scheduled_sampling_probability:
             raise ValueError("scheduled_sampling_ramp_steps replaces scheduled_sampling_probability with a ramp from "
                              "scheduled_sampling_prob_start to scheduled_sampling_prob_end; remove one of them")
+        if self.fsdp_enable or self.fsdp_version != 2 or self.fsdp_cpu_ram_efficient_loading:
+            fsdp_checks(self)
+        offload_checks(self)
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
             raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
         return self

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from difftune.train.fsdp import load_optimizer, save_optimizer
+
 if TYPE_CHECKING:
     from difftune.train.setup import Run
 
@@ -71,7 +73,10 @@ def save_checkpoint(run: Run) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(run.adapter.state_dict(), tmp / "trainable.safetensors")
-    torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
+    if getattr(run, "fsdp", None) is not None:  # sharded state: inside fsdp.gathered, every process took part
+        save_optimizer(run, tmp)
+    else:
+        torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
     torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
     save_adapter(run, tmp)
@@ -198,7 +203,13 @@ def load_checkpoint(run: Run, path: Path) -> None:
         run.adapter.load_state_dict(load_file(path / "trainable.safetensors"))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    if getattr(run, "fsdp", None) is not None:
+        load_optimizer(run, path)
+    elif not (path / "optimizer.pt").is_file():
+        raise ValueError(f"{path} was written by an FSDP run (its optimizer state is sharded); resume it with "
+                         "fsdp_enable true and several processes, or start a new output_dir")
+    else:
+        run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
     run.generator.set_state(rng["generator"])

@@ -23,6 +23,7 @@ from difftune.train.checkpoint import (
     save_checkpoint,
 )
 from difftune.train.commands import poll_commands
+from difftune.train.fsdp import gathered, unsharded
 from difftune.train.memory import record_peak_memory
 from difftune.train.optimizers import clip_gradients
 from difftune.train.setup import Run
@@ -113,13 +114,15 @@ def _due(step: int, interval: int) -> bool:
 
 def checkpoint(run: Run, **extra: object) -> None:
     """Process 0 writes; every process waits, so none runs ahead of a checkpoint."""
-    if run.ranks.main:
-        run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), **extra)
+    with gathered(run, optimizer=True, step=run.state.step):  # FSDP: every process gathers, process 0 writes
+        if run.ranks.main:
+            run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), **extra)
     run.ranks.barrier()
 
 
 def sample(run: Run, label: str) -> list[Path]:
-    paths = validate(run, label) if run.ranks.main else []
+    with unsharded(run):  # FSDP: the weights whole, so that process 0 samples alone
+        paths = validate(run, label) if run.ranks.main else []
     run.ranks.barrier()
     return paths
 
@@ -206,7 +209,8 @@ def _train(run: Run) -> Path:
         checkpoint(run, reason="interrupted")
         raise
     checkpoint(run)
-    adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
+    with gathered(run):
+        adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
     if run.ema is not None and run.ranks.main:
         with run.ema.swap():
             run.events.emit("info", message=f"EMA adapter saved to {save_adapter(run, run.output_dir / 'ema')}")

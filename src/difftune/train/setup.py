@@ -30,8 +30,10 @@ from difftune.train.caching import Cached, fill_caches
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
+from difftune.train.fsdp import Sharded, shard
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
+from difftune.train.offload import BlockStreamer, stream_blocks
 from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, size_rules
 from difftune.train.torch_options import apply_torch_options
@@ -66,6 +68,8 @@ class Run:
     ranks: Ranks = field(default_factory=Ranks)
     state: TrainState = field(default_factory=TrainState)
     first_frame: bool = False  # image-to-video: each clip's first frame conditions the rest
+    streamer: BlockStreamer | None = None  # block streaming (train/offload.py), when on
+    fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
 
 
 def resolve_source(cfg: TrainConfig) -> str:
@@ -162,7 +166,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
     tread.check(cfg.tread_config, family, comps.transformer)  # a route that does not fit fails now, not after caching
-    if not cfg.offload_during_startup:  # a transformer too large for the accelerator fails now, not after caching
+    # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights.
+    if not cfg.offload_during_startup and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap):
+        # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     record_peak_memory(events, "model load", device)
     cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
@@ -192,7 +198,11 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
 
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
     adapter = build_adapter(cfg, family, comps.transformer)
+    # fsdp_enable: shards the transformer in place (its parameters become DTensors) before the optimizer sees them
+    sharded = shard(cfg, comps.transformer, adapter, ranks, accelerator.device, events.emit)
     params = adapter.parameters()
+    streamer = stream_blocks(cfg, family.facts.block_stacks, comps.transformer, params, accelerator.device,
+                             events.emit)  # enable_group_offload, musubi_blocks_to_swap: blocks visit in turn
     if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer == "adamw":
         events.emit("warning", message="full fine-tune of bf16/fp16 weights with optimizer 'adamw' loses small "
                                        "updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
@@ -203,7 +213,10 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
                                  num_training_steps=steps)
     generator = torch.Generator().manual_seed(cfg.seed)  # noise, timesteps, TREAD routes, rollouts: resumable
     tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))
-    transformer, optimizer = accelerator.prepare(comps.transformer, optimizer)
+    if sharded is None:
+        transformer, optimizer = accelerator.prepare(comps.transformer, optimizer)
+    else:  # FSDP2 is the module's own wrapping: accelerate would add DDP on top; it prepares the optimizer only
+        transformer, optimizer = comps.transformer, accelerator.prepare(optimizer)
     ema = EMA(params, cfg.ema_decay, cfg.ema_update_interval, cfg.ema_device) if cfg.use_ema else None
     events.total_steps = steps
     return Run(
@@ -214,4 +227,5 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         total_steps=steps, generator=generator, ema=ema,
         sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
+        streamer=streamer, fsdp=sharded,
     )

@@ -1,0 +1,237 @@
+"""FSDP2 (`fsdp_enable`): the transformer's weights, gradients and optimizer state sharded between the
+processes with torch's `fully_shard`, instead of a whole copy per process (DDP).
+
+Why torch's `fully_shard` and not accelerate's FSDP plugin: accelerate turns FSDP on only for
+accelerator devices (not for processes on the CPU with gloo, where the tests run), and its FSDP2 path
+upcasts the trainable weights to fp32 and casts them back for compute, which would make an FSDP run
+differ from a DDP or single-process run. Here the numbers are the same as one process with the same
+global batch: autocast is the loop's, gradients are averaged by reduce-scatter as DDP averages them.
+
+What it changes, and where:
+- `shard` (from setup.build_run, after the adapter is attached and before the optimizer is built):
+  one FSDP unit per transformer block (the classes of its `nn.ModuleList` entries and diffusers'
+  `_no_split_modules`, or `fsdp_transformer_layer_cls_to_wrap`), then the root. The parameters become
+  DTensors; a frozen base with trainable LoRA weights is fine (FSDP2 keeps requires_grad per parameter).
+- `gathered` (around every save; every process enters it): the trainable weights (all of them for a
+  full fine-tune) are gathered whole to process 0, which saves them with the usual code: the
+  transformer's and the adapter's `state_dict` read the gathered tensors meanwhile. So checkpoints and
+  results are the files a single process writes (a peft LoRA, a diffusers transformer folder).
+  The optimizer state is saved by `fsdp_state_dict_type`: SHARDED (torch.distributed.checkpoint, each
+  process writes its shard, the folder `optimizer_fsdp/`) or FULL (gathered into `optimizer_fsdp.pt`).
+- `unsharded` (around validation): every process gathers the blocks' weights and keeps them gathered,
+  so process 0 can sample alone with the stock pipeline (no collective runs while it samples); the
+  others free them at once and wait at the barrier.
+- Loading a checkpoint: the weights through `adapters.kinds._copy_into` (each process takes its part
+  of the full tensor), the optimizer through `load_optimizer`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from difftune.train.distributed import Ranks
+    from difftune.train.setup import Run
+
+SHARDED_OPTIMIZER = "optimizer_fsdp"  # a torch.distributed.checkpoint folder: one file per process
+FULL_OPTIMIZER = "optimizer_fsdp.pt"  # the whole state, keyed by parameter name
+
+
+@dataclass
+class Sharded:
+    """What a run sharded: its units (root last) and how checkpoints keep the optimizer state."""
+
+    root: Any
+    blocks: list[Any]
+    reshard_after_forward: bool
+    state_dict_type: str
+    staged: Any = None  # the optimizer state gathered for process 0 (FULL), or the folder written (SHARDED)
+    units: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.units = [*self.blocks, self.root]
+
+
+def block_classes(transformer: torch.nn.Module, names: list[str] | None) -> set[type]:
+    """The classes sharded one unit per instance: `names` when given (each must name a class of the
+    transformer's modules), else the classes of the transformer's block lists (the entries of its own
+    `nn.ModuleList`s) and diffusers' `_no_split_modules`."""
+    present = {type(m).__name__: type(m) for m in transformer.modules()}
+    if names:
+        unknown = [n for n in names if n not in present]
+        if unknown:
+            found = sorted(c.__name__ for c in _listed_blocks(transformer))
+            raise ValueError(
+                f"fsdp_transformer_layer_cls_to_wrap: {', '.join(unknown)} is not a class of this transformer's "
+                f"modules; its blocks are {', '.join(found) or 'none'} (every class: {', '.join(sorted(present))})")
+        return {present[n] for n in names}
+    classes = _listed_blocks(transformer)
+    if not classes:
+        raise ValueError(f"FSDP: {type(transformer).__name__} has no list of blocks to shard; name the block class "
+                         f"in fsdp_transformer_layer_cls_to_wrap (its classes: {', '.join(sorted(present))})")
+    return classes
+
+
+def _listed_blocks(transformer: torch.nn.Module) -> set[type]:
+    named = set(getattr(transformer, "_no_split_modules", None) or [])
+    classes = {type(m) for m in transformer.modules() if type(m).__name__ in named}
+    for module in transformer.children():  # the block stacks (not the lists inside a block: to_out, ...)
+        if isinstance(module, torch.nn.ModuleList):
+            classes |= {type(child) for child in module}
+    return classes
+
+
+def shard(cfg: Any, transformer: torch.nn.Module, adapter: Any, ranks: Ranks, device: torch.device,
+          emit: Any) -> Sharded | None:
+    """Apply FSDP2 to `transformer` (in place) when fsdp_enable and several processes run; else None.
+    The adapter's parameter list is refreshed: fully_shard replaces every parameter with a DTensor."""
+    if not cfg.fsdp_enable:
+        return None
+    if ranks.count == 1:
+        emit("warning", message="fsdp_enable with a single process: nothing to shard, training as one process "
+                                "(launch several: accelerate launch --num_processes N -m difftune train ...)")
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    classes = block_classes(transformer, cfg.fsdp_transformer_layer_cls_to_wrap)
+    mesh = init_device_mesh(device.type, (ranks.count,))
+    # Innermost first: a unit's parameters are those not already in a unit below it.
+    blocks = [m for m in reversed(list(transformer.modules())) if type(m) in classes and m is not transformer]
+    names = ", ".join(sorted({type(b).__name__ for b in blocks}))  # before fully_shard renames the classes
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+    # The root keeps its weights after the forward pass: its backward comes right after (torch's default).
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=False)
+    adapter.params = [p for p in transformer.parameters() if p.requires_grad]
+    emit("info", message=f"FSDP2: {len(blocks)} blocks ({names}) and the rest of the transformer sharded between "
+                         f"{ranks.count} processes; optimizer state in checkpoints: {cfg.fsdp_state_dict_type}")
+    return Sharded(transformer, blocks, cfg.fsdp_reshard_after_forward, cfg.fsdp_state_dict_type)
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+
+
+@contextmanager
+def gathered(run: Run, optimizer: bool = False, step: int | None = None) -> Iterator[None]:
+    """Every process enters; inside, process 0's `transformer.state_dict()` and `adapter.state_dict()`
+    return the whole tensors (on the CPU), so the usual save code writes the usual files. With
+    `optimizer`, the optimizer state is prepared for `save_optimizer` (checkpoint `step`)."""
+    sharded: Sharded | None = getattr(run, "fsdp", None)
+    if sharded is None:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    model = sharded.root
+    full_model = type(run.adapter).__name__ == "FullAdapter"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    wanted = None if full_model else set(trainable)
+    full: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, value in model.state_dict().items():  # the same order on every process: the collectives match
+            if wanted is not None and name not in wanted:
+                continue
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if run.ranks.main:
+                full[name] = value.cpu()
+    if optimizer:
+        _stage_optimizer(run, sharded, step)
+    if not run.ranks.main:
+        yield
+        return
+    model.state_dict = lambda *args, **kwargs: dict(full)
+    if not full_model:  # a full fine-tune's adapter reads the transformer's state_dict
+        run.adapter.state_dict = lambda: {n: full[n].clone() for n in trainable}
+    try:
+        yield
+    finally:
+        del model.state_dict
+        run.adapter.__dict__.pop("state_dict", None)
+        sharded.staged = None
+
+
+def _stage_optimizer(run: Run, sharded: Sharded, step: int | None) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    inner = _inner(run.optimizer)
+    if sharded.state_dict_type == "FULL_STATE_DICT":
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sharded.staged = get_optimizer_state_dict(sharded.root, inner, options=options)  # empty except on 0
+        return
+    import torch.distributed.checkpoint as dcp
+
+    from difftune.train.checkpoint import checkpoints_dir
+
+    # Beside the checkpoints (a `.tmp-` name: clean_partial removes it after a kill); process 0 moves it
+    # into the checkpoint it writes.
+    folder = checkpoints_dir(run.output_dir) / f".tmp-{SHARDED_OPTIMIZER}-{step or 0:07d}"
+    if run.ranks.main:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    run.ranks.barrier()
+    dcp.save({"optimizer": get_optimizer_state_dict(sharded.root, inner)}, checkpoint_id=str(folder))
+    run.ranks.barrier()
+    sharded.staged = folder
+
+
+def save_optimizer(run: Run, folder: Path) -> None:
+    """Process 0, inside `gathered(run, optimizer=True)`: put the optimizer state into checkpoint `folder`."""
+    sharded: Sharded = run.fsdp
+    if sharded.staged is None:
+        raise RuntimeError("FSDP: save_optimizer outside gathered(run, optimizer=True)")
+    if isinstance(sharded.staged, Path):
+        sharded.staged.replace(folder / SHARDED_OPTIMIZER)
+    else:
+        torch.save(sharded.staged, folder / FULL_OPTIMIZER)
+
+
+def load_optimizer(run: Run, folder: Path) -> None:
+    """Every process: the optimizer state of checkpoint `folder`, in either layout, into its shard."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    sharded: Sharded = run.fsdp
+    inner = _inner(run.optimizer)
+    if (folder / SHARDED_OPTIMIZER).is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        state = {"optimizer": get_optimizer_state_dict(sharded.root, inner)}  # the layout to fill
+        dcp.load(state, checkpoint_id=str(folder / SHARDED_OPTIMIZER))
+        set_optimizer_state_dict(sharded.root, inner, state["optimizer"])
+    elif (folder / FULL_OPTIMIZER).is_file():
+        state = torch.load(folder / FULL_OPTIMIZER, map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(sharded.root, inner, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        raise ValueError(f"{folder} was not written by an FSDP run (no {SHARDED_OPTIMIZER}/ or {FULL_OPTIMIZER}); "
+                         "resume it with fsdp_enable false, or start a new output_dir")
+
+
+@contextmanager
+def unsharded(run: Run) -> Iterator[None]:
+    """Every process enters: the weights are gathered whole and stay so through forward passes, so
+    process 0 can sample alone. The other processes free them at once (no collective is pending)."""
+    sharded: Sharded | None = getattr(run, "fsdp", None)
+    if sharded is None:
+        yield
+        return
+    for unit in sharded.units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in sharded.units:
+            unit.reshard()
+            unit.set_reshard_after_forward(sharded.reshard_after_forward and unit is not sharded.root, recurse=False)
