@@ -24,7 +24,7 @@ from families import Case
 from test_train import crash_then_resume, losses
 
 FAMILIES = ["lumina2", "kandinsky5-image"]
-PRECISIONS = ["int8-quanto", "int8-torchao"]
+PRECISIONS = ["int8-quanto", "int8-torchao", "nf4-bnb"]
 FAST = dict(max_train_steps=2, lora_rank=4, validation_prompt="a red circle", validation_resolution="32x32",
             validation_num_inference_steps=2, validation_disable_unconditional=True)
 
@@ -89,9 +89,10 @@ def test_lora_on_quantized_base_loads_into_the_unquantized_pipeline(
         torch.testing.assert_close(tensor, saved[f"transformer.{name}"])
 
 
-def test_resume_on_quantized_base_gives_same_losses(tmp_path, dataset, monkeypatch):
+@pytest.mark.parametrize("precision", ["int8-quanto", "nf4-bnb"])
+def test_resume_on_quantized_base_gives_same_losses(tmp_path, dataset, monkeypatch, precision):
     common = dict(max_train_steps=4, checkpoint_step_interval=2, resume_from_checkpoint="latest",
-                  base_model_precision="int8-quanto", lora_rank=4)
+                  base_model_precision=precision, lora_rank=4)
     train(build_run(load_config(write_config(tmp_path / "a", dataset, **common))))
     expected = losses(tmp_path / "a" / "output")
     crash_then_resume(monkeypatch, write_config(tmp_path / "b", dataset, **common), at_step=3)
@@ -125,7 +126,7 @@ def test_full_fine_tune_on_quantized_base_is_refused_in_check(tmp_path, dataset,
     assert "full fine-tune" in err and "base_model_precision" in err
 
 
-@pytest.mark.parametrize("value", ["int4-torchao", "nf4-bnb", "int2-quanto"])
+@pytest.mark.parametrize("value", ["int4-torchao"])
 def test_unimplemented_precision_is_refused(tmp_path, dataset, value):
     with pytest.raises(ConfigError) as info:
         load_config(write_config(tmp_path, dataset, base_model_precision=value))
@@ -144,6 +145,37 @@ def test_precision_settings_are_typed(tmp_path, dataset):
     cfg = load_config(write_config(tmp_path, dataset, text_encoder_1_precision="int8-quanto")).train
     assert cfg.text_encoder_precisions() == {"text_encoder": "int8-quanto"}
     assert (cfg.text_encoder_2_precision, cfg.base_model_precision) == ("no_change", "no_change")
+
+
+def test_nf4_without_bitsandbytes_is_a_config_error(tmp_path, dataset, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, dataset, text_encoder_1_precision="nf4-bnb"))
+    text = "\n".join(info.value.problems)
+    assert "text_encoder_1_precision 'nf4-bnb' needs the bitsandbytes package" in text and "difftune[bnb]" in text
+
+
+@pytest.mark.parametrize("precision, at_most", [("int2-quanto", 0.2), ("fp8uz-quanto", 0.3), ("nf4-bnb", 0.2),
+                                                ("int4-quanto", 0.2), ("fp8-torchao", 0.3)])
+def test_each_precision_shrinks_a_layer_and_keeps_its_output(precision, at_most):
+    """Bytes after quantization (fp32 layer: 4 bytes a weight) and the output error stay within what the
+    precision's bits allow: a quantizer that did nothing, or broke the layer, fails here."""
+    from difftune.models.quantize import QUANTIZERS, quantized_layers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(8, 256)
+    expected = model(x).detach()
+    before = weight_bytes(model)
+    model.requires_grad_(False)
+    QUANTIZERS[precision](model, quantized_layers(model))
+    assert quantized_weights(model) == 2
+    assert weight_bytes(model) < at_most * before, (weight_bytes(model), before)
+    error = (model(x) - expected).abs().mean() / expected.abs().mean()
+    assert 0 < error < {"int2-quanto": 0.8, "fp8uz-quanto": 0.1, "fp8-torchao": 0.1}.get(precision, 0.2), error
 
 
 def test_weight_bytes_count_quantized_tensors():
@@ -212,7 +244,7 @@ def test_lumina2_with_quantized_text_encoder_trains_and_validates(tmp_path, data
 
 def test_kandinsky5_with_quantized_text_encoders_trains(tmp_path, dataset):
     run, _ = run_once(tmp_path, dataset, "kandinsky5-image", text_encoder_1_precision="int8-torchao",
-                      text_encoder_2_precision="int8-quanto", validation_prompt=None)
+                      text_encoder_2_precision="nf4-bnb", validation_prompt=None)
     assert sorted(losses(run.output_dir)) == [1, 2] and all(math.isfinite(v) for v in losses(run.output_dir).values())
     lines = text_encoder_lines(run.output_dir)
     assert sorted(lines) == ["text_encoder_1_precision", "text_encoder_2_precision"]
@@ -260,7 +292,7 @@ def test_precision_of_a_missing_text_encoder_is_refused_in_check(tmp_path, datas
 
 
 @pytest.mark.parametrize("key", ["text_encoder_1_precision", "text_encoder_2_precision"])
-@pytest.mark.parametrize("value", ["int4-torchao", "nf4-bnb"])
+@pytest.mark.parametrize("value", ["int4-torchao"])
 def test_unimplemented_text_encoder_precision_is_refused(tmp_path, dataset, key, value):
     with pytest.raises(ConfigError) as info:
         load_config(write_config(tmp_path, dataset, model_family="kandinsky5-image", **{key: value}))

@@ -154,7 +154,7 @@ class Lumina2Family:
         )
         pipe.set_progress_bar_config(disable=True)
         device = next(transformer.parameters()).device
-        dtype = next(transformer.parameters()).dtype
+        dtype = transformer.dtype  # the first floating parameter (a 4-bit layer holds packed uint8)
         cond = self.collate_text([request.text], MAX_SEQUENCE_LENGTH)
         kwargs: dict[str, Any] = {}
         if request.guidance > 1.0 and request.negative is not None:

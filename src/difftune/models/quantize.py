@@ -42,13 +42,34 @@ def _torchao(config: str) -> Callable[[torch.nn.Module, list[str]], None]:
     return apply
 
 
+def _bnb_nf4(module: torch.nn.Module, names: list[str]) -> None:
+    """Each named nn.Linear becomes a bitsandbytes Linear4bit (NF4, blocks of 64) under the same name, so
+    adapters wrap it as they wrap the linear layer (peft has LoRA layers for it). The weights quantize
+    where they are, when the layer is moved there (`Params4bit` quantizes on its first `.to`)."""
+    import bitsandbytes as bnb
+
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        linear = getattr(parent, child)
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  compute_dtype=linear.weight.dtype, quant_type="nf4", device="meta")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4")
+        if linear.bias is not None:
+            layer.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, child, layer.to(linear.weight.device))
+
+
 # precision -> how its layers are quantized (weight-only: activations stay in the training dtype)
 QUANTIZERS: dict[str, Callable[[torch.nn.Module, list[str]], None]] = {
     "int8-quanto": _quanto("qint8"),
     "int4-quanto": _quanto("qint4"),
+    "int2-quanto": _quanto("qint2"),
     "fp8-quanto": _quanto("qfloat8"),
+    "fp8uz-quanto": _quanto("qfloat8_e4m3fnuz"),  # the fp8 variant of AMD's accelerators
     "int8-torchao": _torchao("Int8WeightOnlyConfig"),
     "fp8-torchao": _torchao("Float8WeightOnlyConfig"),
+    "nf4-bnb": _bnb_nf4,
 }
 
 
@@ -58,7 +79,9 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     if flatten is not None and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = flatten()
         return sum(tensor_bytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
+    state = getattr(tensor, "quant_state", None)  # bitsandbytes 4-bit: packed bytes + absmax per block
+    extra = 0 if state is None else sum(tensor_bytes(t) for t in (state.absmax, state.code) if t is not None)
+    return tensor.numel() * tensor.element_size() + extra
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

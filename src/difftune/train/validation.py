@@ -58,10 +58,12 @@ def as_loaded(model: Any) -> Iterator[None]:
         base = getattr(module, "base_layer", None)
         if base is None or not hasattr(module, "lora_A") or getattr(base, "weight", None) is None:
             continue
+        # A bitsandbytes 4-bit layer stores packed uint8 weights: its compute dtype is the model's dtype.
+        dtype = getattr(base, "compute_dtype", None) or base.weight.dtype
         for p in module.parameters():
-            if p.requires_grad and p.dtype != base.weight.dtype:
+            if p.requires_grad and p.dtype != dtype and dtype.is_floating_point:
                 kept.append((p, p.data))
-                p.data = p.data.to(base.weight.dtype)
+                p.data = p.data.to(dtype)
     try:
         yield
     finally:
