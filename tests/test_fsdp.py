@@ -63,11 +63,13 @@ def test_fsdp_lora_two_processes_equal_one(tmp_path, images):
 
 @pytest.mark.slow  # about 60 s on 2 cores
 def test_fsdp_full_finetune_two_processes_equal_one_and_load(tmp_path, images):
-    """A full fine-tune (every weight a DTensor shard): the same losses as one process, and the gathered
-    transformer folder loads with diffusers' from_pretrained and equals the one-process result."""
+    """A full fine-tune (every weight a DTensor shard), with gradient accumulation (a reduce-scatter per
+    micro-batch) and gradient checkpointing: the same losses as one process, and the gathered transformer
+    folder loads with diffusers' from_pretrained and equals the one-process result."""
     from diffusers import Lumina2Transformer2DModel
 
-    settings = dict(model_type="full", max_train_steps=3, learning_rate=1e-4)
+    settings = dict(model_type="full", max_train_steps=3, learning_rate=1e-4, gradient_accumulation_steps=2,
+                    gradient_checkpointing=True)
     two = write_config(tmp_path / "two", images, train_batch_size=1, fsdp_enable=True,
                        fsdp_state_dict_type="FULL_STATE_DICT", checkpoint_step_interval=2, **settings)
     one = write_config(tmp_path / "one", images, train_batch_size=2, **settings)
@@ -81,6 +83,24 @@ def test_fsdp_full_finetune_two_processes_equal_one_and_load(tmp_path, images):
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow  # about 90 s on 2 cores
+def test_fsdp_equals_ddp_bit_for_bit_in_bf16(tmp_path, images):
+    """bf16 autocast on a bf16 base with fp32 LoRA weights (mixed dtypes in one FSDP unit): FSDP2 and DDP
+    give the same losses, adapter and validation image, bit for bit."""
+    settings = dict(max_train_steps=2, train_batch_size=1, mixed_precision="bf16", **SAMPLE)
+    fsdp = write_config(tmp_path / "fsdp", images, fsdp_enable=True, **settings)
+    ddp = write_config(tmp_path / "ddp", images, **settings)
+    finish(launch(fsdp, 29661))
+    finish(launch(ddp, 29662))
+    out1, out2 = tmp_path / "ddp" / "output", tmp_path / "fsdp" / "output"
+    assert losses(out1) == losses(out2)
+    wa, wb = load_file(out1 / "pytorch_lora_weights.safetensors"), load_file(out2 / "pytorch_lora_weights.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    name = "final-step-000002-64x48.png"
+    assert np.array_equal(np.asarray(Image.open(out1 / "validation" / name)),
+                          np.asarray(Image.open(out2 / "validation" / name)))
 
 
 @pytest.mark.slow  # about 80 s on 2 cores
