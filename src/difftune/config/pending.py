@@ -33,7 +33,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
         (False,), "the built-in prompt library is not implemented yet; use user_prompt_library",
     ),
     "validation_guidance_rescale": ((0, 0.0), "guidance rescale is not supported by this pipeline; use 0.0"),
-    "enable_model_cpu_offload": ((False,), "model CPU offload is not implemented yet; set it to false"),
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
     "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
     # ReflexFlow (arXiv 2512.04904) changes the rollout loss; its exact terms are not specified where we could

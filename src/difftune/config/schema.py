@@ -289,6 +289,12 @@ class TrainConfig(BaseModel):
         "the others keep their activations. Between no checkpointing and full checkpointing in memory and speed. "
         "Empty or 1: every block.", "memory", advanced=True, ge=1,
     )
+    enable_model_cpu_offload: bool = field(
+        False, "Whole models take turns on the accelerator: while validation's VAE decodes, the transformer waits in "
+        "CPU memory (the sample's peak is the larger model's, not both); while the caches fill, the transformer "
+        "stays off the accelerator (as offload_during_startup). Costs a model transfer per validation sample. "
+        "Never with enable_group_offload.", "memory", advanced=True,
+    )
     # --- block streaming (train/offload.py; the checks are in config/offload_keys.py)
     enable_group_offload: bool = field(
         False, "Stream the transformer's blocks: the frozen base weights of every block live in CPU memory and are "

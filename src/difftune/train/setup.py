@@ -159,15 +159,16 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
             f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
             f"set model_flavour to a matching flavour of {cfg.model_family}"
         )
+    park = cfg.offload_during_startup or cfg.enable_model_cpu_offload  # the transformer waits while caches fill
     # Before it reaches the accelerator (quantize_via 'cpu') and before any adapter wraps its layers.
     quantize_transformer(comps.transformer, cfg.base_model_precision, cfg.quantize_via, device,
-                         park=cfg.offload_during_startup, emit=events.emit)
+                         park=park, emit=events.emit)
     # Before any caption is encoded (the text cache's fingerprint holds these precisions).
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
     tread.check(cfg.tread_config, family, comps.transformer)  # a route that does not fit fails now, not after caching
     # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights.
-    if not cfg.offload_during_startup and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap):
+    if not park and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap):
         # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     record_peak_memory(events, "model load", device)

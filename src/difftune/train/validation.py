@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from difftune.train.model_offload import model_cpu_offload
+
 if TYPE_CHECKING:
     from difftune.train.setup import Run
 
@@ -75,8 +77,8 @@ def _sample_all(run: Run, label: str, suffix: str) -> list[Path]:
     model = run.accelerator.unwrap_model(run.transformer)
     device = run.accelerator.device
     vae = run.comps.vae
-    vae.to(device)
-    with plain_forward(model), as_loaded(model):
+    offload = model_cpu_offload(run.cfg.enable_model_cpu_offload, model, vae, device)
+    with plain_forward(model), as_loaded(model), offload:
         return _sample_requests(run, model, vae, label, suffix)
 
 
