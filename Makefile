@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-slow test-browser test-ui lint bench bench-memory clean
+.PHONY: setup demo test test-slow test-browser test-ui lint bench bench-memory bench-tread clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ bench: setup
 # Weight bytes per base_model_precision at real size (random init, CPU; BENCHMARKS.md, issue 13).
 bench-memory: setup
 	$(BIN)/python -m difftune.bench_memory
+
+# Step time with and without TREAD at real width (random init, CPU, minutes; BENCHMARKS.md, issue 15).
+bench-tread: setup
+	$(BIN)/python -m difftune.bench_tread
 
 clean:
 	rm -rf $(VENV) demo build *.egg-info

@@ -439,9 +439,9 @@ def images(tmp_path_factory) -> Path:
 class Reference:
     """The uninterrupted run, started as a subprocess at once; `.events` waits for it."""
 
-    def __init__(self, root: Path, images: Path):
+    def __init__(self, root: Path, images: Path, **extra):
         self.root = root
-        self.config = write_config(root, images, **COMMON)
+        self.config = write_config(root, images, **COMMON, **extra)
         self.stdout = root / "stdout.txt"
         self.started = time.time()
         self.proc = launch(self.config, self.stdout)
@@ -553,3 +553,24 @@ def test_single_sigkill_resumes_exactly(tmp_path, images, reference, point):
     chain.run(None)
     assert_same_as_reference(chain, reference)
     print(f"\n{chain.report()}\n  validation images never written: {missing_samples(chain, reference)}")
+
+
+# TREAD routes and rollouts draw from the run's generator: a resumed run must draw the same tokens and steps.
+TREAD_AND_ROLLOUTS = dict(
+    tread_config={"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -1}]},
+    scheduled_sampling_max_step_offset=2, scheduled_sampling_probability=0.5,
+)
+
+
+@pytest.mark.slow
+def test_sigkill_resumes_exactly_with_tread_and_rollouts(tmp_path, tmp_path_factory, images):
+    reference = Reference(tmp_path_factory.mktemp("kill-reference-tread"), images, **TREAD_AND_ROLLOUTS)
+    try:
+        chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON, **TREAD_AND_ROLLOUTS))
+        chain.kill_at(mid_step(min_step=5))
+        chain.run(None)
+        assert_same_as_reference(chain, reference)
+    finally:
+        if reference.proc.poll() is None:
+            reference.proc.kill()
+            reference.proc.wait()

@@ -28,12 +28,15 @@ LYCORIS = {"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha
 KINDS = {
     "lora": ("lumina2", {}),
     "k5-lora": ("kandinsky5-image", {}),
+    # TREAD (train/tread.py) on the specs' route: half of the tokens skip blocks 2 to 2 of the tiny model's 4
+    "k5-lora-tread": ("kandinsky5-image", {"tread_config": {"routes": [
+        {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}}),
     "lycoris-lokr": ("lumina2", {"lora_type": "lycoris", "learning_rate": 3e-2}),
     "full": ("lumina2", {"model_type": "full", "learning_rate": 1e-3, "max_train_steps": 100}),
 }
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k.endswith("-tread") else k for k in KINDS])
 def test_learns_one_image(kind, tmp_path):
     family_name, extra = KINDS[kind]
     case = Case(family_name, "tiny-random")

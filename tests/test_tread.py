@@ -52,6 +52,9 @@ def test_config_keys_are_checked(tmp_path, dataset):
     for expected, keys in bad.items():
         with pytest.raises(ConfigError, match=expected):
             load_config(write_config(tmp_path / expected, dataset, **keys))
+    text = '{"routes": [{"selection_ratio": 0.25, "start_layer_idx": 0, "end_layer_idx": 1}]}'
+    cli = load_config(write_config(tmp_path / "cli", dataset), {"tread_config": text}).train  # --tread_config '{...}'
+    assert cli.tread_config.routes[0].selection_ratio == 0.25
     # ReflexFlow's own settings are accepted while it is off, as the spec's defaults
     load_config(write_config(tmp_path / "rf", dataset, scheduled_sampling_reflexflow_beta1=10.0))
 

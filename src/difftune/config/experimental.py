@@ -3,6 +3,9 @@ scheduled sampling (train/rollout.py). Import-light, like the rest of config/.""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # Rollout samplers of the spec; only 'euler' is implemented (TrainConfig refuses the others while rollouts are on).
@@ -35,3 +38,16 @@ class TreadConfig(BaseModel):
         ..., min_length=1, description="The routes, as a JSON list such as "
         '[{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]; they must not share a block.',
     )
+
+
+def tread_from_text(value: Any) -> Any:
+    """`--tread_config '{"routes": [...]}'` on the command line arrives as text: its JSON value."""
+    if not isinstance(value, str):
+        return value
+    if value.strip().lower() in ("", "null", "none"):
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tread_config is not valid JSON ({e.msg}); write it as "
+                         '{"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}') from e

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from difftune.config.compat import family_name
 from difftune.config.datasets import four_k_plus_one
-from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig
+from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig, tread_from_text
 from difftune.config.fields import field
 from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.offload_keys import offload_checks
@@ -454,6 +454,11 @@ class TrainConfig(BaseModel):
         if isinstance(v, str):
             return [part.strip() for part in v.split(",") if part.strip()] or None
         return v
+
+    @field_validator("tread_config", mode="before")
+    @classmethod
+    def _tread_text(cls, v: object) -> object:
+        return tread_from_text(v)
 
     @field_validator("lycoris_config")
     @classmethod
