@@ -110,8 +110,8 @@ def test_apply_torch_options():
 
 @pytest.mark.parametrize("key,value", [
     ("scheduled_sampling_strategy", "biased_late"), ("crepa_drop_vae_encoder", True),
-    ("num_eval_images", 4), ("musubi_blocks_to_swap", 8), ("gradient_checkpointing_interval", 2),
-    ("enable_group_offload", True), ("scheduled_sampling_reflexflow", True), ("crepa_enabled", "true"),
+    ("num_eval_images", 4), ("compress_disk_cache", True), ("gradient_checkpointing_interval", 2),
+    ("scheduled_sampling_start_step", 5), ("scheduled_sampling_reflexflow", True), ("crepa_enabled", "true"),
 ])
 def test_simpletuner_keys_are_pending_not_unknown(tmp_path, dataset, key, value):
     overrides = {key: value}

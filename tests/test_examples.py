@@ -121,5 +121,5 @@ def test_spec_kandinsky5_video_guide_validates(tmp_path):
     video = run_cfg.datasets.images[0].video
     assert (video.num_frames, video.min_frames, video.frame_rate, video.bucket_strategy) == (61, 61, 24, "aspect_ratio")
     assert run_cfg.train.model_source() == "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"
-    with pytest.raises(ConfigError, match="group offload is not implemented yet"):
-        load_config(None, settings | {"enable_group_offload": True, "group_offload_type": "block_level"})
+    streamed = load_config(None, settings | {"enable_group_offload": True, "group_offload_type": "block_level"})
+    assert streamed.train.enable_group_offload and streamed.train.group_offload_type == "block_level"

@@ -28,6 +28,9 @@ class FamilyFacts:
     # Its text encoders in pipeline order: the first is component `text_encoder` (text_encoder_1_precision),
     # the second `text_encoder_2` (text_encoder_2_precision).
     text_encoders: tuple[str, ...] = ()
+    # The transformer's ModuleLists of blocks, in execution order, that block streaming (train/offload.py) moves
+    # group by group; the last is the main stack (musubi_blocks_to_swap streams the end of it).
+    block_stacks: tuple[str, ...] = ()
 
     def needs_conditioning(self, flavour: str) -> bool:
         return flavour in self.conditioning_flavours
@@ -49,6 +52,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         module="difftune.models.lumina2",
         comfyui_layout="lumina2",
         text_encoders=("Gemma2",),
+        block_stacks=("context_refiner", "noise_refiner", "layers"),
     ),
     "kandinsky5-image": FamilyFacts(
         name="kandinsky5-image",
@@ -65,6 +69,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         module="difftune.models.kandinsky5_image",
         comfyui_layout="kandinsky5",
         text_encoders=("Qwen2.5-VL", "CLIP"),
+        block_stacks=("text_transformer_blocks", "visual_transformer_blocks"),
         conditioning_flavours=frozenset({"i2i-lite-sft", "i2i-lite-pretrain", TINY_FLAVOUR + "-i2i"}),
     ),
     "kandinsky5-video": FamilyFacts(
@@ -95,6 +100,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         video=True,
         comfyui_layout="kandinsky5",  # the same transformer class as the image family
         text_encoders=("Qwen2.5-VL", "CLIP"),
+        block_stacks=("text_transformer_blocks", "visual_transformer_blocks"),
         first_frame_flavours=frozenset({
             "i2v-lite-5s", "i2v-lite-pretrain-5s", "i2v-pro-sft-5s", "i2v-pro-pretrain-5s", TINY_FLAVOUR + "-i2v",
         }),
