@@ -152,9 +152,10 @@ class BlockStreamer:
                     t = p
                     for attribute in path:
                         t = getattr(t, attribute)
-                    stored = t.detach().to("cpu", copy=True)
-                    if self.device.type == "cuda":
-                        stored = stored.pin_memory()
+                    # pinned with CUDA: asynchronous copies to the device need page-locked memory
+                    stored = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
+                                                 pin_memory=self.device.type == "cuda")
+                    stored.copy_(t.detach())
                     slots.append(Slot(module, name, path, stored, t.data_ptr() % 64))
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         return slots
