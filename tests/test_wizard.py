@@ -27,7 +27,7 @@ def drive(cwd: Path, args: list[str], answers: dict[str, list[str]], gpu: str, u
     """Answer each question by its key (a list: one answer per time it is asked; Enter when none)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
     child = pexpect.spawn(sys.executable, ["-m", "difftune.cli", "configure", *args], cwd=str(cwd), env=env,
-                          encoding="utf-8", timeout=60)
+                          encoding="utf-8", timeout=180)  # the memory offer runs the planner
     log = open(transcript, "w")  # noqa: SIM115 - closed below
     child.logfile_read = log
     asked: list[str] = []

@@ -2,6 +2,7 @@
 
     difftune train [--config PATH] [--key value ...]
     difftune check [--config PATH] [--key value ...]
+    difftune plan  [--config PATH] [--gpu-memory GiB] [--processes N] [--key value ...]
     difftune demo  [--dir DIR]
     difftune server [--host 127.0.0.1] [--port 8001] [--root DIR ...] [--token TOKEN]
     difftune configure [PATH]
@@ -123,6 +124,28 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+PLAN_DOES_NOT_FIT = 3  # `difftune plan --gpu-memory`: exit status when no set of levers fits
+
+
+def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    """Predicted peak accelerator memory per phase; with --gpu-memory, the cheapest levers that fit (exit 0),
+    or exit 3 when nothing fits."""
+    run_cfg = _load(args, rest)
+    quiet_libraries()
+    from difftune.memory_plan.levers import choose
+    from difftune.memory_plan.predict import predict
+    from difftune.memory_plan.render import render
+    from difftune.train.plan import discover_all
+
+    found = discover_all(run_cfg)
+    prediction = predict(run_cfg.train, found, args.processes)
+    choice = None
+    if args.gpu_memory is not None:
+        choice = choose(run_cfg.train, found, args.gpu_memory, args.processes, prediction)
+    render(prediction, choice)
+    return PLAN_DOES_NOT_FIT if choice is not None and not choice.fits else 0
+
+
 def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     """Fill every cache (text embeddings, latents, metadata) without training."""
     run_cfg = _load(args, rest)
@@ -174,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                            ("cache", "fill the text and latent caches without training")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    plan = sub.add_parser("plan", help="predict peak accelerator memory; --gpu-memory picks levers that fit "
+                                       f"(exit {PLAN_DOES_NOT_FIT} when nothing fits)")
+    plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                      help="accelerator memory to fit, in GiB (e.g. 24)")
+    plan.add_argument("--processes", type=int, default=1, metavar="N",
+                      help="processes (GPUs) the run will use; FSDP divides the weights between them")
     demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
     server = sub.add_parser("server", help="web UI: set runs up, start, watch and stop them (http://127.0.0.1:8001)")
@@ -185,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     configure = sub.add_parser("configure", help="terminal wizard that writes config.json and its dataset list")
     configure.add_argument("path", nargs="?", default=None, help=f"config to edit (default: new {DEFAULT_CONFIG})")
     args, rest = parser.parse_known_args(argv)
-    handler = {"train": cmd_train, "check": cmd_check, "cache": cmd_cache, "demo": cmd_demo,
+    handler = {"train": cmd_train, "check": cmd_check, "plan": cmd_plan, "cache": cmd_cache, "demo": cmd_demo,
                "server": cmd_server, "configure": cmd_configure}[args.command]
     try:
         return handler(args, rest)

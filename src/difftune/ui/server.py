@@ -58,6 +58,11 @@ class ConfigBody(BaseModel):
     datasets: list[Any] = []
 
 
+class PlanBody(ConfigBody):
+    gpu_memory: float | None = Field(None, gt=0, le=100_000)  # GiB to fit; none: the prediction alone
+    processes: int = Field(1, ge=1, le=4096)
+
+
 class PathBody(BaseModel):
     path: str = Field(..., max_length=4096)
 
@@ -280,6 +285,27 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     @app.post("/api/config/check")
     def check_config(body: ConfigBody):
         return check(confined, confined.confine(body.path), body.config, body.datasets)[0]
+
+    @app.post("/api/config/plan")
+    def plan_config(body: PlanBody):
+        """`difftune plan` on the config being edited: the predicted peak per phase and, with gpu_memory, the
+        cheapest settings that fit (`plan.choice.settings`: keys the form sets). Only a config that passes the
+        check is planned; its datasets are scanned as `check` scans them (without writing metadata)."""
+        answer, run_cfg = check(confined, confined.confine(body.path), body.config, body.datasets)
+        if run_cfg is None:
+            return {**answer, "plan": None}
+        from difftune.memory_plan.levers import choose
+        from difftune.memory_plan.predict import predict
+        from difftune.memory_plan.render import as_json
+        from difftune.train.plan import DataError, discover_all
+
+        try:
+            found = discover_all(run_cfg, write_metadata=False)
+        except DataError as e:
+            raise ApiError(422, str(e)) from e
+        prediction = predict(run_cfg.train, found, body.processes)
+        choice = choose(run_cfg.train, found, body.gpu_memory, body.processes, prediction) if body.gpu_memory else None
+        return {**answer, "plan": as_json(prediction, choice)}
 
     @app.put("/api/config")
     def save_config(body: ConfigBody):

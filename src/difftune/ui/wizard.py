@@ -229,17 +229,48 @@ class Wizard:
                 self.say("  give a number, such as 24")
         memory_fields = [n for n, s in self.train_specs.items() if s["group"] == "memory"] + ["mixed_precision"]
         offer = memory_settings(gigabytes, set(self.train_specs))
+        planned = self.planned(gigabytes, offer) if gigabytes > 0 else None
+        if planned is not None:
+            offer = planned
         self.say("Settings that fit:" if offer else "No suggestion for this size.")
         for key, value in offer.items():
             self.say(f"  {key}: {_show(value)}  ({self.train_specs[key]['description']})")
-        if 0 < gigabytes < 12:
-            self.say("  note: a 2B model needs about 10-12 GB even with gradient checkpointing; quantization "
-                     "and offload are not implemented yet")
         if _input("Use these settings? [Y/n]: ").strip().lower() in ("", "y", "yes"):
             self.config.update(offer)
             return
         for name in memory_fields:
             self.ask(self.train_specs[name], self.config, TrainConfig)
+
+    def planned(self, gigabytes: float, base: dict[str, Any]) -> dict[str, Any] | None:
+        """The memory planner's choice for this configuration (`difftune plan --gpu-memory`): `base` (bf16 on a
+        GPU) plus the cheapest levers that fit, each said with its saving. None when it cannot plan (the fixed
+        suggestion `memory_settings` stays)."""
+        from difftune.memory_plan.levers import choose
+        from difftune.memory_plan.predict import GIB
+
+        with tempfile.TemporaryDirectory(prefix="difftune-configure-") as tmp:
+            tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
+            tmp_data.write_text(json.dumps(self.datasets))
+            settings = {k: v for k, v in base.items() if k in ("mixed_precision",)}
+            tmp_cfg.write_text(json.dumps({**self.config, **settings, "data_backend_config": str(tmp_data)}))
+            try:
+                run_cfg = load_config(tmp_cfg)
+                from difftune.train.plan import discover_all
+
+                found = discover_all(run_cfg, write_metadata=False)
+                choice = choose(run_cfg.train, found, gigabytes)
+            except Exception as e:  # noqa: BLE001 - the wizard falls back to its fixed suggestion
+                self.say(f"  (the memory planner could not run: {e}; a fixed suggestion follows)")
+                return None
+        self.say(f"Predicted peak as configured: {choice.before.peak / GIB:.1f} GiB ({choice.before.peak_phase}).")
+        if not choice.fits:
+            self.say(f"  {choice.message}")
+            return {**settings}
+        for step in choice.steps:
+            self.say(f"  {step.key} {_show(step.value)}: saves {step.saving / GIB:.1f} GiB ({step.why})")
+        if choice.steps and choice.after is not None:
+            self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB")
+        return {**settings, **choice.settings()}
 
     def problems(self) -> list[str]:
         """What `difftune check` would say about the files about to be written (config, list, scan)."""

@@ -1,0 +1,154 @@
+"""The cheapest set of memory levers that fits an accelerator: `choose(cfg, found, gigabytes, processes)`.
+
+The levers are tried as a ladder, cheapest first, each rung keeping the ones below it; the first rung whose
+predicted peak fits is the answer. Because the rungs are fixed and each one's peak does not depend on the
+memory asked for, more memory never needs a higher rung (monotone), and a config that fits needs none.
+
+1. offload_during_startup and vae_batch_size 1, when a caching phase is the peak (no cost once training runs)
+2. gradient_checkpointing (about 30% slower steps)
+3. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
+   8-bit optimizer state instead (optimizer adamw8bit)
+4. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
+5. enable_group_offload with the largest group that fits (every block streams: slower still)
+6. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
+   this rung is gradient checkpointing plus FSDP)
+7. base_model_precision int4-quanto with block streaming (the largest quality cost)
+
+Every candidate is validated by TrainConfig first, so a combination the trainer refuses is never proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from difftune.memory_plan.predict import GIB, Prediction, predict
+
+SPEED = {
+    "offload_during_startup": "none while training (the transformer moves after caching)",
+    "vae_batch_size": "caching only: one image per VAE pass",
+    "gradient_checkpointing": "about 30% slower steps (activations are recomputed)",
+    "base_model_precision": "small quality cost (frozen weights rounded); int4 larger",
+    "optimizer": "8-bit optimizer state: a small quality cost",
+    "musubi_blocks_to_swap": "slower: the swapped blocks are copied from CPU memory every step",
+    "enable_group_offload": "slower: every block is copied from CPU memory every step",
+    "group_offload_blocks_per_group": "",
+    "fsdp_enable": "communication between the processes every step",
+}
+
+
+@dataclass
+class Step:
+    key: str
+    value: Any
+    saving: int  # bytes of peak saved by this lever, given the ones before it
+    why: str
+
+
+@dataclass
+class Choice:
+    fits: bool
+    gigabytes: float
+    before: Prediction
+    after: Prediction | None
+    steps: list[Step] = field(default_factory=list)
+    message: str = ""
+
+    def settings(self) -> dict[str, Any]:
+        return {s.key: s.value for s in self.steps}
+
+
+def _valid(cfg: Any, changes: dict[str, Any]) -> Any | None:
+    """The TrainConfig with `changes`, or None when the trainer would refuse it."""
+    try:
+        return type(cfg).model_validate({**cfg.model_dump(exclude_unset=True), **changes})
+    except ValueError:
+        return None
+
+
+def _has(cfg: Any, key: str) -> bool:
+    return key in type(cfg).model_fields
+
+
+def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, Any]]]:
+    """Rungs, cheapest first; each rung lists alternatives (the first that fits wins, e.g. N blocks swapped)."""
+    rungs: list[list[dict[str, Any]]] = []
+    base: dict[str, Any] = {}
+    if before.peak_phase.startswith("caching") and (not cfg.offload_during_startup or cfg.vae_batch_size > 1):
+        base = {"offload_during_startup": True, "vae_batch_size": 1}
+        rungs.append([dict(base)])
+    if not cfg.gradient_checkpointing:
+        base = {**base, "gradient_checkpointing": True}
+        rungs.append([dict(base)])
+    full = cfg.model_type == "full"
+    if full:
+        if cfg.optimizer != "adamw8bit":
+            rungs.append([{**base, "optimizer": "adamw8bit"}])
+    elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto"):
+        base = {**base, "base_model_precision": "int8-quanto"}
+        rungs.append([dict(base)])
+    if not full:
+        stacks = _main_stack_size(cfg)
+        if _has(cfg, "musubi_blocks_to_swap") and stacks:
+            rungs.append([{**base, "musubi_blocks_to_swap": n} for n in range(1, stacks + 1)])
+        if _has(cfg, "enable_group_offload"):
+            rungs.append([{**base, "enable_group_offload": True, "group_offload_blocks_per_group": k}
+                          for k in (8, 4, 2, 1)])
+    if processes > 1 and _has(cfg, "fsdp_enable"):
+        rungs.append([{"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}])
+    if not full and _has(cfg, "enable_group_offload"):
+        rungs.append([{**base, "base_model_precision": "int4-quanto", "enable_group_offload": True,
+                       "group_offload_blocks_per_group": k} for k in (4, 2, 1)])
+    return rungs
+
+
+def _main_stack_size(cfg: Any) -> int:
+    from difftune.memory_plan import architecture as A
+    from difftune.memory_plan.predict import _transformer
+
+    arch = A.architecture_of(cfg)
+    blocks = _transformer(arch, cfg.weight_dtype_name(), cfg.base_model_precision)[1]
+    return list(blocks.count.values())[-1] if blocks.count else 0
+
+
+def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int = 1,
+           before: Prediction | None = None) -> Choice:
+    """The cheapest lever set whose predicted peak fits `gigabytes` GiB (see the module docstring)."""
+    limit = gigabytes * GIB
+    before = before or predict(cfg, found, processes)
+    if before.peak <= limit:
+        return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed")
+    for rung in ladder(cfg, before, processes):
+        # a rung's alternatives save more and more (more blocks swapped, smaller groups): bisect for the first
+        options = [(changes, candidate) for changes in rung if (candidate := _valid(cfg, changes)) is not None]
+        low, high, best = 0, len(options) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            after = predict(options[middle][1], found, processes)
+            if after.peak <= limit:
+                best, high = (options[middle][0], after), middle - 1
+            else:
+                low = middle + 1
+        if best is not None:
+            changes, after = best
+            return Choice(True, gigabytes, before, after, explain(cfg, changes, found, processes, before),
+                          f"fits with {len(changes)} change(s)")
+    return Choice(False, gigabytes, before, None, [],
+                  f"nothing fits in {gigabytes:g} GiB: the most frugal settings still need more "
+                  + ("(more processes with fsdp_enable would divide the weights)" if processes > 1 or not
+                     _has(cfg, "fsdp_enable") else "(run on more GPUs: --processes N with fsdp_enable)"))
+
+
+def explain(cfg: Any, changes: dict[str, Any], found: list[Any] | None, processes: int,
+            before: Prediction) -> list[Step]:
+    """Each change with the peak it saves given the ones before it (in the ladder's order)."""
+    steps: list[Step] = []
+    applied: dict[str, Any] = {}
+    previous = before.peak
+    for key, value in changes.items():
+        applied[key] = value
+        candidate = _valid(cfg, applied)
+        peak = predict(candidate, found, processes).peak if candidate is not None else previous
+        steps.append(Step(key, value, previous - peak, SPEED.get(key, "")))
+        previous = peak
+    return steps

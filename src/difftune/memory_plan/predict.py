@@ -1,0 +1,421 @@
+"""Predicted peak accelerator memory of a config, per phase: caching, training, validation.
+
+Weights are exact (architecture.py: meta models, quantized bytes measured per layer shape). Activations come
+from the measured per-token coefficients (coefficients.py, measure.py). Optimizer state follows each optimizer's
+own rule (train/optimizers.py). What the accelerator holds in each phase follows train/setup.py:
+
+- caching: the text encoders together (at text_encoder_N_precision), then the VAE alone with one encode batch
+  of `vae_batch_size` images at the largest bucket; the transformer is there too unless offload_during_startup.
+- training: the transformer (base_model_precision; minus what streams with enable_group_offload /
+  musubi_blocks_to_swap; divided by N with fsdp_enable), the adapter, its gradients and optimizer state, the EMA
+  copy when ema_device is the accelerator, and one micro-batch's saved activations at the largest bucket (plus,
+  with gradient checkpointing, one block recomputed at a time).
+- validation: what training keeps (weights, adapter, optimizer state) plus the VAE and the larger of one block's
+  sampling working set (two prompts with guidance) and the VAE decode at validation_resolution.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from difftune.memory_plan import architecture as A
+from difftune.memory_plan.coefficients import COEFFICIENTS, VAE
+from difftune.models.registry import FAMILY_FACTS
+
+GIB = 2**30
+TEXT_TOKENS = 256  # the pipelines' max_sequence_length (Lumina2: models/lumina2.py; Kandinsky 5: Qwen's 256)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Line:
+    label: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Phase:
+    name: str
+    lines: list[Line] = field(default_factory=list)
+
+    def add(self, label: str, size: float, note: str = "") -> None:
+        self.lines.append(Line(label, int(size), note))
+
+    @property
+    def total(self) -> int:
+        return sum(line.bytes for line in self.lines)
+
+
+@dataclass
+class Prediction:
+    phases: list[Phase]
+    notes: list[str]
+    processes: int
+
+    @property
+    def peak(self) -> int:
+        return max(p.total for p in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: p.total).name
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+
+# --- the parts that do not depend on the levers (cached per architecture) ---------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _transformer(arch: A.Architecture, dtype_name: str, precision: str) -> tuple[int, A.Blocks, int]:
+    """(transformer bytes at the precision, its blocks, parameter count)."""
+    model = A.transformer_on_meta(arch)
+    _cast(model, dtype_name)
+    blocks = A.blocks_of(model, arch.family, precision)
+    return A.module_bytes(model, precision), blocks, sum(p.numel() for p in model.parameters())
+
+
+def _cast(model: torch.nn.Module, dtype_name: str) -> None:
+    if dtype_name == "bf16":
+        return  # on_meta's dtypes already
+    torch.nn.Module.to(model, DTYPES[dtype_name])  # diffusers' own `to` warns about fp32 modules: kept below
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, module in model.named_modules():
+        if any(k in name.split(".") for k in keep):
+            module.to(torch.float32)
+
+
+def trainable_shapes(cfg: Any, arch: A.Architecture) -> tuple[list[int], str]:
+    """(element count of each trainable tensor, how it was counted). LoRA: peft on the meta transformer, with the
+    family's targets, exactly as adapters/kinds.py attaches it. LyCORIS: lycoris-lora's network on the meta
+    transformer (adapters/lycoris.py)."""
+    return list(_trainable(arch, cfg.model_type, cfg.lora_type, cfg.lora_rank, _targets(cfg), cfg.lycoris_config))
+
+
+def _targets(cfg: Any) -> Any:
+    targets = cfg.lora_target_modules
+    if targets is None:
+        from difftune.models import get_family
+
+        targets = get_family(cfg.model_family).lora_target_modules
+    return targets if isinstance(targets, str) else tuple(targets)
+
+
+@functools.lru_cache(maxsize=8)
+def _trainable(arch: A.Architecture, model_type: str, lora_type: str, rank: int, targets: Any,
+               lycoris_config: str | None) -> tuple[int, ...]:
+    model = A.transformer_on_meta(arch)
+    if model_type == "full":
+        return tuple(p.numel() for p in model.parameters())
+    model.requires_grad_(False)
+    if lora_type == "lycoris":
+        import json
+        from pathlib import Path
+
+        from difftune.adapters.lycoris import attach_lycoris
+
+        config = json.loads(Path(lycoris_config).read_text(encoding="utf-8"))  # the schema checked it
+        _network, params = attach_lycoris(model, config, family=arch.family)
+        return tuple(p.numel() for p in params)
+    from peft import LoraConfig
+
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets if isinstance(targets, str)
+                                 else list(targets)))
+    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def optimizer_bytes(name: str, sizes: list[int], itemsize: int) -> int:
+    """Optimizer state of tensors of `sizes` elements in a dtype of `itemsize` bytes (train/optimizers.py)."""
+    total = sum(sizes)
+    kahan = total * itemsize if itemsize < 4 else 0  # Kahan buffer on bf16/fp16 weights (torch-optimi)
+    if name == "adamw8bit":  # bitsandbytes: 2 bytes per element (+ one fp32 absmax per 256) from 4096 elements
+        return sum(2 * n + 8 * math.ceil(n / 256) if n >= 4096 else 8 * n for n in sizes)
+    per = {"adamw": 2 * total * itemsize, "adamw_bf16": 2 * total * itemsize + kahan,
+           "optimi-adamw": 2 * total * itemsize + kahan, "optimi-stableadamw": 2 * total * itemsize + kahan,
+           "lion": total * itemsize, "optimi-lion": total * itemsize + kahan,
+           "prodigy": 4 * total * itemsize}  # Prodigy: exp_avg, exp_avg_sq, s and the initial weights p0
+    return per[name]
+
+
+# --- activations ----------------------------------------------------------------------------------------
+
+
+def coefficients_for(arch: A.Architecture, full: bool = False) -> tuple[dict[str, dict[str, tuple[float, ...]]], str]:
+    """(the measured coefficients of this architecture, where they come from)."""
+    if arch.name in COEFFICIENTS:
+        return COEFFICIENTS[arch.name], "measured at real size (coefficients.py)"
+    for name, entry in COEFFICIENTS.items():
+        found = _known_config(arch.family, name)
+        if found is not None and all(arch.config.get(k) == v or (isinstance(v, tuple) and list(v) == arch.config.get(k))
+                                     for k, v in found.items() if k != "attention_type"):
+            return entry, f"measured on {name} (coefficients.py)"
+    return _measured_now(arch, full), "measured now on the CPU (a model not in coefficients.py)"
+
+
+def _known_config(family: str, name: str) -> dict[str, Any] | None:
+    flavours = {"Lumina2 2.0": ("lumina2", "2.0"), "K5 Image Lite": ("kandinsky5-image", "t2i-lite-sft"),
+                "K5 Image Lite (i2i)": ("kandinsky5-image", "i2i-lite-sft"),
+                "K5 Video Lite": ("kandinsky5-video", "t2v-lite-sft-5s"),
+                "K5 Video Pro": ("kandinsky5-video", "t2v-pro-sft-5s-hd")}
+    if name not in flavours or flavours[name][0] != family:
+        return None
+    found = A.real_architecture(*flavours[name])
+    return found[1] if found else None
+
+
+@functools.lru_cache(maxsize=4)
+def _measured_now(arch: A.Architecture, full: bool) -> dict[str, dict[str, tuple[float, ...]]]:
+    params = sum(p.numel() for p in A.transformer_on_meta(arch).parameters())
+    if params > 200_000_000:
+        raise ValueError(f"{arch.name}: no measured activation coefficients for this architecture, and it is too "
+                         "large to measure now; run `python -m difftune.memory_plan.measure` on it")
+    from difftune.memory_plan.measure import calibrate
+
+    keys = ("lora", "checkpointed", "full") if full else ("lora", "checkpointed")  # 'full' only when it trains so
+    return calibrate(arch, say=lambda *a, **k: None, keys=keys)
+
+
+def tokens_of(arch: A.Architecture, bucket: tuple[int, ...]) -> int:
+    """Image tokens of a (width, height[, frames]) bucket: latent (8x) / patch^2, times latent frames (4x)."""
+    w, h = bucket[0], bucket[1]
+    frames = bucket[2] if len(bucket) > 2 and bucket[2] else 1
+    patch = arch.config.get("patch_size", 2)
+    p = patch[-1] if isinstance(patch, list | tuple) else patch
+    latent_frames = (frames - 1) // 4 + 1 if arch.family == "kandinsky5-video" else 1
+    return latent_frames * (h // 8 // p) * (w // 8 // p)
+
+
+def block_bytes(table: dict, stack: str, tokens: int, text: int) -> float:
+    """One sample's bytes saved by one block of `stack`: a * image tokens + b * text tokens + c."""
+    a, b, c = table.get(stack, (0.0, 0.0, 0.0))
+    return a * tokens + b * text + c
+
+
+def activation_bytes(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: int, text: int,
+                     coefficients: dict) -> tuple[int, int, str]:
+    """(saved activations of one micro-batch, the backward's transient (one block recomputed), explanation)."""
+    mode = "full" if cfg.model_type == "full" else "lora"
+    plain = coefficients[mode]
+    batch = cfg.train_batch_size
+
+    def per_block(table: dict, stack: str) -> float:  # 'outside' may be negative: see measure.per_stack
+        return block_bytes(table, stack, tokens, text) * batch
+
+    if not cfg.gradient_checkpointing:
+        saved = sum(per_block(plain, s) * n for s, n in blocks.count.items()) + per_block(plain, "outside")
+        return int(saved), 0, f"{tokens} image + {text} text tokens x batch {batch}, every block's activations"
+    interval = getattr(cfg, "gradient_checkpointing_interval", None) or 1
+    ckpt = coefficients["checkpointed"]
+    saved = per_block(ckpt, "outside")
+    for stack, n in blocks.count.items():
+        checkpointed = math.ceil(n / interval)  # blocks 0, k, 2k, ... are checkpointed
+        saved += per_block(ckpt, stack) * checkpointed + per_block(plain, stack) * (n - checkpointed)
+    transient = max(per_block(plain, s) for s in blocks.count)
+    every = "every block" if interval == 1 else f"every {interval}th block"
+    return int(saved), int(transient), f"{tokens} image + {text} text tokens x batch {batch}, {every} checkpointed"
+
+
+# --- the phases -----------------------------------------------------------------------------------------
+
+
+def largest_bucket(found: list[Any] | None, cfg: Any) -> tuple[int, ...]:
+    """The largest (width, height[, frames]) group of the discovered samples; the validation size without data."""
+    groups = [s.group for d in (found or []) for s in d.samples]
+    if not groups:
+        w, h = max(cfg.validation_sizes(), key=lambda s: s[0] * s[1])
+        if FAMILY_FACTS[cfg.model_family].video:  # clips of the validation length (the schema's default: 61)
+            return (w, h, getattr(cfg, "validation_num_video_frames", None) or 61)
+        return (w, h)
+    return max(groups, key=lambda g: g[0] * g[1] * (g[2] if len(g) > 2 and g[2] else 1))
+
+
+def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Prediction:
+    """Peak accelerator bytes per phase for TrainConfig `cfg`; `found`: the discovered datasets (train/plan.py)."""
+    arch = A.architecture_of(cfg)
+    dtype = cfg.weight_dtype_name()
+    precision = cfg.base_model_precision
+    transformer, blocks, _params = _transformer(arch, dtype, precision)
+    notes: list[str] = []
+    fsdp = bool(getattr(cfg, "fsdp_enable", False)) and processes > 1
+    shards = processes if fsdp else 1
+    bucket = largest_bucket(found, cfg)
+    tokens = tokens_of(arch, bucket)
+    text = TEXT_TOKENS
+    coefficients, source = coefficients_for(arch, cfg.model_type == "full")
+    notes.append(f"architecture: {arch.name}; activations {source}")
+    notes.append(f"largest bucket {'x'.join(map(str, bucket[:2]))}"
+                 + (f", {bucket[2]} frames" if len(bucket) > 2 and bucket[2] else "") + f": {tokens} image tokens")
+
+    # streamed blocks (train/offload.py): their frozen bytes leave; at most 2 groups are back at once
+    streamed, kept, stream_note = streaming(cfg, blocks)
+    resident = transformer - streamed + kept
+
+    sizes = trainable_shapes(cfg, arch)
+    trainable = sum(sizes)
+    train_itemsize = DTYPE_BYTES[dtype] if cfg.model_type == "full" else 4  # adapters train in fp32
+    adapter_bytes = 0 if cfg.model_type == "full" else trainable * 4
+    grads = trainable * train_itemsize
+    opt = optimizer_bytes(cfg.optimizer, sizes, train_itemsize)
+    ema = trainable * 4 if cfg.use_ema and cfg.ema_device == "accelerator" else 0
+
+    training = Phase("training")
+    what = f"transformer ({precision if precision != 'no_change' else dtype})"
+    if cfg.model_type == "full":
+        training.add(what, transformer / shards, "trained in place" + (f", sharded over {shards}" if fsdp else ""))
+    else:
+        training.add(what, resident / shards, stream_note or (f"sharded over {shards}" if fsdp else "frozen"))
+        training.add(f"adapter ({trainable / 1e6:.1f}M parameters, fp32)", adapter_bytes / shards)
+    training.add("gradients", grads / shards)
+    training.add(f"optimizer state ({cfg.optimizer})", opt / shards)
+    if ema:
+        training.add("EMA copy (fp32)", ema)
+    if fsdp:
+        largest = max(blocks.bytes_each.values())
+        training.add("FSDP: gathered blocks", 2 * largest, "the running block and the next, whole")
+    saved, transient, act_note = activation_bytes(cfg, arch, blocks, tokens, text, coefficients)
+    training.add("saved activations", saved, act_note)
+    if transient:
+        training.add("recomputed block (backward)", transient, "gradient checkpointing recomputes one block at a time")
+
+    caching = caching_phase(cfg, arch, bucket, transformer)
+    validation = validation_phase(cfg, arch, blocks, coefficients, resident / shards + adapter_bytes / shards
+                                  + opt / shards + ema, text)
+    return Prediction([*caching, training, validation], notes, processes)
+
+
+def streaming(cfg: Any, blocks: A.Blocks) -> tuple[int, int, str]:
+    """(bytes that stream out, bytes of the groups held at once, note) for enable_group_offload or
+    musubi_blocks_to_swap, with train/offload.py's rules."""
+    if getattr(cfg, "enable_group_offload", False):
+        per_group = getattr(cfg, "group_offload_blocks_per_group", 1) or 1
+        out = sum(blocks.bytes_each[s] * n for s, n in blocks.count.items())
+        kept = 2 * per_group * max(blocks.bytes_each.values())
+        return out, min(kept, out), f"every block streams; 2 groups of {per_group} held"
+    swap = getattr(cfg, "musubi_blocks_to_swap", None) or 0
+    if swap:
+        last = list(blocks.count)[-1]
+        n = min(swap, blocks.count[last])
+        out = blocks.bytes_each[last] * n
+        return out, min(out, 2 * blocks.bytes_each[last]), f"the last {n} {last} stream; 2 held"
+    return 0, 0, ""
+
+
+@functools.lru_cache(maxsize=16)
+def _text_encoders(family: str, source: str, flavour: str, dtype: str, precisions: tuple[str, str],
+                   cfg_ref: Any) -> tuple[tuple[str, int, int], ...]:
+    """((label, bytes at its precision, activation bytes), ...) of the family's text encoders."""
+    out = []
+    for index, (label, module) in enumerate(A.text_encoders_on_meta(cfg_ref)):
+        precision = precisions[index] if index < 2 else "no_change"
+        _cast(module, dtype)
+        out.append((f"{label} ({precision if precision != 'no_change' else dtype})", A.module_bytes(module, precision),
+                    _text_activations(module, TEXT_TOKENS)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _vae_bytes(family: str, source: str, flavour: str, dtype: str, cfg_ref: Any) -> int:
+    vae = A.vae_on_meta(cfg_ref)
+    _cast(vae, dtype)
+    return A.module_bytes(vae, "no_change")
+
+
+class _Key:
+    """A config passed through lru_cache by the fields that decide the result (the others are ignored)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cfg, name)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key)
+
+
+def text_encoder_parts(cfg: Any) -> tuple[tuple[str, int, int], ...]:
+    return _text_encoders(cfg.model_family, cfg.model_source(), cfg.flavour(), cfg.weight_dtype_name(),
+                          (cfg.text_encoder_1_precision, cfg.text_encoder_2_precision), _Key(cfg))
+
+
+def vae_bytes(cfg: Any) -> int:
+    return _vae_bytes(cfg.model_family, cfg.model_source(), cfg.flavour(), cfg.weight_dtype_name(), _Key(cfg))
+
+
+def caching_phase(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], transformer: int) -> list[Phase]:
+    # train/setup.py: the transformer waits in CPU memory while the caches fill with offload_during_startup,
+    # model CPU offload, or block streaming (which takes its blocks' weights after caching)
+    parked = cfg.offload_during_startup or any(getattr(cfg, k, None) for k in (
+        "enable_model_cpu_offload", "enable_group_offload", "musubi_blocks_to_swap"))
+    startup = 0 if parked else transformer
+    text = Phase("caching: text")
+    for label, size, work in text_encoder_parts(cfg):
+        text.add(label, size)
+        text.add(f"{label.split(' (')[0]}: activations", work, f"every layer's hidden states at {TEXT_TOKENS} "
+                 "tokens (estimate)")
+    if startup:
+        text.add("transformer (resident: offload_during_startup off)", startup, "joins before caching, to fail fast")
+    vae_phase = Phase("caching: latents")
+    vae_phase.add("VAE", vae_bytes(cfg))
+    vae_phase.add(f"VAE encode ({'x'.join(map(str, bucket))} x vae_batch_size {cfg.vae_batch_size})",
+                  vae_work(cfg, "encode", bucket) * cfg.vae_batch_size)
+    if startup:
+        vae_phase.add("transformer (resident: offload_during_startup off)", startup)
+    return [text, vae_phase]
+
+
+def _text_activations(module: torch.nn.Module, tokens: int) -> int:
+    config = getattr(module, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(getattr(config, "text_config", None), "hidden_size", 0)
+    layers = getattr(config, "num_hidden_layers", None) or \
+        getattr(getattr(config, "text_config", None), "num_hidden_layers", 0)
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", 0)
+    logits = tokens * vocab * 4 if hasattr(module, "lm_head") else 0
+    return (layers + 1) * tokens * hidden * 2 + logits
+
+
+def vae_work(cfg: Any, what: str, bucket: tuple[int, ...]) -> int:
+    """Peak working bytes of one image's (or clip's) VAE encode/decode above its weights (coefficients.VAE)."""
+    name = "HunyuanVideo" if cfg.model_family == "kandinsky5-video" else "FLUX"
+    per_pixel = VAE.get(name, {}).get(what)
+    if per_pixel is None:
+        return 0
+    w, h = bucket[0], bucket[1]
+    if name == "HunyuanVideo":  # tiled above 256 px and 16-frame windows (models/kandinsky5_video.py)
+        frames = bucket[2] if len(bucket) > 2 and bucket[2] else 1
+        return int(per_pixel * min(w, 256) * min(h, 256) * min(frames, 17))
+    return int(per_pixel * w * h)
+
+
+def validation_phase(cfg: Any, arch: A.Architecture, blocks: A.Blocks, coefficients: dict, kept: float,
+                     text: int) -> Phase:
+    phase = Phase("validation")
+    phase.add("what training keeps (weights, adapter, optimizer, EMA)", kept)
+    phase.add("VAE", vae_bytes(cfg))
+    sizes = cfg.validation_sizes()
+    frames = getattr(cfg, "validation_num_video_frames", None) or (61 if arch.family == "kandinsky5-video" else 0)
+    worst = max(sizes, key=lambda s: s[0] * s[1])
+    bucket = (worst[0], worst[1], frames) if frames else worst
+    tokens = tokens_of(arch, bucket)
+    plain = coefficients["lora"]
+    block = max(block_bytes(plain, s, tokens, text) for s in blocks.count)
+    sampling = 2 * block  # guidance: the prompt and the negative prompt in one batch
+    decode = vae_work(cfg, "decode", bucket)
+    label = f"sampling {'x'.join(map(str, worst))}" + (f", {frames} frames" if frames else "")
+    if sampling >= decode:
+        phase.add(f"{label}: one block's working set (x2 for guidance)", sampling, "upper bound: a block's saved "
+                  "activations")
+    else:
+        phase.add(f"{label}: VAE decode", decode)
+    return phase
