@@ -110,15 +110,13 @@ def test_apply_torch_options():
 
 @pytest.mark.parametrize("key,value", [
     ("scheduled_sampling_strategy", "biased_late"), ("crepa_drop_vae_encoder", True),
-    ("num_eval_images", 4), ("compress_disk_cache", True), ("gradient_checkpointing_interval", 2),
+    ("scheduled_sampling_ramp_shape", "cosine"), ("compress_disk_cache", True), ("gradient_checkpointing_interval", 2),
     ("scheduled_sampling_start_step", 5), ("scheduled_sampling_reflexflow", True), ("crepa_enabled", "true"),
 ])
 def test_simpletuner_keys_are_pending_not_unknown(tmp_path, dataset, key, value):
     overrides = {key: value}
     if key in ("crepa_drop_vae_encoder",):
         overrides["crepa_enabled"] = True
-    if key == "num_eval_images":
-        overrides["evaluation_type"] = "clip"
     text = problems(write_config(tmp_path, dataset, **overrides))
     assert "not implemented yet" in text and "unknown key" not in text
 
@@ -130,8 +128,8 @@ def test_settings_of_a_switched_off_feature_are_accepted(tmp_path, dataset):
         fsdp_version=2, group_offload_type="block_level", enable_group_offload=False, num_eval_images=4,
         eval_steps_interval=50, quantize_via="cpu"))
     load_config(write_config(tmp_path, dataset, hub_model_id="lumina2-lora"))  # no push_to_hub at all
-    text = problems(write_config(tmp_path, dataset, hub_model_id="me/lora", push_to_hub=True))
-    assert "push_to_hub" in text and "not implemented yet" in text
+    text = problems(write_config(tmp_path, dataset, crepa_block_index=8, crepa_enabled=True))
+    assert "crepa_enabled" in text and "not implemented yet" in text
 
 
 def test_regularisation_and_hub_datasets_are_pending(tmp_path, dataset):
@@ -149,8 +147,8 @@ def test_values_typed_on_the_command_line(tmp_path, dataset):
                                  "--max_grad_norm", "1", "--evaluation_type", "none"])
     cfg = load_config(path, overrides).train
     assert cfg.learning_rate == 2e-4 and cfg.use_ema is True and cfg.max_grad_norm == 1.0
-    assert "not implemented yet" in problems(path, **parse_overrides(["--validation_guidance_rescale", "0.7"]))
-    assert "not implemented yet" in problems(path, **parse_overrides(["--push_to_hub", "true"]))
+    assert "Lumina2Pipeline" in problems(path, **parse_overrides(["--validation_guidance_rescale", "0.7"]))
+    assert "needs hub_model_id" in problems(path, **parse_overrides(["--push_to_hub", "true"]))
     with pytest.raises(ConfigError, match="twice"):
         parse_overrides(["--seed", "1", "--seed", "2"])
 

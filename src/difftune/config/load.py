@@ -318,7 +318,7 @@ def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, prob
     frames there are none, and the video comes out as NaN. Caught here, before anything loads."""
     if not FAMILY_FACTS[train.model_family].first_frame(train.flavour()):
         return
-    if not (train.validation_prompt or train.user_prompt_library):
+    if not (train.validation_prompt or train.user_prompt_library or train.validation_prompt_library):
         return
     frames = validation_video_frames(train, plan)
     if frames < 17:

@@ -7,8 +7,8 @@ from here into the schema.
 
 Three kinds of entries:
 - `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
-- `DEPENDS_ON`: a setting of a feature that only acts when its switch is on (`hub_model_id` without
-  `push_to_hub`, `eval_steps_interval` without `evaluation_type`): any value is accepted while the
+- `DEPENDS_ON`: a setting of a feature that only acts when its switch is on (`crepa_*` without
+  `crepa_enabled`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys are
   matched by prefix (`scheduled_sampling_reflexflow_*`, `crepa_*`).
 - `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
@@ -23,16 +23,6 @@ from typing import Any
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "evaluation_type": ((None, "none", "None"), "CLIP evaluation is not implemented yet; remove evaluation_type"),
-    "eval_steps_interval": ((None, 0), "evaluation is not implemented yet; remove eval_steps_interval"),
-    "num_eval_images": ((None,), "evaluation is not implemented yet; remove num_eval_images"),
-    "push_to_hub": ((False,), "uploading to the Hugging Face hub is not implemented yet; set push_to_hub to false"),
-    "push_checkpoints_to_hub": ((False,), "hub uploads are not implemented yet; set push_checkpoints_to_hub to false"),
-    "hub_model_id": ((None, ""), "hub uploads are not implemented yet; remove hub_model_id"),
-    "validation_prompt_library": (
-        (False,), "the built-in prompt library is not implemented yet; use user_prompt_library",
-    ),
-    "validation_guidance_rescale": ((0, 0.0), "guidance rescale is not supported by this pipeline; use 0.0"),
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
     "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
     # ReflexFlow (arXiv 2512.04904) changes the rollout loss; its exact terms are not specified where we could
@@ -62,11 +52,7 @@ PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 # A setting that only acts when its switch is on: any value while the switch is off.
-DEPENDS_ON: dict[str, str] = {
-    "hub_model_id": "push_to_hub",
-    "eval_steps_interval": "evaluation_type",
-    "num_eval_images": "evaluation_type",
-}
+DEPENDS_ON: dict[str, str] = {}
 PREFIX_DEPENDS_ON: dict[str, str] = {
     "crepa_": "crepa_enabled",
     "scheduled_sampling_reflexflow_": "scheduled_sampling_reflexflow",

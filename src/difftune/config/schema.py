@@ -22,7 +22,9 @@ from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig, tread_fr
 from difftune.config.fields import field
 from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.offload_keys import offload_checks
+from difftune.config.reporting_keys import reporting_checks
 from difftune.models.registry import FAMILY_FACTS, family_names
+from difftune.prompt_library import BUILTIN_PROMPTS
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
 
 # base_model_precision and text_encoder_{1,2}_precision values that work (models/quantize.py makes them); the
@@ -432,6 +434,32 @@ class TrainConfig(BaseModel):
         False, "Skip the extra unconditional sample (the empty prompt) that each validation writes beside "
         "the prompted ones. Guidance and the negative prompt apply either way.", "validation", advanced=True,
     )
+    validation_prompt_library: bool = field(
+        False, "Also sample difftune's built-in set of varied prompts (portrait, landscape, text, animal, close-up, "
+        "architecture, ...) beside validation_prompt, as user_prompt_library does.", "validation", advanced=True,
+    )
+    validation_guidance_rescale: float = field(
+        0.0, "Guidance rescale (phi) of the sampling pipeline. None of the supported families' pipelines takes "
+        "guidance_rescale, so only 0.0 is accepted.", "validation", ge=0.0, le=1.0, advanced=True,
+    )
+    evaluation_type: Literal["none", "clip"] = field(
+        "none", "'clip': score validation samples against their prompts with a CLIP model (100 x cosine of the "
+        "image and text embeddings, at least 0; videos: the mean over a few frames), logged as an 'evaluation' "
+        "event, sent to the trackers and charted in the web UI.", "validation",
+    )
+    eval_steps_interval: int = field(
+        0, "CLIP evaluation every N optimizer steps (it samples the first num_eval_images validation prompts). "
+        "0: score the samples of each validation.", "validation", ge=0,
+    )
+    num_eval_images: int | None = field(
+        None, "How many validation samples each evaluation scores (the first ones). Empty: all of them.",
+        "validation", ge=1, advanced=True,
+    )
+    evaluation_clip_model: str = field(
+        "openai/clip-vit-large-patch14", "CLIP model of evaluation_type 'clip': a hub id or a local folder "
+        "(transformers' CLIPModel and CLIPProcessor). Loaded once, kept in CPU memory between evaluations.",
+        "validation", advanced=True,
+    )
 
     # --- output
     output_dir: str = field("output/models", "Where the adapter, checkpoints, samples and logs go.", "output")
@@ -442,11 +470,28 @@ class TrainConfig(BaseModel):
         None, "'latest' to continue from the newest complete checkpoint in output_dir, or a checkpoint path.",
         "output",
     )
-    report_to: Literal["none", "wandb", "tensorboard"] = field(
-        "none", "Experiment tracker. Only 'none' is implemented yet (the JSONL log is always written).", "output"
+    report_to: Literal["none", "wandb", "tensorboard", "all"] = field(
+        "none", "Experiment tracker, through accelerate's trackers: 'tensorboard' (event files under "
+        "output_dir/tensorboard), 'wandb' (Weights & Biases; WANDB_MODE=offline writes under output_dir/wandb), "
+        "'all' (both) or 'none'. Losses, learning rate, step time, peak memory, validation samples and CLIP "
+        "scores are sent; the JSONL event log is always written.", "output"
     )
-    tracker_project_name: str | None = field(None, "Project name, recorded in the event log.", "output", advanced=True)
-    tracker_run_name: str | None = field(None, "Run name, recorded in the event log.", "output", advanced=True)
+    tracker_project_name: str | None = field(
+        None, "Tracker project (W&B project; TensorBoard folder under output_dir/tensorboard). Empty: 'difftune'.",
+        "output", advanced=True)
+    tracker_run_name: str | None = field(None, "Run name shown by the tracker (W&B run name).", "output",
+                                         advanced=True)
+    push_to_hub: bool = field(
+        False, "Upload the result (adapter, model card README.md, sample images) to the Hugging Face hub repository "
+        "hub_model_id at the end of training (in the background; the run waits for it, bounded). Uses your "
+        "saved login or HF_TOKEN.", "output")
+    push_checkpoints_to_hub: bool = field(
+        False, "Also upload each checkpoint (under checkpoints/ in the repository) as it is written, in the "
+        "background; a failed upload is retried, then reported as a warning.", "output", advanced=True)
+    hub_model_id: str | None = field(None, "Hub repository for push_to_hub: 'user/name', or 'name' under your "
+                                           "account.", "output")
+    hub_private: bool = field(False, "Create the hub repository as private (when it does not exist yet).",
+                              "output", advanced=True)
 
     @field_validator("lora_target_modules", "fsdp_transformer_layer_cls_to_wrap", mode="before")
     @classmethod
@@ -492,6 +537,11 @@ class TrainConfig(BaseModel):
     def _empty_is_none(cls, v: str | None) -> str | None:
         return v if v not in ("", None) else None
 
+    @field_validator("evaluation_type", mode="before")
+    @classmethod
+    def _evaluation_none(cls, v: object) -> object:
+        return "none" if v in (None, "None", "") else v
+
     @field_validator("model_family", mode="before")
     @classmethod
     def _family_alias(cls, v: object) -> object:
@@ -507,13 +557,6 @@ class TrainConfig(BaseModel):
     def _optimizer(cls, v: str) -> str:
         if v not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {v!r}; choose one of {', '.join(OPTIMIZERS)}")
-        return v
-
-    @field_validator("report_to")
-    @classmethod
-    def _report_to(cls, v: str) -> str:
-        if v != "none":
-            raise ValueError(f"not implemented yet: report_to {v!r}; use 'none' (the JSONL event log is always written)")
         return v
 
     @field_validator("validation_resolution")
@@ -589,6 +632,7 @@ class TrainConfig(BaseModel):
         if self.fsdp_enable or self.fsdp_version != 2 or self.fsdp_cpu_ram_efficient_loading:
             fsdp_checks(self)
         offload_checks(self)
+        reporting_checks(self)
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
             raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
         return self
@@ -602,10 +646,12 @@ class TrainConfig(BaseModel):
         return self.pretrained_model_name_or_path or FAMILY_FACTS[self.model_family].flavours[self.flavour()]
 
     def validation_prompts(self) -> list[tuple[str | None, str]]:
-        """(name, prompt) pairs to sample: the main prompt (name None) then the library's."""
+        """(name, prompt) pairs to sample: the main prompt (name None), the user library's, then the built-in
+        library's (validation_prompt_library; a name the user library also has is the user's)."""
         main = [(None, self.validation_prompt)] if self.validation_prompt is not None else []
         library = prompt_library(self.user_prompt_library) if self.user_prompt_library else {}
-        return main + list(library.items())
+        builtin = BUILTIN_PROMPTS if self.validation_prompt_library else {}
+        return main + list(library.items()) + [(k, v) for k, v in builtin.items() if k not in library]
 
     def validation_sizes(self) -> list[tuple[int, int]]:
         """(width, height) of each validation size, snapped to the family's pixel multiple."""

@@ -54,6 +54,7 @@ class SampleRequest:
     name: str | None = None  # library prompt name; None for the main validation_prompt
     frames: int = 0  # video families: frames of the validation video (4k+1)
     fps: float = 0.0  # video families: frame rate the video is written at
+    prompt: str = ""  # the prompt's text (CLIP evaluation scores the sample against it); "" for unconditional
 
 
 class Family(Protocol):

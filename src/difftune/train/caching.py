@@ -108,7 +108,7 @@ def encode_validation(
 
     return [
         SampleRequest(embeds[prompt], negative, w, h, cfg.validation_num_inference_steps,
-                      cfg.guidance(), seed, first_frame(w, h), name, frames, fps)
+                      cfg.guidance(), seed, first_frame(w, h), name, frames, fps, prompt)
         for name, prompt in prompts
         for w, h in cfg.validation_sizes()
     ]

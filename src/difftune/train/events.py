@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +24,29 @@ class Events:
         self.bar: tqdm | None = None
         self.total_steps = total_steps
         self._log = None
+        # Subscribers see every event after it is logged (trackers, hub uploads: train/reporting.py). Each may
+        # have a close(), called before the log closes. Uploads emit from their own thread, hence the lock.
+        self.subscribers: list[Callable[[str, dict[str, Any]], None]] = []
+        self._lock = threading.RLock()
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, kind: str, quiet: bool = False, **data: Any) -> None:
         """Log an event; `quiet` keeps it off the console (when a summary there already says it)."""
         record = {"event": kind, "time": time.time(), **data}
-        if self.log_path is not None:
-            if self._log is None:
-                self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            self._log.write(json.dumps(record, default=str) + "\n")
-            self._log.flush()  # readers (the web UI, a tail -f) see each event at once
+        with self._lock:
+            if self.log_path is not None:
+                if self._log is None:
+                    self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+                self._log.write(json.dumps(record, default=str) + "\n")
+                self._log.flush()  # readers (the web UI, a tail -f) see each event at once
+        for subscriber in list(self.subscribers):
+            try:
+                subscriber(kind, record)
+            except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop training
+                self.subscribers.remove(subscriber)
+                self.emit("warning", message=f"{getattr(subscriber, 'name', type(subscriber).__name__)} failed and "
+                                             f"is switched off: {type(e).__name__}: {e}")
         if not self.console or quiet:
             return
         if kind == "step":
@@ -56,6 +70,18 @@ class Events:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        # Last attached, first closed: a closing subscriber may still emit (a final upload's warning), and the
+        # ones attached before it (the trackers) still see that.
+        while self.subscribers:
+            subscriber = self.subscribers[-1]
+            try:
+                if hasattr(subscriber, "close"):
+                    subscriber.close()
+            except Exception as e:  # noqa: BLE001 - the run's result is already saved
+                self.write(f"WARNING: {type(e).__name__} while closing {type(subscriber).__name__}: {e}")
+            finally:
+                if subscriber in self.subscribers:
+                    self.subscribers.remove(subscriber)
         if self._log is not None:
             self._log.close()
             self._log = None

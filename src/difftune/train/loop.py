@@ -14,7 +14,7 @@ import torch
 
 from difftune.data.batches import Batch
 from difftune.data.cache import nonfinite
-from difftune.train import objective, rollout
+from difftune.train import evaluation, objective, rollout
 from difftune.train.checkpoint import (
     clean_partial,
     load_checkpoint,
@@ -202,6 +202,8 @@ def _train(run: Run) -> Path:
             # from the previous checkpoint and samples again, instead of losing these images.
             if _due(step, cfg.validation_step_interval) and step < run.total_steps:
                 sample(run, f"step-{step:06d}")
+            if evaluation.due(cfg, step):  # evaluation_type clip, every eval_steps_interval steps
+                evaluation.evaluate(run)
             if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
                 checkpoint(run)
             stopped = handle_commands(run)

@@ -25,7 +25,7 @@ from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
-from difftune.train import tread
+from difftune.train import hub, trackers, tread
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
@@ -70,6 +70,7 @@ class Run:
     first_frame: bool = False  # image-to-video: each clip's first frame conditions the rest
     streamer: BlockStreamer | None = None  # block streaming (train/offload.py), when on
     fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
+    evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded at the first evaluation
 
 
 def resolve_source(cfg: TrainConfig) -> str:
@@ -190,13 +191,19 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     # accelerate keeps mixed precision in a process-wide singleton; a second run in the same process
     # (the web UI's tests, a notebook) must be able to choose its own. The distributed state is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available(),
+                              log_with=trackers.log_with(cfg), project_dir=str(trackers.tracker_folder(output_dir)))
     ranks = ranks_of(accelerator)
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
+    trackers.attach(cfg, accelerator, events, output_dir, ranks.main)  # report_to: events -> trackers
     prepared = prepare_data(run_cfg, events, accelerator.device, ranks)
     family, comps, data = prepared.family, prepared.comps, prepared.data
 
+    if not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap or cfg.fsdp_enable):
+        # Parked during caching (offload_during_startup): on the accelerator before the adapter attaches, since
+        # LyCORIS builds its network on the transformer's device and accelerate moves only the transformer.
+        comps.transformer.to(accelerator.device)
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
     adapter = build_adapter(cfg, family, comps.transformer)
     # fsdp_enable: shards the transformer in place (its parameters become DTensors) before the optimizer sees them
@@ -220,7 +227,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         transformer, optimizer = comps.transformer, accelerator.prepare(optimizer)
     ema = EMA(params, cfg.ema_decay, cfg.ema_update_interval, cfg.ema_device) if cfg.use_ema else None
     events.total_steps = steps
-    return Run(
+    run = Run(
         cfg=cfg, accelerator=accelerator, family=family, comps=comps, transformer=transformer, adapter=adapter,
         params=params,
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
@@ -230,3 +237,5 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
         streamer=streamer, fsdp=sharded,
     )
+    hub.attach(run_cfg, run)  # push_to_hub: checkpoint and final uploads, in the background
+    return run

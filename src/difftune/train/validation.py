@@ -9,9 +9,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from difftune.train import evaluation
 from difftune.train.model_offload import model_cpu_offload
 
 if TYPE_CHECKING:
+    from difftune.models.base import SampleRequest
     from difftune.train.setup import Run
 
 
@@ -20,11 +22,19 @@ def validate(run: Run, label: str) -> list[Path]:
     if not run.validation:
         return []
     mode = run.cfg.ema_validation if run.ema is not None else "none"
-    paths = [] if mode == "ema_only" else _sample_all(run, label, "")
+    live = [] if mode == "ema_only" else _sample_all(run, label, "")
+    ema = []
     if mode != "none":
         with run.ema.swap():
-            paths += _sample_all(run, label, "-ema")
-    return paths
+            ema = _sample_all(run, label, "-ema")
+    # CLIP evaluation (eval_steps_interval 0) scores the live weights' samples, or the EMA's when only they exist
+    evaluation.after_validation(run, [(request, out) for request, out, _ in live or ema])
+    return [path for _, _, written in live + ema for path in written]
+
+
+def sample_requests(run: Run, requests: list[SampleRequest]) -> list[tuple[SampleRequest, Any]]:
+    """Sample `requests` with the live weights, writing nothing: (request, image or list of frames) pairs."""
+    return [(request, out) for request, out, _ in _sample_all(run, None, "", requests)]
 
 
 @contextmanager
@@ -73,27 +83,36 @@ def as_loaded(model: Any) -> Iterator[None]:
             p.data = data
 
 
-def _sample_all(run: Run, label: str, suffix: str) -> list[Path]:
+Sampled = tuple["SampleRequest", Any, list[Path]]  # request, image or frames, files written
+
+
+def _sample_all(run: Run, label: str | None, suffix: str, requests: list[SampleRequest] | None = None) -> list[Sampled]:
     model = run.accelerator.unwrap_model(run.transformer)
     device = run.accelerator.device
     vae = run.comps.vae
     offload = model_cpu_offload(run.cfg.enable_model_cpu_offload, model, vae, device)
     with plain_forward(model), as_loaded(model), offload:
-        return _sample_requests(run, model, vae, label, suffix)
+        return _sample_requests(run, model, vae, label, suffix, run.validation if requests is None else requests)
 
 
-def _sample_requests(run: Run, model: Any, vae: Any, label: str, suffix: str) -> list[Path]:
+def _sample_requests(run: Run, model: Any, vae: Any, label: str | None, suffix: str,
+                     requests: list[SampleRequest]) -> list[Sampled]:
+    """Sample each request; with a `label`, write its files (and "sample" events)."""
     model.eval()
     out_dir = run.output_dir / "validation"
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    done = []
     try:
-        for request in run.validation:
+        for request in requests:
             result = run.family.sample(run.comps, model, request)
+            if label is None:
+                done.append((request, result, []))
+                continue
             name = f"-{request.name}" if request.name else ""
             size = f"{request.width}x{request.height}" + (f"@{request.frames}" if request.frames else "")
             path = out_dir / f"{label}{name}-{size}{suffix}.png"
             written = []
+            frames = result
             if isinstance(result, list):  # a video: the MP4, and its contact sheet under the .png name
                 from difftune.data.video import contact_sheet, write_mp4
 
@@ -105,12 +124,12 @@ def _sample_requests(run: Run, model: Any, vae: Any, label: str, suffix: str) ->
             result.save(partial, format="PNG")
             os.replace(partial, path)  # a kill mid-write never leaves a truncated image under the real name
             written.append(path)
-            paths += written
+            done.append((request, frames, written))
             for item in written:
                 run.events.emit("sample", step=run.state.step, path=str(item), prompt=request.name or "validation",
-                                ema=bool(suffix))
+                                ema=bool(suffix), size=size)
     finally:
         model.train()
         if not run.data.encode:  # the VAE stays on the accelerator when it encodes on the fly
             vae.to("cpu")
-    return paths
+    return done

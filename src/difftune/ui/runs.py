@@ -211,6 +211,8 @@ class Run:
         out["losses"] = [[e["step"], e["loss"]] for e in steps[::stride]]
         if steps and out["losses"][-1][0] != steps[-1]["step"]:
             out["losses"].append([steps[-1]["step"], steps[-1]["loss"]])
+        out["evaluations"] = [[e["step"], e["value"]] for e in events  # CLIP scores (train/evaluation.py)
+                              if e["event"] == "evaluation" and isinstance(e.get("value"), int | float)]
         out["checkpoints"] = [{"step": e.get("step"), "path": self.relative(e.get("path"))}
                               for e in events if e["event"] == "checkpoint"]
         done = next((e for e in events if e["event"] in ("done", "stopped") and e.get("adapter")), None)

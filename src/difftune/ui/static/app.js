@@ -428,6 +428,7 @@ function runSkeleton(run) {
     h("div", { class: "card failure", id: "run-failure", hidden: true }, h("h3", {}, "This run failed"), h("p", { id: "run-error" }),
       h("pre", { id: "run-traceback", hidden: true }), h("div", { class: "hint" }, "Last lines of its log:"), h("pre", { id: "run-log" })),
     h("div", { class: "card" }, h("h3", {}, "Loss"), svgEl("svg", { class: "curve", id: "run-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
+    h("div", { class: "card", id: "run-eval-card", hidden: true }, h("h3", {}, "CLIP score"), svgEl("svg", { class: "curve", id: "run-eval-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
     h("div", { class: "card" }, h("h3", {}, "Validation samples"), h("div", { class: "gallery", id: "run-samples" }, h("p", { class: "hint" }, "None yet."))),
     h("div", { class: "card" }, h("h3", {}, "Outputs"), h("ul", { id: "run-outputs" })),
     h("details", { class: "card" }, h("summary", {}, "Messages and log"), h("pre", { id: "run-messages" }), h("pre", { id: "run-log-all" })));
@@ -468,6 +469,8 @@ function renderRun(run) {
     li.querySelector(".sub").textContent = `${run.step || 0}/${run.total_steps ?? "?"} steps · ${run.config_path}`;
   }
   drawCurve(run.losses || []);
+  $("#run-eval-card").hidden = !(run.evaluations || []).length; // evaluation_type clip
+  drawCurve(run.evaluations || [], "#run-eval-curve");
   const key = (run.samples || []).map((s) => s.path).join("|");
   if (key !== S.galleryKey) {
     S.galleryKey = key;
@@ -491,8 +494,8 @@ function svgEl(tag, attrs = {}) {
   return el;
 }
 
-function drawCurve(points) {
-  const svg = $("#run-curve");
+function drawCurve(points, id = "#run-curve") {
+  const svg = $(id);
   svg.replaceChildren();
   const W = 800, H = 220, L = 50, B = 20, T = 10, R = 10;
   svg.append(svgEl("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }), svgEl("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));

@@ -1,0 +1,129 @@
+"""CLIP evaluation (`evaluation_type: clip`): validation samples scored against their prompts.
+
+The score is torchmetrics' CLIPScore: 100 x the cosine of the image and text embeddings, at least 0,
+per sample; a video scores the mean over `VIDEO_FRAMES` evenly spaced frames. Each evaluation writes one
+"evaluation" event (the mean, and each sample's score by name), which the trackers and the web UI's
+chart read.
+
+When: with `eval_steps_interval: 0`, the samples of each validation (`after_validation`, called by
+train/validation.py); with N > 0, every N optimizer steps (`evaluate`, one line in the loop), which
+samples the first `num_eval_images` validation requests without writing files.
+
+The CLIP model is loaded once (at the first evaluation, so a run that never evaluates never loads it),
+kept in CPU memory, and visits the accelerator only while it scores: it never joins training memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from PIL import Image
+
+from difftune.train.fsdp import unsharded
+
+if TYPE_CHECKING:
+    from difftune.models.base import SampleRequest
+    from difftune.train.setup import Run
+
+VIDEO_FRAMES = 4
+METRIC = "clip_score"
+
+
+class ClipScorer:
+    """transformers' CLIPModel + CLIPProcessor from a hub id or folder. `image_features` and
+    `text_features` are the two towers; `__call__` is the score."""
+
+    def __init__(self, source: str):
+        from transformers import CLIPModel, CLIPProcessor
+
+        self.model = CLIPModel.from_pretrained(source).eval().requires_grad_(False)
+        self.processor = CLIPProcessor.from_pretrained(source)
+
+    @staticmethod
+    def _pooled(out: Any) -> torch.Tensor:
+        return out.pooler_output if hasattr(out, "pooler_output") else out  # transformers 5: an output object
+
+    def image_features(self, images: list[Image.Image], device: torch.device) -> torch.Tensor:
+        pixels = self.processor(images=[i.convert("RGB") for i in images], return_tensors="pt")["pixel_values"]
+        return self._pooled(self.model.get_image_features(pixel_values=pixels.to(device)))
+
+    def text_features(self, prompts: list[str], device: torch.device) -> torch.Tensor:
+        tokens = self.processor(text=prompts, return_tensors="pt", padding=True, truncation=True,
+                                max_length=self.model.config.text_config.max_position_embeddings)
+        return self._pooled(self.model.get_text_features(input_ids=tokens["input_ids"].to(device),
+                                                         attention_mask=tokens["attention_mask"].to(device)))
+
+    @torch.no_grad()
+    def __call__(self, images: list[Image.Image], prompts: list[str], device: torch.device) -> list[float]:
+        """One score per (image, prompt) pair."""
+        self.model.to(device)
+        try:
+            image = torch.nn.functional.normalize(self.image_features(images, device).float(), dim=-1)
+            text = torch.nn.functional.normalize(self.text_features(prompts, device).float(), dim=-1)
+            return (100 * (image * text).sum(-1)).clamp(min=0).cpu().tolist()
+        finally:
+            self.model.to("cpu")  # between evaluations the accelerator holds only training
+
+
+def load_scorer(cfg: Any) -> ClipScorer:
+    return ClipScorer(cfg.evaluation_clip_model)
+
+
+def frames_of(result: Image.Image | list[Image.Image]) -> list[Image.Image]:
+    """The images a sample is scored on: itself, or a few evenly spaced frames of a video."""
+    if not isinstance(result, list):
+        return [result]
+    n = min(VIDEO_FRAMES, len(result))
+    return [result[round(i * (len(result) - 1) / max(1, n - 1))] for i in range(n)]
+
+
+def sample_name(request: SampleRequest) -> str:
+    size = f"{request.width}x{request.height}" + (f"@{request.frames}" if request.frames else "")
+    return f"{request.name or 'validation'}-{size}"
+
+
+def scored(requests: list[SampleRequest], limit: int | None) -> list[SampleRequest]:
+    """The requests an evaluation scores: those with a prompt (not the unconditional sample), the first `limit`."""
+    chosen = [r for r in requests if r.prompt]
+    return chosen if limit is None else chosen[:limit]
+
+
+def score(run: Run, results: list[tuple[SampleRequest, Any]]) -> float | None:
+    """Score (request, image or frames) pairs, write the "evaluation" event; returns the mean."""
+    keep = {id(r) for r in scored([r for r, _ in results], run.cfg.num_eval_images)}
+    results = [(r, out) for r, out in results if id(r) in keep]
+    if not results:
+        return None
+    if run.evaluator is None:
+        run.evaluator = load_scorer(run.cfg)
+    scores = {}
+    for request, out in results:
+        frames = frames_of(out)
+        values = run.evaluator(frames, [request.prompt] * len(frames), run.accelerator.device)
+        scores[sample_name(request)] = sum(values) / len(values)
+    mean = sum(scores.values()) / len(scores)
+    run.events.emit("evaluation", step=run.state.step, metric=METRIC, value=mean, scores=scores,
+                    message=f"CLIP score at step {run.state.step}: {mean:.2f} (mean of {len(scores)})")
+    return mean
+
+
+def after_validation(run: Run, results: list[tuple[SampleRequest, Any]]) -> None:
+    """With eval_steps_interval 0, each validation's samples are scored."""
+    if run.cfg.evaluation_type == "clip" and run.cfg.eval_steps_interval == 0:
+        score(run, results)
+
+
+def due(cfg: Any, step: int) -> bool:
+    return cfg.evaluation_type == "clip" and cfg.eval_steps_interval > 0 and step % cfg.eval_steps_interval == 0
+
+
+def evaluate(run: Run) -> None:
+    """Sample the requests an evaluation scores (no files written) and score them; process 0 alone."""
+    from difftune.train.validation import sample_requests
+
+    with unsharded(run):  # FSDP: the weights whole, so that process 0 samples alone
+        if run.ranks.main:
+            requests = scored(run.validation, run.cfg.num_eval_images)
+            score(run, sample_requests(run, requests))
+    run.ranks.barrier()

@@ -1,0 +1,105 @@
+"""Uploads to the Hugging Face hub (`push_to_hub`, `push_checkpoints_to_hub`), driven by the event stream.
+
+A `HubUploader` subscribes to the run's events on process 0: a "checkpoint" event queues that checkpoint
+folder (under `checkpoints/<name>` in the repository), and the final "done" (or "stopped") event writes
+the model card (README.md, train/model_card.py) and queues the result. One background thread uploads,
+in order, so training never waits on the network; each upload is tried `ATTEMPTS` times with growing
+pauses, and a failure is a "warning" event, never an exception in the loop. When the run ends
+(`Events.close`), the uploads still queued are waited for, at most `FINAL_WAIT_S` seconds.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from difftune.config import RunConfig
+from difftune.train.model_card import model_card
+
+ATTEMPTS = 4
+BACKOFF_S = 5.0  # pause before retry n: BACKOFF_S * 2**(n-1)
+FINAL_WAIT_S = 1800.0
+RESULT_FOLDERS = ("transformer", "ema")  # a full fine-tune's folder; the EMA weights
+SKIPPED_SUFFIXES = (".jsonl", ".log")
+
+
+def result_patterns(output_dir: Path, samples: list[Path]) -> list[str]:
+    """What the final upload takes from output_dir: the result files at its top (not the event log, not
+    checkpoints, caches or tracker folders), the result folders, and the final validation samples."""
+    patterns = [p.name for p in sorted(output_dir.iterdir())
+                if p.is_file() and not p.name.startswith(".") and p.suffix not in SKIPPED_SUFFIXES]
+    patterns += [f"{name}/**" for name in RESULT_FOLDERS if (output_dir / name).is_dir()]
+    return patterns + [p.as_posix() for p in samples]
+
+
+class HubUploader:
+    name = "hub upload"
+
+    def __init__(self, run_cfg: RunConfig, run: Any, api: Any = None):
+        from huggingface_hub import HfApi
+
+        self.run_cfg, self.run = run_cfg, run
+        self.cfg = run_cfg.train
+        self.repo = self.cfg.hub_model_id
+        self.api = api or HfApi()
+        self.jobs: queue.Queue = queue.Queue()
+        self.repo_ready = False
+        self.thread = threading.Thread(target=self._work, name="difftune-hub-upload", daemon=True)
+        self.thread.start()
+
+    def __call__(self, kind: str, record: dict[str, Any]) -> None:
+        if kind == "checkpoint" and self.cfg.push_checkpoints_to_hub:
+            folder = Path(record["path"])
+            self.jobs.put((f"checkpoint {folder.name}", dict(folder_path=str(folder),
+                                                             path_in_repo=f"checkpoints/{folder.name}")))
+        elif kind in ("done", "stopped") and record.get("adapter"):
+            out = self.run.output_dir
+            samples = [Path(p).resolve().relative_to(out.resolve()) for p in record.get("samples", [])
+                       if Path(p).suffix in (".png", ".mp4") and Path(p).resolve().is_relative_to(out.resolve())]
+            card = model_card(self.run_cfg, self.run, [s for s in samples if s.suffix == ".png"])
+            (out / "README.md").write_text(card, encoding="utf-8")
+            self.jobs.put((f"result at step {record.get('step')}",
+                           dict(folder_path=str(out), allow_patterns=result_patterns(out, samples))))
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            what, kwargs = job
+            self._upload(what, kwargs)
+            self.jobs.task_done()
+        self.jobs.task_done()
+
+    def _upload(self, what: str, kwargs: dict[str, Any]) -> None:
+        emit = self.run.events.emit
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                if not self.repo_ready:
+                    self.api.create_repo(self.repo, private=self.cfg.hub_private, exist_ok=True)
+                    self.repo_ready = True
+                self.api.upload_folder(repo_id=self.repo, commit_message=f"difftune: {what}", **kwargs)
+                emit("hub_upload", quiet=True, what=what, repo=self.repo, attempts=attempt)
+                emit("info", message=f"uploaded {what} to the hub repository {self.repo}")
+                return
+            except Exception as e:  # noqa: BLE001 - the network's failures are many; each is retried, then reported
+                error = f"{type(e).__name__}: {e}"
+                if attempt < ATTEMPTS:
+                    time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+        emit("warning", message=f"hub upload of {what} to {self.repo} failed after {ATTEMPTS} attempts ({error}); "
+                                "training went on. Upload it yourself with `huggingface-cli upload` or "
+                                "HfApi.upload_folder")
+
+    def close(self) -> None:
+        """Wait for the queued uploads (at most FINAL_WAIT_S), then stop the thread."""
+        self.jobs.put(None)
+        self.thread.join(FINAL_WAIT_S)
+        if self.thread.is_alive():
+            self.run.events.emit("warning", message=f"hub uploads to {self.repo} were still running after "
+                                                    f"{FINAL_WAIT_S:g} s; the run ends without them")
+
+
+def attach(run_cfg: RunConfig, run: Any) -> None:
+    """Subscribe the uploader to the run's events (process 0, push_to_hub on)."""
+    if run.cfg.push_to_hub and run.ranks.main:
+        run.events.subscribers.append(HubUploader(run_cfg, run))

@@ -1,0 +1,128 @@
+"""push_to_hub / push_checkpoints_to_hub with the hub client mocked at the network edge (HfApi's
+create_repo and upload_folder): what is uploaded, the model card, retries, and a permanent failure that
+leaves training whole."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi
+
+from conftest import write_config
+from difftune.config import load_config
+from difftune.train import hub
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+
+
+class FakeHub:
+    """Records calls; upload_folder fails on the call numbers in `failures` (1-based), or always."""
+
+    def __init__(self, monkeypatch, failures=(), always=False):
+        self.repos, self.uploads, self.calls = [], [], 0
+        self.failures, self.always = set(failures), always
+        self.threads = set()
+        monkeypatch.setattr(HfApi, "create_repo", self.create_repo)
+        monkeypatch.setattr(HfApi, "upload_folder", self.upload_folder)
+        monkeypatch.setattr(hub, "BACKOFF_S", 0.01)
+
+    def create_repo(self, repo_id, private=False, exist_ok=False, **_):
+        self.repos.append((repo_id, private, exist_ok))
+
+    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, allow_patterns=None, **kwargs):
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        if self.always or self.calls in self.failures:
+            raise ConnectionError("hub unreachable")
+        folder = Path(folder_path)
+        if allow_patterns is None:
+            files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        else:
+            from huggingface_hub.utils import filter_repo_objects
+
+            every = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+            files = sorted(filter_repo_objects(every, allow_patterns=allow_patterns))
+        self.uploads.append({"repo": repo_id, "path_in_repo": path_in_repo, "files": files,
+                             "message": kwargs.get("commit_message")})
+
+
+def events(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+HUB = dict(max_train_steps=2, checkpoint_step_interval=1, push_to_hub=True, push_checkpoints_to_hub=True,
+           hub_model_id="me/tiny-lora", hub_private=True, validation_prompt="a red circle",
+           validation_resolution="32x32", validation_num_inference_steps=1, validation_disable_unconditional=True,
+           dataset={"instance_prompt": "sks circle"})
+
+
+def test_uploads_checkpoints_and_result_with_a_model_card(tmp_path, dataset, monkeypatch):
+    fake = FakeHub(monkeypatch, failures={1})  # the first checkpoint's first attempt fails, its retry succeeds
+    run = build_run(load_config(write_config(tmp_path, dataset, **HUB)))
+    train(run)
+    out = run.output_dir
+    assert fake.repos == [("me/tiny-lora", True, True)]
+    assert fake.threads == {"difftune-hub-upload"}  # never the training thread
+    assert [u["path_in_repo"] for u in fake.uploads] == ["checkpoints/checkpoint-0000001", "checkpoints/checkpoint-0000002",
+                                                         None]
+    assert "training_state.json" in fake.uploads[0]["files"]
+    final = fake.uploads[-1]["files"]
+    (sample,) = [e["path"] for e in events(out) if e["event"] == "sample"]
+    sample = Path(sample).relative_to(out).as_posix()
+    assert {"README.md", "pytorch_lora_weights.safetensors", sample} <= set(final)
+    assert not [f for f in final if f.startswith("checkpoints/") or f.endswith(".jsonl")], final
+    card = (out / "README.md").read_text()
+    for text in ("me/tiny-lora", "lumina2", "load_lora_weights(\"me/tiny-lora\")", "Lumina2Pipeline", "sks circle",
+                 f"]({sample})", "ComfyUI", "| rank | 4 |", "| steps | 2 |"):
+        assert text in card, text
+    caption = next(dataset.glob("*.txt")).read_text().strip()
+    assert caption in card
+    log = events(out)
+    assert [e["attempts"] for e in log if e["event"] == "hub_upload"] == [2, 1, 1]
+    assert not [e for e in log if e["event"] == "warning"]
+
+
+def test_a_failing_hub_never_stops_training(tmp_path, dataset, monkeypatch):
+    fake = FakeHub(monkeypatch, always=True)
+    config = {**HUB, "push_checkpoints_to_hub": False, "checkpoint_step_interval": 0}
+    run = build_run(load_config(write_config(tmp_path, dataset, **config)))
+    adapter = train(run)
+    assert adapter.exists()
+    log = events(run.output_dir)
+    assert log[-1]["event"] == "warning" and "done" in [e["event"] for e in log]
+    assert fake.calls == hub.ATTEMPTS
+    (warning,) = [e["message"] for e in log if e["event"] == "warning"]
+    assert f"failed after {hub.ATTEMPTS} attempts" in warning and "ConnectionError: hub unreachable" in warning
+
+
+def test_final_wait_is_bounded(tmp_path, dataset, monkeypatch):
+    """An upload that hangs is left behind after FINAL_WAIT_S, with a warning."""
+    release = threading.Event()
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: None)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda *a, **k: release.wait(30))
+    monkeypatch.setattr(hub, "FINAL_WAIT_S", 0.2)
+    from difftune.train.events import Events
+
+    class FakeRun:
+        cfg = load_config(write_config(tmp_path, dataset, **HUB)).train
+        output_dir = tmp_path
+        events = Events(tmp_path / "events.jsonl", console=False)
+
+    uploader = hub.HubUploader(load_config(write_config(tmp_path, dataset, **HUB)), FakeRun())
+    uploader("checkpoint", {"path": str(tmp_path)})
+    uploader.close()
+    release.set()
+    FakeRun.events.close()
+    (warning,) = [e for e in events(tmp_path) if e["event"] == "warning"]
+    assert "still running after 0.2 s" in warning["message"]
+
+
+@pytest.mark.parametrize("name", ["events.jsonl", ".hidden"])
+def test_result_patterns_skip_logs_and_hidden_files(tmp_path, name):
+    (tmp_path / name).write_text("x")
+    (tmp_path / "pytorch_lora_weights.safetensors").write_text("x")
+    (tmp_path / "checkpoints").mkdir()
+    assert hub.result_patterns(tmp_path, []) == ["pytorch_lora_weights.safetensors"]

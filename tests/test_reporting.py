@@ -1,0 +1,219 @@
+"""Trackers (report_to), CLIP evaluation plumbing and the config checks of both.
+
+One 2-step run with `report_to: all` (TensorBoard and W&B offline) and CLIP evaluation with each validation
+(a tiny random CLIP saved to a folder): the tracker files are read back and compared with the event log,
+and the CLIP scores with a fresh scoring of the written samples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import write_config
+from difftune.config import ConfigError, load_config
+from difftune.config.reporting_keys import PIPELINES
+from difftune.models.tiny_clip import build_tiny_clip
+from difftune.prompt_library import BUILTIN_PROMPTS
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+
+
+def events(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> Path:
+    return build_tiny_clip(tmp_path_factory.mktemp("clip") / "tiny-clip")
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of an offline W&B run, read from its .wandb file (a LevelDB-style log of protobuf
+    records: 7-byte file header, 32 KiB blocks, each record chunk with a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, chunk, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "history"]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory, tiny_clip):
+    """2 steps, validation at step 1 and at the end, CLIP-scored; TensorBoard and W&B (offline)."""
+    root = tmp_path_factory.mktemp("tracked")
+    from difftune.demo import make_dataset
+
+    make_dataset(root / "images", count=2)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    path = write_config(root, root / "images", max_train_steps=2, report_to="all", tracker_project_name="proj",
+                        tracker_run_name="run-a", validation_prompt="a red circle", validation_resolution="32x32",
+                        validation_num_inference_steps=1, validation_step_interval=1,
+                        validation_disable_unconditional=True, evaluation_type="clip",
+                        evaluation_clip_model=str(tiny_clip))
+    try:
+        run = build_run(load_config(path))
+        train(run)
+    finally:
+        mp.undo()
+    return run.output_dir
+
+
+def test_tensorboard_has_the_event_log_values(tracked_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = events(tracked_run)
+    acc = EventAccumulator(str(tracked_run / "tensorboard" / "proj"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert loss == pytest.approx({e["step"]: e["loss"] for e in log if e["event"] == "step"}, rel=1e-6)
+    assert [e.step for e in acc.Scalars("train/lr")] == [1, 2]
+    assert [e.step for e in acc.Scalars("train/step_time_s")] == [1, 2]
+    phases = {e["phase"].replace(" ", "_") for e in log if e["event"] == "memory"}
+    assert phases >= {"model_load", "caching", "first_optimizer_step"}
+    assert {f"memory/{p}/rss_peak_gib" for p in phases} <= set(tags["scalars"])
+    scores = {e["step"]: e["value"] for e in log if e["event"] == "evaluation"}
+    assert sorted(scores) == [1, 2]  # validation at step 1, and the final one
+    assert {e.step: e.value for e in acc.Scalars("eval/clip_score")} == pytest.approx(scores, rel=1e-6)
+    images = [t for t in tags["images"] if t.startswith("validation/")]
+    assert "validation/validation/32x32" in images, images
+    assert {e.step for e in acc.Images("validation/validation/32x32")} == {1, 2}
+
+
+def test_wandb_offline_has_the_event_log_values(tracked_run):
+    log = events(tracked_run)
+    rows = wandb_history(tracked_run)
+    loss = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    assert loss == pytest.approx({e["step"]: e["loss"] for e in log if e["event"] == "step"}, rel=1e-6)
+    scores = {r["_step"]: r["eval/clip_score"] for r in rows if "eval/clip_score" in r}
+    assert scores == pytest.approx({e["step"]: e["value"] for e in log if e["event"] == "evaluation"}, rel=1e-6)
+    images = [r["validation/validation/32x32/filenames"][0] for r in rows if "validation/validation/32x32/_type" in r]
+    files = next(tracked_run.glob("wandb/offline-run-*/files"))
+    assert len(images) == 2 and all((files / image).is_file() for image in images), images
+    config = {i.key: json.loads(i.value_json) for r in wandb_records(tracked_run)
+              if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    assert config.get("validation_prompt") == "a red circle" and config.get("lora_rank") == 4, config
+
+
+def test_clip_scores_are_the_samples_scores(tracked_run, tiny_clip):
+    """Each evaluation event's score is CLIP's score of the sample written at that step, against its prompt."""
+    import torch
+
+    from difftune.train.evaluation import ClipScorer
+
+    log = events(tracked_run)
+    scorer = ClipScorer(str(tiny_clip))
+    for event in (e for e in log if e["event"] == "evaluation"):
+        (sample,) = [e["path"] for e in log if e["event"] == "sample" and e["step"] == event["step"]]
+        expected = scorer([Image.open(sample)], ["a red circle"], torch.device("cpu"))[0]
+        assert event["scores"] == pytest.approx({"validation-32x32": expected}, abs=1e-4)
+        assert event["value"] == pytest.approx(expected, abs=1e-4)
+    # the other direction: a different prompt scores differently (the text is used)
+    other = scorer([Image.open(sample)], ["a green car on a road"], torch.device("cpu"))[0]
+    assert other != pytest.approx(expected, abs=1e-4)
+
+
+def test_eval_steps_interval_and_num_eval_images(tmp_path, dataset, tiny_clip):
+    """eval_steps_interval 1 over 2 steps: evaluations at steps 1 and 2, of the first num_eval_images prompts,
+    and no validation files beyond the final validation's."""
+    path = write_config(tmp_path, dataset, max_train_steps=2, validation_prompt="a red circle",
+                        validation_prompt_library=True, validation_resolution="32x32",
+                        validation_num_inference_steps=1, validation_disable_unconditional=True,
+                        evaluation_type="clip", eval_steps_interval=1, num_eval_images=2,
+                        evaluation_clip_model=str(tiny_clip))
+    run = build_run(load_config(path))
+    # validation_prompt_library: the built-in prompts follow validation_prompt
+    assert [r.prompt for r in run.validation] == ["a red circle", *BUILTIN_PROMPTS.values()]
+    run.validation = run.validation[:3]  # sampling all nine takes long on a shared CPU; three show the limit
+    train(run)
+    log = events(run.output_dir)
+    evaluations = [e for e in log if e["event"] == "evaluation"]
+    assert [e["step"] for e in evaluations] == [1, 2]
+    assert all(list(e["scores"]) == ["validation-32x32", "portrait-32x32"] for e in evaluations)
+    samples = [e for e in log if e["event"] == "sample"]
+    assert {e["step"] for e in samples} == {2} and len(samples) == 3
+    assert len(list((run.output_dir / "validation").glob("*.png"))) == 3
+
+
+def test_ui_summary_charts_clip_scores(tracked_run, tmp_path):
+    """The web UI's run detail carries the CLIP scores its chart draws."""
+    from difftune.ui.runs import Run as UIRun
+
+    (tmp_path / "run.json").write_text(json.dumps({"id": "r", "output_dir": str(tracked_run)}))
+    ui_run = UIRun(tmp_path)
+    ui_run.read_events()
+    scores = [[e["step"], e["value"]] for e in events(tracked_run) if e["event"] == "evaluation"]
+    assert len(scores) == 2 and ui_run.summary(detail=True)["evaluations"] == scores
+
+
+# --- config checks ---------------------------------------------------------------------------------
+
+
+def test_missing_tracker_package_is_a_config_error(tmp_path, dataset, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"report_to 'wandb' needs the wandb package.*pip install"):
+        load_config(write_config(tmp_path, dataset, report_to="wandb"))
+    load_config(write_config(tmp_path, dataset, report_to="tensorboard"))
+
+
+def test_guidance_rescale_is_refused_naming_the_pipeline(tmp_path, dataset):
+    with pytest.raises(ConfigError, match=r"validation_guidance_rescale 0.7: lumina2 samples with diffusers' "
+                                          r"Lumina2Pipeline, whose __call__ takes no guidance_rescale"):
+        load_config(write_config(tmp_path, dataset, validation_guidance_rescale=0.7))
+    assert load_config(write_config(tmp_path, dataset, validation_guidance_rescale=0.0))
+
+
+def test_the_named_pipelines_take_no_guidance_rescale():
+    """The refusal's reason is true of the installed diffusers (a version that adds it fails here)."""
+    import diffusers
+
+    for names in PIPELINES.values():
+        for name in names:
+            params = inspect.signature(getattr(diffusers, name).__call__).parameters
+            assert "guidance_scale" in params and "guidance_rescale" not in params, name
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"push_to_hub": True}, "push_to_hub needs hub_model_id"),
+    ({"push_checkpoints_to_hub": True, "hub_model_id": "me/x"}, "set push_to_hub to true"),
+    ({"evaluation_type": "clip", "validation_prompt": None}, "evaluation_type 'clip' scores validation samples"),
+])
+def test_hub_and_evaluation_checks(tmp_path, dataset, keys, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_config(tmp_path, dataset, **keys))
+
+
+def test_prompt_library_names_are_kept_and_varied():
+    assert 6 <= len(BUILTIN_PROMPTS) <= 8 and len(set(BUILTIN_PROMPTS.values())) == len(BUILTIN_PROMPTS)
+    assert {"portrait", "landscape", "lettering", "animal", "closeup", "architecture"} <= set(BUILTIN_PROMPTS)
