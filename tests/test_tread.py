@@ -137,7 +137,7 @@ def test_gradient_checkpointing_recomputes_the_same_route():
 
 
 def test_zero_ratio_and_zero_chance_train_exactly_as_without(tmp_path, dataset):
-    common = dict(max_train_steps=3, train_batch_size=2)
+    common = dict(max_train_steps=2, train_batch_size=2)
     plain = build_run(load_config(write_config(tmp_path / "a", dataset, **common)))
     train(plain)
     off = build_run(load_config(write_config(
