@@ -2,9 +2,10 @@
 
 The levers are tried as a ladder, cheapest first, each rung keeping the ones below it; the first rung whose
 predicted peak fits is the answer. Because the rungs are fixed and each one's peak does not depend on the
-memory asked for, more memory never needs a higher rung (monotone), and a config that fits needs none.
+memory asked for, more memory never needs a higher rung (monotone), and a config that fits needs none. A lever
+of the answer without which it still fits is dropped (a free rung that saved nothing).
 
-1. offload_during_startup and vae_batch_size 1, when a caching phase is the peak (no cost once training runs)
+1. offload_during_startup (no cost once training runs), with vae_batch_size 1 when caching latents is the peak
 2. gradient_checkpointing (about 30% slower steps)
 3. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
    8-bit optimizer state instead (optimizer adamw8bit)
@@ -74,8 +75,10 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
     """Rungs, cheapest first; each rung lists alternatives (the first that fits wins, e.g. N blocks swapped)."""
     rungs: list[list[dict[str, Any]]] = []
     base: dict[str, Any] = {}
-    if before.peak_phase.startswith("caching") and (not cfg.offload_during_startup or cfg.vae_batch_size > 1):
-        base = {"offload_during_startup": True, "vae_batch_size": 1}
+    if not cfg.offload_during_startup:  # free once training runs; `choose` drops it again when it saves nothing
+        base = {"offload_during_startup": True}
+        if before.peak_phase == "caching: latents" and cfg.vae_batch_size > 1:
+            base["vae_batch_size"] = 1
         rungs.append([dict(base)])
     if not cfg.gradient_checkpointing:
         base = {**base, "gradient_checkpointing": True}
@@ -131,6 +134,11 @@ def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int =
                 low = middle + 1
         if best is not None:
             changes, after = best
+            for key in list(changes):  # a lever the answer fits without (e.g. a free one that saved nothing) goes
+                fewer = {k: v for k, v in changes.items() if k != key}
+                candidate = _valid(cfg, fewer) if fewer else None
+                if candidate is not None and (lighter := predict(candidate, found, processes)).peak <= limit:
+                    changes, after = fewer, lighter
             return Choice(True, gigabytes, before, after, explain(cfg, changes, found, processes, before),
                           f"fits with {len(changes)} change(s)")
     return Choice(False, gigabytes, before, None, [],
