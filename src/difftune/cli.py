@@ -138,10 +138,14 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.train.plan import discover_all
 
     found = discover_all(run_cfg)
-    prediction = predict(run_cfg.train, found, args.processes)
-    choice = None
-    if args.gpu_memory is not None:
-        choice = choose(run_cfg.train, found, args.gpu_memory, args.processes, prediction)
+    try:
+        prediction = predict(run_cfg.train, found, args.processes)
+        choice = None
+        if args.gpu_memory is not None:
+            choice = choose(run_cfg.train, found, args.gpu_memory, args.processes, prediction)
+    except ValueError as e:  # e.g. an architecture without a config or coefficients: said, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     render(prediction, choice)
     return PLAN_DOES_NOT_FIT if choice is not None and not choice.fits else 0
 

@@ -329,8 +329,9 @@ def calibrate(arch: Any, layouts=FIT_LAYOUTS, say=print, compute: bool = False,
 
 
 def vae_per_pixel(video: bool, say=print) -> dict[str, float]:
-    """Peak live bytes above the weights of one image's (one 17-frame clip's) VAE encode and decode, per pixel
-    (per pixel-frame), at real channel widths, bf16, no grad; the video VAE with the family's tiling settings."""
+    """Peak live bytes above the weights of one image's (one clip's) VAE encode and decode, per pixel (per
+    pixel-frame), at real channel widths, bf16, no grad; the video VAE with the family's framewise and tiling
+    settings."""
     import diffusers
 
     from difftune.memory_plan.architecture import FLUX_VAE
@@ -345,8 +346,9 @@ def vae_per_pixel(video: bool, say=print) -> dict[str, float]:
     out = {}
     for what in ("encode", "decode"):
         rates = []
-        for side in ((256,) if video else (256, 384)):
-            frames = 17 if video else 0
+        # the video VAE at small clips: its working set is per pixel-frame, and a 256 px 17-frame clip needed
+        # more CPU memory than this machine had free (the process was killed at 20 GB)
+        for side, frames in (((64, 9), (96, 9), (64, 17)) if video else ((256, 0), (384, 0))):
             shape = (1, 3, frames, side, side) if video else (1, 3, side, side)
             latent = (1, 16, (frames - 1) // 4 + 1, side // 8, side // 8) if video else (1, 16, side // 8, side // 8)
             x = torch.zeros(shape if what == "encode" else latent, dtype=torch.bfloat16)
