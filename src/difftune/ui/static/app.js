@@ -254,6 +254,28 @@ async function check() {
   try { showProblems(await api("POST", "/api/config/check", body)); } catch (e) { notice(e.message, true); }
 }
 
+// The memory planner (`difftune plan --gpu-memory`): the cheapest settings that fit, applied on confirmation.
+async function planMemory() {
+  const body = collect();
+  if (!body.path) { notice("give the config a path first", true); return; }
+  const answer = window.prompt("GPU memory to fit, in GiB", "24");
+  if (answer === null) return;
+  const gib = Number(answer);
+  if (!(gib > 0)) { notice("give a number of GiB, such as 24", true); return; }
+  let result;
+  try { result = await api("POST", "/api/config/plan", { ...body, gpu_memory: gib }); } catch (e) { notice(e.message, true); return; }
+  if (!result.plan) { showProblems(result); notice("only a config without problems can be planned", true); return; }
+  const choice = result.plan.choice, peak = (result.plan.peak_bytes / 2 ** 30).toFixed(1);
+  if (!choice.fits) { notice(`predicted peak ${peak} GiB (${result.plan.peak_phase}); ${choice.message}`, true); return; }
+  if (!choice.steps.length) { notice(`predicted peak ${peak} GiB: fits in ${gib} GiB as it is`); return; }
+  const lines = choice.steps.map((s) => `${s.key}: ${JSON.stringify(s.value)} (saves ${(s.saving_bytes / 2 ** 30).toFixed(1)} GiB; ${s.cost})`);
+  if (!window.confirm(`Predicted peak ${peak} GiB. To fit ${gib} GiB:\n${lines.join("\n")}\nApply these settings?`)) return;
+  Object.assign(S.config, choice.settings);
+  renderConfig();
+  changed();
+  notice(`applied: predicted peak ${(choice.peak_bytes_after / 2 ** 30).toFixed(1)} GiB`);
+}
+
 function showProblems(result) {
   $$(".field.has-error").forEach((f) => f.classList.remove("has-error"));
   $$(".error").forEach((e) => { e.textContent = ""; });
@@ -516,6 +538,7 @@ async function main() {
   $("#btn-new").onclick = newConfig;
   $("#btn-save").onclick = save;
   $("#btn-check").onclick = check;
+  $("#btn-plan").onclick = planMemory;
   $("#btn-start").onclick = startRun;
   $("#btn-open").onclick = async () => { const p = await pick("file", $("#config-path").value); if (p) openConfig(p); };
   $("#other-keys").addEventListener("input", changed);
