@@ -13,7 +13,8 @@ from difftune.memory_plan.predict import GIB, Prediction
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
+    """GiB with 2 decimals; below 0.1 GiB in MiB (tiny models, small parts)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
 
 
 def phase_tables(prediction: Prediction, title: str) -> list[Table]:
@@ -21,7 +22,7 @@ def phase_tables(prediction: Prediction, title: str) -> list[Table]:
     for phase in prediction.phases:
         table = Table(title=f"{title}: {phase.name}", title_justify="left", show_footer=True)
         table.add_column("part", footer="total")
-        table.add_column("GiB", justify="right", footer=gib(phase.total))
+        table.add_column("memory", justify="right", footer=gib(phase.total))
         table.add_column("how", style="dim")
         for line in phase.lines:
             table.add_row(line.label, gib(line.bytes), line.note)
@@ -36,7 +37,7 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
     for note in prediction.notes:
         console.print(f"note: {note}")
     per = f" per process ({prediction.processes} processes)" if prediction.processes > 1 else ""
-    console.print(f"predicted peak{per}: {gib(prediction.peak)} GiB ({prediction.peak_phase})")
+    console.print(f"predicted peak{per}: {gib(prediction.peak)} ({prediction.peak_phase})")
     if choice is None:
         return
     if not choice.fits:
@@ -48,13 +49,13 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
     table = Table(title=f"levers for {choice.gigabytes:g} GiB, cheapest first", title_justify="left")
     table.add_column("key")
     table.add_column("value")
-    table.add_column("saves GiB", justify="right")
+    table.add_column("saves", justify="right")
     table.add_column("cost")
     for step in choice.steps:
         table.add_row(step.key, json.dumps(step.value), gib(step.saving), step.why)
     console.print(table)
     assert choice.after is not None
-    console.print(f"[green]with these: predicted peak {gib(choice.after.peak)} GiB ({choice.after.peak_phase}), "
+    console.print(f"[green]with these: predicted peak {gib(choice.after.peak)} ({choice.after.peak_phase}), "
                   f"fits in {choice.gigabytes:g} GiB[/]")
     console.print("paste into config.json:")
     console.print(json.dumps(choice.settings(), indent=2), markup=False)

@@ -46,11 +46,11 @@ def _show(value: Any) -> str:
 
 
 def memory_settings(gigabytes: float, fields: set[str]) -> dict[str, Any]:
-    """Memory settings that fit `gigabytes` of GPU memory (0: no GPU), limited to keys the schema has.
+    """Fixed memory settings by GPU size (0: no GPU), limited to keys the schema has: the offer without a
+    GPU, and the fallback when the memory planner cannot run (`Wizard.planned` decides otherwise).
 
-    LoRA on a ~2B transformer at 1024px: about 20 GB with bf16 weights, about 10-12 GB with
-    gradient checkpointing (activations recomputed). A smaller GPU needs quantization or offload,
-    which are not implemented yet, so the wizard says so.
+    LoRA on a ~2B transformer at 1024px: about 26 GB with bf16 weights, about 10 GB with gradient
+    checkpointing (activations recomputed); see BENCHMARKS.md (memory planner).
     """
     if gigabytes <= 0:
         out = {"mixed_precision": "no", "gradient_checkpointing": False, "train_batch_size": 1}
