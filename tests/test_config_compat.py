@@ -128,8 +128,9 @@ def test_settings_of_a_switched_off_feature_are_accepted(tmp_path, dataset):
         fsdp_version=2, group_offload_type="block_level", enable_group_offload=False, num_eval_images=4,
         eval_steps_interval=50, quantize_via="cpu"))
     load_config(write_config(tmp_path, dataset, hub_model_id="lumina2-lora"))  # no push_to_hub at all
-    text = problems(write_config(tmp_path, dataset, crepa_block_index=8, crepa_enabled=True))
-    assert "crepa_enabled" in text and "not implemented yet" in text
+    text = problems(write_config(tmp_path, dataset, scheduled_sampling_reflexflow_alpha=0.5,
+                                 scheduled_sampling_reflexflow=True))
+    assert "scheduled_sampling_reflexflow" in text and "not implemented yet" in text
 
 
 def test_regularisation_and_hub_datasets_are_pending(tmp_path, dataset):

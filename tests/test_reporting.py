@@ -13,6 +13,7 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -217,3 +218,77 @@ def test_hub_and_evaluation_checks(tmp_path, dataset, keys, message):
 def test_prompt_library_names_are_kept_and_varied():
     assert 6 <= len(BUILTIN_PROMPTS) <= 8 and len(set(BUILTIN_PROMPTS.values())) == len(BUILTIN_PROMPTS)
     assert {"portrait", "landscape", "lettering", "animal", "closeup", "architecture"} <= set(BUILTIN_PROMPTS)
+
+
+# --- units ------------------------------------------------------------------------------------------
+
+
+class FakeTracker:
+    def __init__(self, name):
+        self.name, self.logged, self.images = name, [], []
+
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((step, values))
+
+    def log_images(self, values, step=None, **kwargs):
+        self.images.append((step, {k: np.shape(v) for k, v in values.items()}, kwargs))
+
+
+def test_videos_go_to_wandb_as_video_and_everywhere_as_the_contact_sheet(tmp_path):
+    """A video sample: the MP4 to W&B as a wandb.Video, to TensorBoard nothing (its contact sheet PNG is a
+    sample event of its own, logged as an image by every tracker)."""
+    import wandb
+
+    from difftune.data.video import write_mp4
+    from difftune.train.trackers import TrackerForwarder
+
+    frames = [Image.new("RGB", (16, 16), (i * 40, 0, 0)) for i in range(5)]
+    write_mp4(frames, tmp_path / "v.mp4", 8.0)
+    frames[0].save(tmp_path / "v.png")
+    trackers = [FakeTracker("tensorboard"), FakeTracker("wandb")]
+
+    class Accelerator:
+        def __init__(self):
+            self.trackers = trackers
+
+        def init_trackers(self, *a, **k):
+            pass
+
+    from difftune.config.schema import TrainConfig
+
+    forward = TrackerForwarder(TrainConfig(model_family="kandinsky5-video", max_train_steps=1), Accelerator(), tmp_path)
+    base = {"step": 3, "prompt": "validation", "size": "16x16@5", "ema": False}
+    forward("sample", {**base, "path": str(tmp_path / "v.mp4")})
+    assert trackers[0].logged == [] and trackers[0].images == []
+    ((step, values),) = trackers[1].logged
+    assert step == 3 and isinstance(values["validation/validation/16x16_5/video"], wandb.Video)
+    forward("sample", {**base, "path": str(tmp_path / "v.png")})
+    assert trackers[0].images == [(3, {"validation/validation/16x16_5": (1, 16, 16, 3)}, {"dataformats": "NHWC"})]
+    assert trackers[1].images == [(3, {"validation/validation/16x16_5": (1, 16, 16, 3)}, {})]
+
+
+def test_video_scores_are_the_mean_over_spread_frames():
+    from difftune.train.evaluation import VIDEO_FRAMES, frames_of
+
+    frames = [Image.new("RGB", (4, 4), (i, 0, 0)) for i in range(17)]
+    picked = [f.getpixel((0, 0))[0] for f in frames_of(frames)]
+    assert VIDEO_FRAMES == 4 and picked == [0, 5, 11, 16]
+    assert frames_of(frames[0]) == [frames[0]]
+
+
+def test_a_failing_subscriber_is_dropped_with_a_warning(tmp_path):
+    from difftune.train.events import Events
+
+    seen = []
+
+    def broken(kind, record):
+        raise RuntimeError("tracker down")
+
+    events = Events(tmp_path / "events.jsonl", console=False)
+    events.subscribers += [broken, lambda kind, record: seen.append(kind)]
+    events.emit("step", step=1, loss=1.0, lr=0.1, elapsed=0.1)
+    events.emit("step", step=2, loss=1.0, lr=0.1, elapsed=0.2)
+    events.close()
+    log = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in log] == ["step", "warning", "step"]
+    assert "tracker down" in log[1]["message"] and seen == ["step", "warning", "step"]

@@ -14,10 +14,12 @@ says, for each, how it is combined and what is expected of it:
 When a feature lands, the block's test fails until its manifest entry is updated: that is intended.
 
 Only these are swapped (`swap_config`, `swap_datasets`): the model source (the family's tiny random
-model), absolute paths (made relative: each block runs in its own temporary folder, so the relative data,
+model, and a tiny random CLIP for `evaluation_type: clip`), absolute paths (made relative: each block runs in its own temporary folder, so the relative data,
 cache, output and prompt-library paths the specs write are kept as written), step counts and intervals,
 validation sizes, frames and inference steps, and dataset sizes (divided by 16: 1024 px -> 64 px) and
 frame counts. `mixed_precision` stays as written (difftune's default, bf16, where a block does not set it).
+The network is replaced at its edges: W&B runs offline, and the hub client's uploads are recorded
+(`offline_services`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ def swap_config(config: dict[str, Any], family: str, flavour: str) -> dict[str, 
     out = {k: v for k, v in config.items() if clean(k) != "pretrained_model_name_or_path"}
     out["model_flavour"] = flavour
     out["max_train_steps"] = STEPS
+    if out.get("evaluation_type") == "clip":  # the hub's CLIP cannot be downloaded here
+        from difftune.models.tiny_clip import tiny_clip
+
+        out["evaluation_clip_model"] = str(tiny_clip())
     for key in list(out):
         name = clean(key)
         if name in INTERVAL_KEYS and isinstance(out[key], int) and out[key] > 0:
@@ -193,8 +199,14 @@ def train_two_steps(path: Path) -> dict[str, Any]:
     log = events(Path(run_cfg.train.output_dir))
     done = [e for e in log if e["event"] == "done"]
     samples = [str(Path(p).resolve()) for p in done[-1]["samples"]] if done else None
+    cfg = run_cfg.train
     return {"steps": {e["step"]: e["loss"] for e in log if e["event"] == "step"},
-            "adapter": str(Path(adapter).resolve()), "samples": samples, "validates": bool(run_cfg.train.validation_prompts())}
+            "adapter": str(Path(adapter).resolve()), "samples": samples, "validates": bool(cfg.validation_prompts()),
+            # what the tracker, evaluation and hub keys did (checked in check_trained when the block sets them)
+            "evaluates": cfg.evaluation_type == "clip", "evaluations": [e["step"] for e in log if e["event"] == "evaluation"],
+            "uploads": cfg.push_to_hub, "uploaded": [e["what"] for e in log if e["event"] == "hub_upload"],
+            "trackers": cfg.report_to, "wandb_runs": len(list(Path(cfg.output_dir).glob("wandb/offline-run-*"))),
+            "tensorboard": len(list(Path(cfg.output_dir).glob("tensorboard/*/events.out.tfevents.*")))}
 
 
 _RUNS: dict[str, Any] = {}  # identical combinations (the three Kandinsky 5 Image guides) train once
@@ -221,6 +233,14 @@ def check_trained(result: dict[str, Any]) -> None:
         assert all(Path(p).exists() for p in result["samples"])
     else:
         assert result["samples"] == []
+    if result["evaluates"]:
+        assert result["evaluations"], "evaluation_type clip, but no evaluation event"
+    if result["uploads"]:
+        assert result["uploaded"] and result["uploaded"][-1].startswith("result"), result["uploaded"]
+    if result["trackers"] in ("wandb", "all"):
+        assert result["wandb_runs"] == 1
+    if result["trackers"] in ("tensorboard", "all"):
+        assert result["tensorboard"] >= 1
 
 
 def same(expected: Any, actual: Any) -> bool:
@@ -290,6 +310,19 @@ def spec_media(tmp_path_factory) -> dict[str, Path]:
         synthetic_clip(root / "clips" / f"clip{i}.mp4", frames=12, seed=i)
         (root / "clips" / f"clip{i}.txt").write_text(f"a moving square number {i}")
     return {"images": root / "images", "clips": root / "clips"}
+
+
+@pytest.fixture(autouse=True)
+def offline_services(monkeypatch):
+    """W&B offline; the hub client's create_repo and upload_folder record their calls instead of uploading."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    calls: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, *a, **k: calls.append(("create_repo", k)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, *a, **k: calls.append(("upload_folder", k)))
+    return calls
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,6 +3,9 @@ spec fixtures point `evaluation_clip_model` at, since the hub's CLIP models cann
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -38,3 +41,24 @@ def build_tiny_clip(folder: Path, seed: int = 0) -> Path:
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
     return folder
+
+
+def tiny_clip() -> Path:
+    """The tiny CLIP under DIFFTUNE_HOME/tiny, built once (in a temporary folder, then renamed)."""
+    from difftune.models.tiny import difftune_home
+
+    target = difftune_home() / "tiny" / "clip-v1"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".clip-v1-", dir=target.parent))
+    try:
+        build_tiny_clip(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -40,13 +40,16 @@ class Events:
                     self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
                 self._log.write(json.dumps(record, default=str) + "\n")
                 self._log.flush()  # readers (the web UI, a tail -f) see each event at once
+        failed = []
         for subscriber in list(self.subscribers):
             try:
                 subscriber(kind, record)
             except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop training
                 self.subscribers.remove(subscriber)
-                self.emit("warning", message=f"{getattr(subscriber, 'name', type(subscriber).__name__)} failed and "
-                                             f"is switched off: {type(e).__name__}: {e}")
+                failed.append(f"{getattr(subscriber, 'name', type(subscriber).__name__)} failed and is switched "
+                              f"off: {type(e).__name__}: {e}")
+        for message in failed:  # after every subscriber has seen this event
+            self.emit("warning", message=message)
         if not self.console or quiet:
             return
         if kind == "step":

@@ -92,6 +92,9 @@ class HubUploader:
 
     def close(self) -> None:
         """Wait for the queued uploads (at most FINAL_WAIT_S), then stop the thread."""
+        if self.jobs.unfinished_tasks:
+            self.run.events.write(f"waiting for {self.jobs.unfinished_tasks} hub upload(s) to {self.repo} "
+                                  f"(at most {FINAL_WAIT_S:g} s; Ctrl-C abandons them)")
         self.jobs.put(None)
         self.thread.join(FINAL_WAIT_S)
         if self.thread.is_alive():
