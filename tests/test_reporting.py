@@ -215,6 +215,15 @@ def test_hub_and_evaluation_checks(tmp_path, dataset, keys, message):
         load_config(write_config(tmp_path, dataset, **keys))
 
 
+def test_a_missing_clip_folder_fails_at_check_time(tmp_path, dataset, tiny_clip):
+    keys = dict(evaluation_type="clip", validation_prompt="a red circle")
+    with pytest.raises(ConfigError, match="evaluation_clip_model: the folder '/nowhere/clip' does not exist"):
+        load_config(write_config(tmp_path, dataset, evaluation_clip_model="/nowhere/clip", **keys))
+    load_config(write_config(tmp_path, dataset, evaluation_clip_model=str(tiny_clip), **keys))
+    load_config(write_config(tmp_path, dataset, **keys))  # the default: a hub id, downloaded at the first evaluation
+    load_config(write_config(tmp_path, dataset, evaluation_clip_model="/nowhere/clip"))  # evaluation off: unused
+
+
 def test_prompt_library_names_are_kept_and_varied():
     assert 6 <= len(BUILTIN_PROMPTS) <= 8 and len(set(BUILTIN_PROMPTS.values())) == len(BUILTIN_PROMPTS)
     assert {"portrait", "landscape", "lettering", "animal", "closeup", "architecture"} <= set(BUILTIN_PROMPTS)

@@ -260,14 +260,17 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
         elif not (folder / "training_state.json").is_file():
             problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} is not a complete "
                             "checkpoint (no training_state.json); use 'latest' or another checkpoint folder")
-    source = train.pretrained_model_name_or_path
-    if source is not None:
+    sources = [("pretrained_model_name_or_path", train.pretrained_model_name_or_path, "hub layout, with model_index.json")]
+    if train.evaluation_type == "clip":  # the CLIP model loads at the first evaluation: fail its path now
+        sources.append(("evaluation_clip_model", train.evaluation_clip_model, "with config.json"))
+    for key, source, layout in sources:
+        if source is None:
+            continue
         local = Path(source).expanduser()
-        key = "pretrained_model_name_or_path"
         if local.exists():
             if not local.is_dir():
-                problems.append(f"{where_of(key)}: {key}: {source!r} is a file; give the model's folder (hub "
-                                "layout, with model_index.json) or a hub id such as owner/name")
+                problems.append(f"{where_of(key)}: {key}: {source!r} is a file; give the model's folder ({layout}) "
+                                "or a hub id such as owner/name")
         elif source.startswith(("/", ".", "~")) or "\\" in source or (os.sep != "/" and os.sep in source):
             problems.append(f"{where_of(key)}: {key}: the folder {source!r} does not exist; fix the path, or give "
                             "a hub id such as owner/name")

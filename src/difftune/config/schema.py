@@ -477,7 +477,8 @@ class TrainConfig(BaseModel):
         "scores are sent; the JSONL event log is always written.", "output"
     )
     tracker_project_name: str | None = field(
-        None, "Tracker project (W&B project; TensorBoard folder under output_dir/tensorboard). Empty: 'difftune'.",
+        None, "Project name for the trackers: the W&B project, and TensorBoard's logs go to "
+        "output_dir/tensorboard/<this>. Empty: 'difftune'.",
         "output", advanced=True)
     tracker_run_name: str | None = field(None, "Run name shown by the tracker (W&B run name).", "output",
                                          advanced=True)
