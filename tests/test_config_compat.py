@@ -111,7 +111,7 @@ def test_apply_torch_options():
 @pytest.mark.parametrize("key,value", [
     ("scheduled_sampling_strategy", "biased_late"), ("crepa_drop_vae_encoder", True),
     ("scheduled_sampling_ramp_shape", "cosine"), ("compress_disk_cache", True), ("optimizer", "adamw_schedulefree"),
-    ("scheduled_sampling_start_step", 5), ("scheduled_sampling_reflexflow", True), ("crepa_enabled", "true"),
+    ("scheduled_sampling_start_step", 5), ("scheduled_sampling_reflexflow", True),
 ])
 def test_simpletuner_keys_are_pending_not_unknown(tmp_path, dataset, key, value):
     overrides = {key: value}

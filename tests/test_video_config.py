@@ -149,9 +149,12 @@ def test_i2v_clips_need_five_frames(tmp_path):
     assert frame_rule(run, run.datasets.images[0]).min_frames == 5
 
 
-def test_crepa_is_refused_not_ignored(tmp_path):
+def test_crepa_keys_of_the_spec(tmp_path):
     clips = tmp_path / "clips"
     clips.mkdir()
-    text = problems(video_config(tmp_path, clips, crepa_enabled=True, crepa_block_index=8))
-    assert "crepa_enabled=True: not implemented yet" in text and "crepa_block_index" in text
-    load_config(video_config(tmp_path, clips, crepa_enabled=False))
+    cfg = load_config(video_config(tmp_path, clips, crepa_enabled=True, crepa_block_index=8, crepa_lambda=0.5,
+                                   crepa_adjacent_distance=1, crepa_adjacent_tau=1.0)).train
+    assert cfg.crepa_enabled and cfg.crepa_block_index == 8
+    text = problems(video_config(tmp_path, clips, crepa_enabled=True, crepa_drop_vae_encoder=True))
+    assert "crepa_drop_vae_encoder" in text and "not implemented yet" in text
+    load_config(video_config(tmp_path, clips, crepa_enabled=False, crepa_drop_vae_encoder=True))

@@ -7,10 +7,10 @@ from here into the schema.
 
 Three kinds of entries:
 - `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
-- `DEPENDS_ON`: a setting of a feature that only acts when its switch is on (`crepa_*` without
-  `crepa_enabled`): any value is accepted while the
+- `DEPENDS_ON`: a setting of a feature that only acts when its switch is on
+  (`scheduled_sampling_reflexflow_*` without `scheduled_sampling_reflexflow`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys are
-  matched by prefix (`scheduled_sampling_reflexflow_*`, `crepa_*`).
+  matched by prefix (`scheduled_sampling_reflexflow_*`).
 - `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
 
 Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
@@ -24,7 +24,6 @@ from typing import Any
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
-    "crepa_enabled": ((False,), "CREPA temporal regularization is not implemented yet; set crepa_enabled to false"),
     # ReflexFlow (arXiv 2512.04904) changes the rollout loss; its exact terms are not specified where we could
     # check them, so it is refused rather than guessed. SimpleTuner turns it on by default with rollouts: not here.
     "scheduled_sampling_reflexflow": (
@@ -54,7 +53,6 @@ PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 # A setting that only acts when its switch is on: any value while the switch is off.
 DEPENDS_ON: dict[str, str] = {}
 PREFIX_DEPENDS_ON: dict[str, str] = {
-    "crepa_": "crepa_enabled",
     "scheduled_sampling_reflexflow_": "scheduled_sampling_reflexflow",
 }
 

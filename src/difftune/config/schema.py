@@ -14,9 +14,10 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 
 from difftune.config.compat import family_name
+from difftune.config.crepa_keys import CrepaKeys, crepa_checks
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig, tread_from_text
 from difftune.config.fields import field
@@ -74,7 +75,7 @@ def prompt_library(path: str) -> dict[str, str]:
     return data
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(CrepaKeys):  # the crepa_* fields live in config/crepa_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -633,6 +634,7 @@ class TrainConfig(BaseModel):
         if self.fsdp_enable or self.fsdp_version != 2 or self.fsdp_cpu_ram_efficient_loading:
             fsdp_checks(self)
         offload_checks(self)
+        crepa_checks(self)
         reporting_checks(self)
         if self.max_train_steps == 0 and self.num_train_epochs == 0:
             raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")

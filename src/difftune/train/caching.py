@@ -215,9 +215,9 @@ def fill_caches(
             failed.append((Path(f"caption {key[:60]!r}"), f"text embedding: {why}"))
     for path, reason in failed:
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")
-    # The VAE stays for on-the-fly encoding; on the CPU only if validation needs it to decode samples.
+    # The VAE stays for on-the-fly encoding; on the CPU only if validation (or CREPA, train/crepa.py) decodes with it.
     if not on_the_fly:
-        comps.vae = comps.vae.to("cpu") if validation else None
+        comps.vae = comps.vae.to("cpu") if validation or cfg.crepa_enabled else None
     _free(device)
     return Cached(cached, text_caches, failed, validation, on_the_fly)
 

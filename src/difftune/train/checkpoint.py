@@ -78,6 +78,8 @@ def save_checkpoint(run: Run) -> Path:
     else:
         torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+    if getattr(run, "crepa", None) is not None:  # the CREPA projector: trained, resumed, never in the adapter
+        run.crepa.save(tmp)
     torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
     save_adapter(run, tmp)
     if run.ema is not None:
@@ -211,6 +213,8 @@ def load_checkpoint(run: Run, path: Path) -> None:
     else:
         run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
+    if getattr(run, "crepa", None) is not None:
+        run.crepa.load(path)
     rng = torch.load(path / "rng.pt", weights_only=True)
     run.generator.set_state(rng["generator"])
     torch.set_rng_state(rng["torch"])

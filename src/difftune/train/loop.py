@@ -14,7 +14,7 @@ import torch
 
 from difftune.data.batches import Batch
 from difftune.data.cache import nonfinite
-from difftune.train import evaluation, objective, rollout
+from difftune.train import crepa, evaluation, objective, rollout
 from difftune.train.checkpoint import (
     clean_partial,
     load_checkpoint,
@@ -51,7 +51,7 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     if run.first_frame:  # the sampler never updates the input frame: it is not trained either
         pred, target = pred[:, :, 1:], target[:, :, 1:]
     weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
-    return objective.flow_loss(pred, target, weights)
+    return crepa.add_term(run, objective.flow_loss(pred, target, weights), x0)  # crepa_enabled: + alignment
 
 
 class NonFiniteError(RuntimeError):

@@ -25,7 +25,7 @@ from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
-from difftune.train import hub, trackers, tread
+from difftune.train import crepa, hub, trackers, tread
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
@@ -71,6 +71,7 @@ class Run:
     streamer: BlockStreamer | None = None  # block streaming (train/offload.py), when on
     fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
     evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded at the first evaluation
+    crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
 
 
 def resolve_source(cfg: TrainConfig) -> str:
@@ -214,8 +215,9 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer == "adamw":
         events.emit("warning", message="full fine-tune of bf16/fp16 weights with optimizer 'adamw' loses small "
                                        "updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                                cfg.adam_weight_decay, cfg.adam_epsilon)
+    aligner = crepa.attach(cfg, family, comps, accelerator.device)  # crepa_enabled: its projector trains too
+    optimizer = build_optimizer(cfg.optimizer, params + (aligner.parameters() if aligner else []), cfg.learning_rate,
+                                (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_weight_decay, cfg.adam_epsilon)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
                                  num_training_steps=steps)
@@ -235,7 +237,9 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         total_steps=steps, generator=generator, ema=ema,
         sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
-        streamer=streamer, fsdp=sharded,
+        streamer=streamer, fsdp=sharded, crepa=aligner,
     )
+    if aligner is not None:
+        aligner.prepare(accelerator, ranks.count)
     hub.attach(run_cfg, run)  # push_to_hub: checkpoint and final uploads, in the background
     return run

@@ -1,0 +1,211 @@
+"""CREPA (video) and REPA (images): representation alignment as a training regularizer (`crepa_*` keys).
+
+REPA (Yu et al., 2024, "Representation Alignment for Generation") adds to the diffusion loss the
+negative cosine similarity between the transformer's hidden states after one block, passed through a
+small trained MLP projector, and frozen DINOv2 patch features of the clean image. CREPA extends it over
+time: each latent frame's tokens are also aligned with the features of the frames up to
+`crepa_adjacent_distance` latent frames away, a neighbour d frames away weighing exp(-d/tau). On the
+image families (Lumina2, Kandinsky 5 image) there is one frame, so the same switch is plain REPA.
+
+Targets: the cached latents x0 are decoded with the family's VAE (no gradient) at each step, and the
+frames go through DINOv2. Decision: decoding costs a VAE pass per step, but it needs no second cache
+(the latent cache and its fingerprint stay as they are) and it works for on-the-fly latents too; the
+spec's "drop VAE encoder" option also implies this design (only the decoder is needed). Caching the
+DINOv2 features beside the latents would be cheaper per step and is left for later. A video's latent
+frame t stands for pixel frames 4t-3..4t: the last of them (frame 4t; frame 0 for t = 0) is encoded.
+Each frame is resized to crepa_encoder_image_size square, and DINOv2's patch grid is interpolated
+(bilinearly) to the frame's token grid.
+
+Hooked from outside diffusers' classes, never by copying their code: a forward pre-hook on the
+transformer arms a capture only while training with gradients on (validation, sampling and the no-grad
+rollouts never capture); a forward hook on block `crepa_block_index` of the image/video blocks
+(`tread.LAYOUTS`: Lumina2's joint `layers`, Kandinsky 5's visual blocks) keeps its output once per call,
+so gradient checkpointing's recomputation captures nothing. `loss` then adds crepa_lambda times the
+alignment term to the flow loss.
+
+The projector (hidden -> 2048 -> 2048 -> DINOv2 width, SiLU) joins the optimizer (outside gradient
+clipping, which covers the adapter) and is saved in each checkpoint as `crepa_projector.safetensors`
+and restored on resume; it is never part of the saved adapter. It is initialized from its own RNG
+seeded with `seed`, so turning CREPA on draws nothing from the global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from difftune.config.crepa_keys import ENCODER_ALIASES
+from difftune.models.hub import ComponentError
+from difftune.train.tread import LAYOUTS
+
+PROJECTOR_WIDTH = 2048
+PROJECTOR_FILE = "crepa_projector.safetensors"
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# Families whose cached latents are (z - shift_factor) * scaling_factor (models/lumina2.py); the Kandinsky 5
+# pipelines ignore the VAE's shift_factor (models/kandinsky5_image.py): their latents are z * scaling_factor.
+SHIFTED_LATENTS = ("lumina2",)
+
+
+class CrepaError(ComponentError):
+    """A CREPA setting that does not fit the loaded model (exit code 2 with the message)."""
+
+
+def projector(hidden: int, features: int, seed: int) -> torch.nn.Sequential:
+    with torch.random.fork_rng(devices=[]):  # its own draws: the global RNG (peft, dropout) is left as it was
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(hidden, PROJECTOR_WIDTH), torch.nn.SiLU(),
+            torch.nn.Linear(PROJECTOR_WIDTH, PROJECTOR_WIDTH), torch.nn.SiLU(),
+            torch.nn.Linear(PROJECTOR_WIDTH, features),
+        )
+
+
+def load_encoder(name: str, device: torch.device) -> Any:
+    from transformers import AutoModel
+
+    source = ENCODER_ALIASES.get(name, name)
+    try:
+        encoder = AutoModel.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise CrepaError(f"crepa_encoder {name!r}: cannot load DINOv2 from {source!r} ({e}); name a transformers "
+                         "DINOv2 model id such as facebook/dinov2-small, or a local folder holding one") from e
+    if not hasattr(encoder.config, "patch_size") or not hasattr(encoder.config, "hidden_size"):
+        raise CrepaError(f"crepa_encoder {name!r}: {type(encoder).__name__} is not a DINOv2-like vision encoder")
+    return encoder.eval().requires_grad_(False).to(device)
+
+
+def alignment(tokens: torch.Tensor, targets: torch.Tensor, distance: int, tau: float, by_frames: bool) -> torch.Tensor:
+    """tokens, targets: [B, T, N, D]. Per frame t: sum over |d| <= distance of exp(-|d|/tau) times the mean
+    over tokens of -cos(tokens[t], targets[t+d]); then the mean (or the sum) over frames, the mean over B."""
+    frames = tokens.shape[1]
+    total = tokens.new_zeros(tokens.shape[0])
+    for d in range(-distance, distance + 1):
+        lo, hi = max(0, -d), min(frames, frames - d)
+        if lo >= hi:
+            continue
+        cos = F.cosine_similarity(tokens[:, lo:hi], targets[:, lo + d : hi + d], dim=-1)  # [B, frames', N]
+        total = total - math.exp(-abs(d) / tau) * cos.mean(dim=2).sum(dim=1)
+    return (total / frames if by_frames else total).mean()
+
+
+class Crepa:
+    def __init__(self, cfg: Any, family: Any, comps: Any, device: torch.device):
+        self.cfg, self.family, self.comps, self.device = cfg, family, comps, device
+        layout = LAYOUTS[family.tread_layout]
+        self.joint = family.tread_layout == "joint"
+        transformer = comps.transformer
+        blocks = layout.blocks(transformer)
+        index = cfg.crepa_block_index
+        if index >= len(blocks):
+            raise CrepaError(f"crepa_block_index {index} is out of range: this model has {len(blocks)} image/video "
+                             f"blocks (0 to {len(blocks) - 1})")
+        for route in getattr(cfg.tread_config, "routes", None) or []:
+            start, end = (i + len(blocks) if i < 0 else i for i in (route.start_layer_idx, route.end_layer_idx))
+            if start <= index <= end:  # inside a route the block sees only the tokens TREAD kept
+                raise CrepaError(f"crepa_block_index {index} lies inside the TREAD route of blocks {start}-{end}, "
+                                 "whose blocks see only part of the tokens; choose a block outside the route")
+        config = transformer.config
+        hidden = getattr(config, "hidden_size", None) or config.model_dim
+        patch = config.patch_size
+        self.patch = (patch, patch) if isinstance(patch, int) else tuple(patch[-2:])
+        self.encoder = load_encoder(cfg.crepa_encoder, device)
+        self.module = projector(hidden, self.encoder.config.hidden_size, cfg.seed).to(device)
+        self.forward_module: Any = self.module  # accelerate's prepared (DDP) module with several processes
+        self.armed, self.captured, self.captions = False, None, None
+        self.handles = [transformer.register_forward_pre_hook(self._on_call, with_kwargs=True),
+                        blocks[index].register_forward_hook(self._on_block)]
+        vae = comps.vae
+        if vae is not None and vae.device != device:  # decoded every step: on the accelerator, not parked
+            vae.to(device)
+
+    def prepare(self, accelerator: Any, processes: int) -> None:
+        """Several processes: the projector in accelerate's DDP wrapper, so its gradients are averaged too."""
+        if processes > 1:
+            self.forward_module = accelerator.prepare(self.module)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.module.parameters())
+
+    def _on_call(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.armed = module.training and torch.is_grad_enabled()
+        self.captured = None
+        if self.armed and self.joint:  # Lumina2: sample i's image tokens follow its caption_i tokens
+            self.captions = kwargs["encoder_attention_mask"].sum(dim=1).tolist()
+
+    def _on_block(self, module: Any, args: tuple, output: Any) -> None:
+        if self.armed:  # once per call: gradient checkpointing's recomputation is not captured again
+            self.captured = output[0] if isinstance(output, tuple) else output
+            self.armed = False
+
+    def _tokens(self, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The captured image/video tokens as [B, T, h*w, hidden]."""
+        hidden = self.captured
+        t, h, w = grid
+        if self.joint:
+            hidden = torch.stack([hidden[i, c : c + h * w] for i, c in enumerate(self.captions)])
+        return hidden.reshape(hidden.shape[0], t, h * w, hidden.shape[-1])
+
+    @torch.no_grad()
+    def _targets(self, x0: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """DINOv2 patch features of the clean frames, on the token grid: [B, T, h*w, D]."""
+        vae = self.comps.vae
+        z = x0.to(vae.device, vae.dtype) / vae.config.scaling_factor
+        if self.family.facts.name in SHIFTED_LATENTS:
+            z = z + vae.config.shift_factor
+        pixels = vae.decode(z).sample.float()
+        t, h, w = grid
+        if pixels.dim() == 5:  # [B, 3, F, H, W]: latent frame t stands for pixel frames 4t-3..4t; take 4t
+            frames = pixels.shape[2]
+            step = (frames - 1) // max(t - 1, 1) if t > 1 else 0
+            pixels = pixels[:, :, [min(i * step, frames - 1) for i in range(t)]].transpose(1, 2).flatten(0, 1)
+        size = self.cfg.crepa_encoder_image_size
+        x = F.interpolate((pixels.clamp(-1, 1) + 1) / 2, size=(size, size), mode="bicubic", align_corners=False)
+        mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+        x = ((x - mean) / std).to(self.device, self.encoder.dtype)
+        out = self.encoder(pixel_values=x).last_hidden_state
+        skip = 1 + getattr(self.encoder.config, "num_register_tokens", 0)  # the CLS token (and any registers)
+        side = size // self.encoder.config.patch_size
+        patches = out[:, skip : skip + side * side].float()
+        patches = patches.reshape(-1, side, side, patches.shape[-1]).permute(0, 3, 1, 2)
+        patches = F.interpolate(patches, size=(h, w), mode="bilinear", align_corners=False)
+        return patches.flatten(2).transpose(1, 2).reshape(x0.shape[0], t, h * w, -1)
+
+    def term(self, x0: torch.Tensor) -> torch.Tensor:
+        """crepa_lambda times the alignment loss of the last training call of the transformer."""
+        if self.captured is None:
+            raise RuntimeError("CREPA: block crepa_block_index did not run in this training step")
+        frames = x0.shape[2] if x0.dim() == 5 else 1
+        grid = (frames, x0.shape[-2] // self.patch[0], x0.shape[-1] // self.patch[1])
+        tokens = self.forward_module(self._tokens(grid).float())
+        targets = self._targets(x0, grid).to(tokens.device)
+        distance = self.cfg.crepa_adjacent_distance if frames > 1 else 0
+        loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames)
+        self.captured = None
+        return self.cfg.crepa_lambda * loss
+
+    def save(self, folder: Path) -> None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()},
+                  folder / PROJECTOR_FILE)
+
+    def load(self, folder: Path) -> None:
+        if not (folder / PROJECTOR_FILE).is_file():
+            raise ValueError(f"{folder} has no CREPA projector ({PROJECTOR_FILE}) but crepa_enabled is on; resume "
+                             "with crepa_enabled false, or start a new output_dir")
+        self.module.load_state_dict(load_file(folder / PROJECTOR_FILE))
+
+
+def attach(cfg: Any, family: Any, comps: Any, device: torch.device) -> Crepa | None:
+    """Hook CREPA onto the (unwrapped) transformer; None when crepa_enabled is off."""
+    return Crepa(cfg, family, comps, device) if cfg.crepa_enabled else None
+
+
+def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """The flow loss plus the CREPA term (the loss unchanged when CREPA is off)."""
+    crepa = getattr(run, "crepa", None)
+    return loss if crepa is None else loss + crepa.term(x0).to(loss.device)
