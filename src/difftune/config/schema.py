@@ -8,22 +8,17 @@ import-light by design.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import ConfigDict, field_validator, model_validator
 
 from difftune.config.compat import family_name
-from difftune.config.crepa_keys import CrepaKeys, crepa_checks
-from difftune.config.datasets import four_k_plus_one
+from difftune.config.crepa_keys import CrepaKeys
+from difftune.config.cross_checks import cross_checks
 from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig, tread_from_text
 from difftune.config.fields import field
-from difftune.config.fsdp_keys import fsdp_checks
-from difftune.config.offload_keys import offload_checks
-from difftune.config.reporting_keys import reporting_checks
+from difftune.config.values import parse_resolutions, prompt_library, read_json_file, snap_size
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
@@ -33,46 +28,6 @@ from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
 QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto", "fp8-torchao", "int4-quanto",
                         "nf4-bnb", "int2-quanto", "fp8uz-quanto")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-
-
-def parse_resolutions(value: str) -> list[tuple[int, int]]:
-    """'1024x768' or '512' or '512x512,768x768' -> [(width, height), ...]."""
-    out = []
-    for part in str(value).split(","):
-        part = part.strip().lower()
-        m = re.fullmatch(r"(\d+)(?:x(\d+))?", part)
-        if not m:
-            raise ValueError(f"{part!r} is not a resolution; write WIDTHxHEIGHT such as 1024x1024, or one number")
-        w = int(m.group(1))
-        h = int(m.group(2) or m.group(1))
-        out.append((w, h))
-    return out
-
-
-def snap_size(w: int, h: int, multiple: int) -> tuple[int, int]:
-    """The nearest size whose sides are positive multiples of `multiple` (854 -> 848 for 16)."""
-    return tuple(max(multiple, round(side / multiple) * multiple) for side in (w, h))  # type: ignore[return-value]
-
-
-def read_json_file(path: str, what: str) -> object:
-    """A JSON file named by a config key; ValueError with the reason (the schema turns it into the key's error)."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {what} {path}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
-
-
-def prompt_library(path: str) -> dict[str, str]:
-    """A user prompt library: a JSON object of name -> prompt."""
-    data = read_json_file(path, "prompt library")
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise ValueError(f"prompt library {path} must be a JSON object of name -> prompt text")
-    bad = [k for k in data if not re.fullmatch(r"[\w.-]+", k)]
-    if bad:
-        raise ValueError(f"prompt library {path}: names {bad} must be letters, digits, '_', '-' or '.' (used in file names)")
-    return data
 
 
 class TrainConfig(CrepaKeys):  # the crepa_* fields live in config/crepa_keys.py
@@ -573,71 +528,7 @@ class TrainConfig(CrepaKeys):  # the crepa_* fields live in config/crepa_keys.py
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TrainConfig:
-        facts = FAMILY_FACTS[self.model_family]
-        if self.model_flavour is not None and self.model_flavour not in facts.flavours:
-            raise ValueError(
-                f"model_flavour {self.model_flavour!r} is not a flavour of {self.model_family}; "
-                f"choose one of {', '.join(facts.flavours)}"
-            )
-        if self.lora_type == "lycoris" and self.lycoris_config is None and self.model_type == "lora":
-            raise ValueError("lora_type 'lycoris' needs lycoris_config: a JSON file such as "
-                             '{"algo": "lokr", "linear_dim": 16, "linear_alpha": 1, "factor": 16}')
-        if self.model_type == "full" and self.weight_dtype_name() == "fp16":
-            # fp16 weights updated in place overflow and underflow (AdamW's epsilon is 0 in fp16): NaN at step 2.
-            raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
-                             "mixed_precision 'fp16' with base_model_default_dtype 'fp32' (classic fp16 autocast)")
-        if self.model_type == "full" and self.base_model_precision != "no_change":
-            raise ValueError(f"a full fine-tune cannot train quantized weights (base_model_precision "
-                             f"{self.base_model_precision!r}); use model_type 'lora' (or lora_type 'lycoris') "
-                             "on the quantized base, or base_model_precision 'no_change'")
-        bnb = [k for k, v in (("base_model_precision", self.base_model_precision),
-                              *((k, v) for k, v, _ in self._text_encoder_keys())) if v == "nf4-bnb"]
-        if bnb and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(f"{bnb[0]} 'nf4-bnb' needs the bitsandbytes package: install it with "
-                             "`pip install 'difftune[bnb]'` (or bitsandbytes), or use 'int4-quanto'")
-        for key, precision, index in self._text_encoder_keys():
-            if precision != "no_change" and index >= len(facts.text_encoders):
-                have = " and ".join(f"{name} (text_encoder_{i + 1}_precision)"
-                                    for i, name in enumerate(facts.text_encoders))
-                raise ValueError(f"{key} {precision!r}: {self.model_family} has no text encoder {index + 1} "
-                                 f"(its text encoders: {have or 'none'}); remove {key} or set it to 'no_change'")
-        if self.gradient_checkpointing_interval not in (None, 1) and not self.gradient_checkpointing:
-            raise ValueError("gradient_checkpointing_interval only acts with gradient_checkpointing; set "
-                             "gradient_checkpointing to true, or remove gradient_checkpointing_interval")
-        if self.lycoris_config is not None and self.lora_type != "lycoris":
-            raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
-        if self.lora_format == "comfyui" and (self.model_type != "lora" or self.lora_type != "standard"):
-            raise ValueError("lora_format 'comfyui' applies to standard LoRA (model_type lora, lora_type standard)")
-        if self.validation_using_datasets and not facts.takes_input_image(self.flavour()):
-            raise ValueError("validation_using_datasets only applies to image-to-image and image-to-video "
-                             "flavours; remove it")
-        video_keys = [k for k in ("validation_num_video_frames", "frame_rate", "vae_enable_patch_conv")
-                      if getattr(self, k) not in (None, False)]
-        if video_keys and not facts.video:
-            raise ValueError(f"{', '.join(video_keys)} only apply to video families; remove them for {self.model_family}")
-        n = self.validation_num_video_frames
-        if n is not None and (n - 1) % 4:
-            raise ValueError(f"validation_num_video_frames {n} is not 4k+1 (the VAE compresses time 4x); "
-                             f"use {four_k_plus_one(n)}")
-        if self.validation_using_datasets and self.eval_dataset_id is None:
-            raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
-        if self.flow_schedule_shift <= 0 and not self.flow_schedule_auto_shift:
-            raise ValueError(f"flow_schedule_shift {self.flow_schedule_shift:g} must be above 0 (1.0 is the default), "
-                             "unless flow_schedule_auto_shift is on")
-        rollout = self.scheduled_sampling_max_step_offset > 0  # while off, its settings change nothing
-        if rollout and self.scheduled_sampling_sampler != "euler":
-            raise ValueError(f"not implemented yet: scheduled_sampling_sampler {self.scheduled_sampling_sampler!r}; "
-                             "use 'euler' (the rollouts are a few short steps)")
-        if rollout and self.scheduled_sampling_ramp_steps and self.scheduled_sampling_probability:
-            raise ValueError("scheduled_sampling_ramp_steps replaces scheduled_sampling_probability with a ramp from "
-                             "scheduled_sampling_prob_start to scheduled_sampling_prob_end; remove one of them")
-        if self.fsdp_enable or self.fsdp_version != 2 or self.fsdp_cpu_ram_efficient_loading:
-            fsdp_checks(self)
-        offload_checks(self)
-        crepa_checks(self)
-        reporting_checks(self)
-        if self.max_train_steps == 0 and self.num_train_epochs == 0:
-            raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
+        cross_checks(self)  # config/cross_checks.py
         return self
 
     # --- derived values (no string parsing outside config/)

@@ -1,0 +1,86 @@
+"""The checks between keys of TrainConfig (the schema's model validator calls `cross_checks`): each raises
+ValueError with the keys involved and the fix. Feature groups keep their own checks beside their keys
+(fsdp_keys, offload_keys, crepa_keys, reporting_keys); this module calls them in turn."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from difftune.config.crepa_keys import crepa_checks
+from difftune.config.datasets import four_k_plus_one
+from difftune.config.fsdp_keys import fsdp_checks
+from difftune.config.offload_keys import offload_checks
+from difftune.config.reporting_keys import reporting_checks
+from difftune.models.registry import FAMILY_FACTS
+
+if TYPE_CHECKING:
+    from difftune.config.schema import TrainConfig
+
+
+def cross_checks(cfg: TrainConfig) -> None:
+    facts = FAMILY_FACTS[cfg.model_family]
+    if cfg.model_flavour is not None and cfg.model_flavour not in facts.flavours:
+        raise ValueError(
+            f"model_flavour {cfg.model_flavour!r} is not a flavour of {cfg.model_family}; "
+            f"choose one of {', '.join(facts.flavours)}"
+        )
+    if cfg.lora_type == "lycoris" and cfg.lycoris_config is None and cfg.model_type == "lora":
+        raise ValueError("lora_type 'lycoris' needs lycoris_config: a JSON file such as "
+                         '{"algo": "lokr", "linear_dim": 16, "linear_alpha": 1, "factor": 16}')
+    if cfg.model_type == "full" and cfg.weight_dtype_name() == "fp16":
+        # fp16 weights updated in place overflow and underflow (AdamW's epsilon is 0 in fp16): NaN at step 2.
+        raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
+                         "mixed_precision 'fp16' with base_model_default_dtype 'fp32' (classic fp16 autocast)")
+    if cfg.model_type == "full" and cfg.base_model_precision != "no_change":
+        raise ValueError(f"a full fine-tune cannot train quantized weights (base_model_precision "
+                         f"{cfg.base_model_precision!r}); use model_type 'lora' (or lora_type 'lycoris') "
+                         "on the quantized base, or base_model_precision 'no_change'")
+    bnb = [k for k, v in (("base_model_precision", cfg.base_model_precision),
+                          *((k, v) for k, v, _ in cfg._text_encoder_keys())) if v == "nf4-bnb"]
+    if bnb and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"{bnb[0]} 'nf4-bnb' needs the bitsandbytes package: install it with "
+                         "`pip install 'difftune[bnb]'` (or bitsandbytes), or use 'int4-quanto'")
+    for key, precision, index in cfg._text_encoder_keys():
+        if precision != "no_change" and index >= len(facts.text_encoders):
+            have = " and ".join(f"{name} (text_encoder_{i + 1}_precision)"
+                                for i, name in enumerate(facts.text_encoders))
+            raise ValueError(f"{key} {precision!r}: {cfg.model_family} has no text encoder {index + 1} "
+                             f"(its text encoders: {have or 'none'}); remove {key} or set it to 'no_change'")
+    if cfg.gradient_checkpointing_interval not in (None, 1) and not cfg.gradient_checkpointing:
+        raise ValueError("gradient_checkpointing_interval only acts with gradient_checkpointing; set "
+                         "gradient_checkpointing to true, or remove gradient_checkpointing_interval")
+    if cfg.lycoris_config is not None and cfg.lora_type != "lycoris":
+        raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
+    if cfg.lora_format == "comfyui" and (cfg.model_type != "lora" or cfg.lora_type != "standard"):
+        raise ValueError("lora_format 'comfyui' applies to standard LoRA (model_type lora, lora_type standard)")
+    if cfg.validation_using_datasets and not facts.takes_input_image(cfg.flavour()):
+        raise ValueError("validation_using_datasets only applies to image-to-image and image-to-video "
+                         "flavours; remove it")
+    video_keys = [k for k in ("validation_num_video_frames", "frame_rate", "vae_enable_patch_conv")
+                  if getattr(cfg, k) not in (None, False)]
+    if video_keys and not facts.video:
+        raise ValueError(f"{', '.join(video_keys)} only apply to video families; remove them for {cfg.model_family}")
+    n = cfg.validation_num_video_frames
+    if n is not None and (n - 1) % 4:
+        raise ValueError(f"validation_num_video_frames {n} is not 4k+1 (the VAE compresses time 4x); "
+                         f"use {four_k_plus_one(n)}")
+    if cfg.validation_using_datasets and cfg.eval_dataset_id is None:
+        raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
+    if cfg.flow_schedule_shift <= 0 and not cfg.flow_schedule_auto_shift:
+        raise ValueError(f"flow_schedule_shift {cfg.flow_schedule_shift:g} must be above 0 (1.0 is the default), "
+                         "unless flow_schedule_auto_shift is on")
+    rollout = cfg.scheduled_sampling_max_step_offset > 0  # while off, its settings change nothing
+    if rollout and cfg.scheduled_sampling_sampler != "euler":
+        raise ValueError(f"not implemented yet: scheduled_sampling_sampler {cfg.scheduled_sampling_sampler!r}; "
+                         "use 'euler' (the rollouts are a few short steps)")
+    if rollout and cfg.scheduled_sampling_ramp_steps and cfg.scheduled_sampling_probability:
+        raise ValueError("scheduled_sampling_ramp_steps replaces scheduled_sampling_probability with a ramp from "
+                         "scheduled_sampling_prob_start to scheduled_sampling_prob_end; remove one of them")
+    if cfg.fsdp_enable or cfg.fsdp_version != 2 or cfg.fsdp_cpu_ram_efficient_loading:
+        fsdp_checks(cfg)
+    offload_checks(cfg)
+    crepa_checks(cfg)
+    reporting_checks(cfg)
+    if cfg.max_train_steps == 0 and cfg.num_train_epochs == 0:
+        raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")

@@ -1,0 +1,48 @@
+"""Values that config keys spell as strings or files: resolutions, sizes, JSON files, prompt libraries.
+Each raises ValueError with the reason; the schema turns it into the key's error."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+
+def parse_resolutions(value: str) -> list[tuple[int, int]]:
+    """'1024x768' or '512' or '512x512,768x768' -> [(width, height), ...]."""
+    out = []
+    for part in str(value).split(","):
+        part = part.strip().lower()
+        m = re.fullmatch(r"(\d+)(?:x(\d+))?", part)
+        if not m:
+            raise ValueError(f"{part!r} is not a resolution; write WIDTHxHEIGHT such as 1024x1024, or one number")
+        w = int(m.group(1))
+        h = int(m.group(2) or m.group(1))
+        out.append((w, h))
+    return out
+
+
+def snap_size(w: int, h: int, multiple: int) -> tuple[int, int]:
+    """The nearest size whose sides are positive multiples of `multiple` (854 -> 848 for 16)."""
+    return tuple(max(multiple, round(side / multiple) * multiple) for side in (w, h))  # type: ignore[return-value]
+
+
+def read_json_file(path: str, what: str) -> object:
+    """A JSON file named by a config key; ValueError with the reason (the schema turns it into the key's error)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} {path}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
+
+
+def prompt_library(path: str) -> dict[str, str]:
+    """A user prompt library: a JSON object of name -> prompt."""
+    data = read_json_file(path, "prompt library")
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ValueError(f"prompt library {path} must be a JSON object of name -> prompt text")
+    bad = [k for k in data if not re.fullmatch(r"[\w.-]+", k)]
+    if bad:
+        raise ValueError(f"prompt library {path}: names {bad} must be letters, digits, '_', '-' or '.' (used in file names)")
+    return data
