@@ -35,10 +35,11 @@ def difftune_home() -> Path:
     return Path(os.environ.get("DIFFTUNE_HOME") or Path.home() / ".cache" / "difftune")
 
 
-def ensure_built(name: str, build: Callable[[Path], None]) -> Path:
-    """Build once into a temporary folder beside the target, then rename: never a half-built model."""
+def ensure_built(name: str, build: Callable[[Path], None], marker: str = "model_index.json") -> Path:
+    """Build once into a temporary folder beside the target, then rename: never a half-built model.
+    `marker`: the file whose presence means the folder is complete."""
     target = difftune_home() / "tiny" / name
-    if (target / "model_index.json").exists():
+    if (target / marker).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
@@ -47,7 +48,7 @@ def ensure_built(name: str, build: Callable[[Path], None]) -> Path:
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished first
-            if not (target / "model_index.json").exists():
+            if not (target / marker).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,9 +3,6 @@ spec fixtures point `evaluation_clip_model` at, since the hub's CLIP models cann
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -45,20 +42,6 @@ def build_tiny_clip(folder: Path, seed: int = 0) -> Path:
 
 def tiny_clip() -> Path:
     """The tiny CLIP under DIFFTUNE_HOME/tiny, built once (in a temporary folder, then renamed)."""
-    from difftune.models.tiny import difftune_home
+    from difftune.models.tiny import ensure_built
 
-    target = difftune_home() / "tiny" / "clip-v1"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".clip-v1-", dir=target.parent))
-    try:
-        build_tiny_clip(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return ensure_built("clip-v1", build_tiny_clip, marker="config.json")
