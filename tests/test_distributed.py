@@ -60,6 +60,7 @@ def test_two_processes_equal_one_with_the_global_batch(tmp_path, images):
     assert min(json.loads(text.split("per process: ")[1].rstrip(")"))) > 0
 
 
+@pytest.mark.slow  # 48 s; the one-process SIGKILL test and test_fsdp's resume tests stay beside it
 def test_two_processes_killed_then_resumed(tmp_path, images):
     common = dict(max_train_steps=6, train_batch_size=1, checkpoint_step_interval=2, resume_from_checkpoint="latest")
     reference = write_config(tmp_path / "ref", images, **common)
