@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-slow test-browser test-ui lint bench bench-memory bench-tread plan-calibrate clean
+.PHONY: setup demo test test-slow test-browser test-ui lint bench bench-memory bench-tread bench-gpu plan-calibrate clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ bench-memory: setup
 # Step time with and without TREAD at real width (random init, CPU, minutes; BENCHMARKS.md, issue 15).
 bench-tread: setup
 	$(BIN)/python -m difftune.bench_tread
+
+# LoRA steps of the real-size transformers on a GPU: step time, peak memory, MFU per attention backend, with and
+# without compile and checkpointing (random init, no download; BENCHMARKS.md, issue 17). Needs a CUDA device.
+bench-gpu: setup
+	$(BIN)/python -m difftune.bench_gpu
 
 plan-calibrate: setup  # re-measure src/difftune/memory_plan/coefficients.py (CPU, minutes)
 	$(BIN)/python -m difftune.memory_plan.measure

@@ -41,15 +41,20 @@ def test_the_noise_filter_keeps_other_warnings():
     handlers = transformers_logging._get_library_root_logger().handlers
     bnb = logging.StreamHandler(buffer)
     logging.getLogger("bitsandbytes").addHandler(bnb)
-    old = [h.setStream(buffer) for h in handlers if isinstance(h, logging.StreamHandler)]
+    streams = [h for h in handlers if isinstance(h, logging.StreamHandler)]
+    # Assigned, not setStream: that flushes the old stream, which an earlier in-process run under pytest's
+    # capture may have closed.
+    old = [h.stream for h in streams]
+    for h in streams:
+        h.stream = buffer
     try:
         logger = transformers_logging.get_logger("transformers.test")
         logger.warning("`X` requires torchvision (not installed); falling back")
         logger.warning("a warning the user needs")
         logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load from kernels-community: offline")
     finally:
-        for h, stream in zip([h for h in handlers if isinstance(h, logging.StreamHandler)], old, strict=True):
-            h.setStream(stream)
+        for h, stream in zip(streams, old, strict=True):
+            h.stream = stream
         logging.getLogger("bitsandbytes").removeHandler(bnb)
     err = buffer.getvalue()
     assert "a warning the user needs" in err

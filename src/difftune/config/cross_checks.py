@@ -1,6 +1,6 @@
 """The checks between keys of TrainConfig (the schema's model validator calls `cross_checks`): each raises
 ValueError with the keys involved and the fix. Feature groups keep their own checks beside their keys
-(fsdp_keys, offload_keys, crepa_keys, reporting_keys); this module calls them in turn."""
+(fsdp_keys, offload_keys, crepa_keys, reporting_keys, speed_keys); this module calls them in turn."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.offload_keys import offload_checks
 from difftune.config.reporting_keys import reporting_checks
+from difftune.config.speed_keys import speed_checks
 from difftune.models.registry import FAMILY_FACTS
 
 if TYPE_CHECKING:
@@ -82,5 +83,6 @@ def cross_checks(cfg: TrainConfig) -> None:
     offload_checks(cfg)
     crepa_checks(cfg)
     reporting_checks(cfg)
+    speed_checks(cfg)
     if cfg.max_train_steps == 0 and cfg.num_train_epochs == 0:
         raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")

@@ -18,6 +18,7 @@ from difftune.config.crepa_keys import CrepaKeys
 from difftune.config.cross_checks import cross_checks
 from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig, tread_from_text
 from difftune.config.fields import field
+from difftune.config.speed_keys import SpeedKeys
 from difftune.config.values import parse_resolutions, prompt_library, read_json_file, snap_size
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
@@ -30,7 +31,7 @@ QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto"
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
-class TrainConfig(CrepaKeys):  # the crepa_* fields live in config/crepa_keys.py
+class TrainConfig(CrepaKeys, SpeedKeys):  # crepa_* fields: config/crepa_keys.py; speed: config/speed_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

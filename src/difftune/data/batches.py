@@ -13,7 +13,7 @@ latents that are not finite are left out the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,6 +38,24 @@ class Batch:
     offset: int = 0  # where this process's slice starts in the global batch (several processes)
     global_size: int = 0  # samples in the global batch (all processes); noise is drawn for all of them
     paths: list = field(default_factory=list)  # the source files, to name them in messages
+    # The sampler's state just after this batch was drawn: where a resume continues once it is consumed
+    # (batches are read ahead, so the sampler itself may be further on: train/prefetch.py).
+    position: dict | None = None
+
+    def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        text = {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in self.text.items()}
+        cond = None if self.conditioning is None else move(self.conditioning)
+        return replace(self, latents=move(self.latents), text=text, conditioning=cond)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        """The batch on `device` (the same object when it is there already)."""
+        if self.latents.device == torch.device(device):
+            return self
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pinned(self) -> Batch:
+        """The batch in pinned (page-locked) CPU memory, so a copy to CUDA can run without blocking."""
+        return self._map(lambda t: t.pin_memory())
 
 
 class NoUsableItem(RuntimeError):
@@ -178,4 +196,5 @@ class TrainingData:
                 continue
             if len(rows) < len(kept):
                 latents, cond = latents[rows], (None if cond is None else cond[rows])
-            yield Batch(latents, self.collate_text(texts), captions, cond, offset, len(indices), paths)
+            yield Batch(latents, self.collate_text(texts), captions, cond, offset, len(indices), paths,
+                        self.sampler.state_dict())

@@ -11,6 +11,7 @@ schema can be imported without loading the heavy stack.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     import torch
     from PIL import Image
 
+    from difftune.models.flops import Flops
     from difftune.models.registry import FamilyFacts
 
 
@@ -104,6 +106,14 @@ class Family(Protocol):
 
     def sample(self, comps: Components, transformer: Any, request: SampleRequest) -> Image.Image | list[Image.Image]:
         """One image (video families: the frames of one video) through the family's stock diffusers pipeline."""
+
+    def forward_flops(
+        self, config: Mapping[str, Any], latent_shape: Sequence[int], text_tokens: int, routes: Sequence[Any] = (),
+        first_frame: bool = False,
+    ) -> Flops:
+        """Model FLOPs of one forward of the transformer with diffusers `config` on latents of `latent_shape` (the
+        batch's, [B, C, h, w] or [B, C, T, h, w]) and `text_tokens` padded text tokens, by kind (models/flops.py).
+        `routes`: TREAD's resolved routes; `first_frame`: image-to-video (its first frame is never routed)."""
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
         """Write a LoRA (peft state dict of the transformer) in the pipeline's diffusers layout.

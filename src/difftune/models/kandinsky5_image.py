@@ -12,6 +12,8 @@ Conventions of the stock `Kandinsky5T2IPipeline` / `Kandinsky5I2IPipeline` that 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from PIL import Image
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from difftune.models.base import Components, SampleRequest
+from difftune.models.flops import Flops, attention, matmul, routed_tokens
 from difftune.models.hub import ComponentError, component_class, is_processor, load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image
@@ -155,6 +158,55 @@ class Kandinsky5ImageFamily:
     def auto_shift(self, comps: Components, latent_shape: tuple[int, ...]) -> float:
         tokens = (latent_shape[-2] // 2) * (latent_shape[-1] // 2)  # 2x2 patches
         return resolution_shift(dict(comps.scheduler.config), tokens)
+
+    def forward_flops(
+        self, config: Mapping[str, Any], latent_shape: Sequence[int], text_tokens: int, routes: Sequence[Any] = (),
+        first_frame: bool = False,
+    ) -> Flops:
+        """FLOPs of one forward of Kandinsky5Transformer3DModel (models/flops.py) for latents [B, C, h, w] (video:
+        [B, C, T, h, w]) and `text_tokens` padded text tokens: the text blocks over the text, the visual blocks'
+        self-attention over the visual tokens and their cross-attention from them to the text. NABLA sparse
+        attention (Pro 10s) is counted dense. `first_frame`: image-to-video, whose first latent frame TREAD
+        never routes."""
+        batch = latent_shape[0]
+        frames = latent_shape[2] if len(latent_shape) == 5 else 1
+        pt, ph, pw = config["patch_size"]
+        d, td, ff = config["model_dim"], config["time_dim"], config["ff_dim"]
+        head_dim = sum(config["axes_dims"])
+        heads = d // head_dim
+        frame = (latent_shape[-2] // ph) * (latent_shape[-1] // pw)
+        visual = (frames // pt) * frame
+        in_dim = config["in_visual_dim"] * (2 if config["visual_cond"] else 1) + (1 if config["visual_cond"] else 0)
+        patch = math.prod(config["patch_size"])
+        text = batch * text_tokens
+        f = Flops(tokens=batch * visual)
+        f.inputs += matmul(text, config["in_text_dim"], d) + matmul(batch, config["in_text_dim2"], td)
+        f.inputs += matmul(batch, d, td) + matmul(batch * visual, patch * in_dim, d)  # time; patch embedding
+        f.conditioning += matmul(batch, td, td)  # time_embeddings.out_layer
+
+        def self_attention_block(rows: int, seq: int) -> None:
+            f.linear += 4 * matmul(batch * rows, d, d) + 2 * matmul(batch * rows, d, ff)  # q, k, v, out; FFN
+            f.attention += attention(batch, heads, seq, seq, head_dim)
+
+        for _ in range(config["num_text_blocks"]):
+            f.conditioning += matmul(batch, td, 6 * d)
+            self_attention_block(text_tokens, text_tokens)
+        routed = []
+        fixed = frame if first_frame else 0  # the input frame of image-to-video always stays
+        for index in range(config["num_visual_blocks"]):
+            tokens = visual - routed_tokens(routes, index, visual - fixed)
+            f.conditioning += matmul(batch, td, 9 * d)
+            self_attention_block(tokens, tokens)
+            f.linear += 2 * matmul(batch * tokens, d, d) + 2 * matmul(text, d, d)  # cross: q, out; k, v
+            f.attention += attention(batch, heads, tokens, text_tokens, head_dim)
+            if tokens != visual:
+                routed.append((rf"visual_transformer_blocks\.{index}\.", batch * tokens))
+        f.conditioning += matmul(batch, td, 2 * d)  # out_layer.modulation
+        f.linear += matmul(batch * visual, d, patch * config["out_visual_dim"])
+        f.rows = [(r"modulation|time_embeddings|pooled_text_embeddings", batch),
+                  (r"text_embeddings|text_transformer_blocks\.|cross_attention\.(to_key|to_value)", text),
+                  *routed, (r"visual_transformer_blocks\.|visual_embeddings|out_layer", batch * visual)]
+        return f
 
     def pipeline_class(self, with_image: bool) -> type:
         """The stock pipeline that encodes prompts and samples (with an input image, or from text alone)."""

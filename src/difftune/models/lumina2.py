@@ -10,6 +10,7 @@ Conventions of the stock `Lumina2Pipeline` that training must follow:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from PIL import Image
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from difftune.models.base import Components, SampleRequest
+from difftune.models.flops import Flops, attention, matmul, routed_tokens
 from difftune.models.hub import load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny import gemma_tokenizer
@@ -171,6 +173,55 @@ class Lumina2Family:
                 height=request.height, width=request.width, num_inference_steps=request.steps,
                 guidance_scale=request.guidance, generator=generator, **kwargs,
             ).images[0]
+
+    def forward_flops(
+        self, config: Mapping[str, Any], latent_shape: Sequence[int], text_tokens: int, routes: Sequence[Any] = (),
+        first_frame: bool = False, longest_caption: int | None = None,
+    ) -> Flops:
+        """FLOPs of one forward of Lumina2Transformer2DModel (models/flops.py) for latents [B, C, H, W] and
+        captions padded to `text_tokens`. The context refiner runs over the padded captions; the joint blocks
+        over the longest caption + the image tokens (training pads to the longest caption, so that is
+        `text_tokens` unless `longest_caption` says otherwise). Masked positions are computed all the same."""
+        batch, channels, height, width = latent_shape[0], latent_shape[1], latent_shape[-2], latent_shape[-1]
+        p, d = config["patch_size"], config["hidden_size"]
+        heads, kv_heads = config["num_attention_heads"], config.get("num_kv_heads") or config["num_attention_heads"]
+        head_dim, temb = d // heads, min(d, 1024)
+        inner = 4 * d  # LuminaFeedForward: 4·dim, times ffn_dim_multiplier, rounded up to multiple_of
+        if config.get("ffn_dim_multiplier") is not None:
+            inner = int(config["ffn_dim_multiplier"] * inner)
+        multiple = config["multiple_of"]
+        inner = multiple * ((inner + multiple - 1) // multiple)
+        image = (height // p) * (width // p)
+        joint = (longest_caption or text_tokens) + image
+        out_channels = config.get("out_channels") or channels
+        f = Flops(tokens=batch * image)
+        f.inputs += matmul(batch, 256, temb) + matmul(batch * image, p * p * channels, d)  # time, patch embedding
+        f.conditioning += matmul(batch, temb, temb) + matmul(batch * text_tokens, config["cap_feat_dim"], d)
+
+        def block(seq: int, modulation: bool) -> None:
+            rows = batch * seq
+            f.linear += 2 * matmul(rows, d, d) + 2 * matmul(rows, d, kv_heads * head_dim)  # q, out; k, v
+            f.linear += 3 * matmul(rows, d, inner)  # SwiGLU: linear_1, linear_3, linear_2
+            f.attention += attention(batch, heads, seq, seq, head_dim)
+            if modulation:
+                f.conditioning += matmul(batch, temb, 4 * d)  # LuminaRMSNormZero
+
+        for _ in range(config["num_refiner_layers"]):
+            block(text_tokens, modulation=False)  # context refiner
+            block(image, modulation=True)  # noise refiner
+        routed = []
+        for index in range(config["num_layers"]):
+            dropped = routed_tokens(routes, index, image)  # TREAD routes only image tokens
+            block(joint - dropped, modulation=True)
+            if dropped:
+                routed.append((rf"(^|\.)layers\.{index}\.", batch * (joint - dropped)))
+        f.conditioning += matmul(batch, temb, d)  # norm_out.linear_1
+        f.linear += matmul(batch * joint, d, p * p * out_channels)  # norm_out.linear_2
+        f.rows = [(r"norm1\.linear|norm_out\.linear_1|timestep_embedder", batch),
+                  (r"caption_embedder|context_refiner\.", batch * text_tokens),
+                  (r"noise_refiner\.|x_embedder", batch * image), *routed,
+                  (r"(^|\.)layers\.|norm_out", batch * joint)]
+        return f
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
         Lumina2Pipeline.save_lora_weights(

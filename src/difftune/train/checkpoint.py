@@ -80,13 +80,15 @@ def save_checkpoint(run: Run) -> Path:
     torch.save(run.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
     if getattr(run, "crepa", None) is not None:  # the CREPA projector: trained, resumed, never in the adapter
         run.crepa.save(tmp)
-    torch.save({"generator": run.generator.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
+    torch.save({"generator": run.generator.get_state(), "generator_device": run.generator.device.type,
+                "torch": torch.get_rng_state()}, tmp / "rng.pt")
     save_adapter(run, tmp)
     if run.ema is not None:
         torch.save(run.ema.state_dict(), tmp / "ema.pt")
         with run.ema.swap():
             save_adapter(run, tmp / "ema")
-    state = {"step": run.state.step, "sampler": run.data.sampler.state_dict()}
+    # The position after the last batch consumed: the sampler itself is ahead by the batches read ahead
+    state = {"step": run.state.step, "sampler": run.state.position or run.data.sampler.state_dict()}
     (tmp / STATE_FILE).write_text(json.dumps(state))
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (for example at the end): replace it whole
@@ -200,6 +202,20 @@ def resolve_resume(output_dir: Path, value: str, warn=None) -> Path | None:
     return path
 
 
+def restore_generator(run: Run, rng: dict, path: Path) -> None:
+    """The noise generator's state. Saved on another kind of device (a CPU run resumed on a GPU), it cannot be
+    restored: the generator is seeded from (seed, step) instead, and the run says that its noise differs
+    from an uninterrupted run's."""
+    saved = rng.get("generator_device", "cpu")
+    if saved == run.generator.device.type:
+        run.generator.set_state(rng["generator"])
+        return
+    run.generator.manual_seed(run.cfg.seed * 1_000_003 + run.state.step)
+    run.events.emit("warning", message=f"{path} was saved by a run on {saved}, this one draws its noise on "
+                    f"{run.generator.device.type}: the noise sequence restarts from (seed, step), so the losses "
+                    "will not match an uninterrupted run's exactly")
+
+
 def load_checkpoint(run: Run, path: Path) -> None:
     try:
         run.adapter.load_state_dict(load_file(path / "trainable.safetensors"))
@@ -216,7 +232,6 @@ def load_checkpoint(run: Run, path: Path) -> None:
     if getattr(run, "crepa", None) is not None:
         run.crepa.load(path)
     rng = torch.load(path / "rng.pt", weights_only=True)
-    run.generator.set_state(rng["generator"])
     torch.set_rng_state(rng["torch"])
     if run.ema is not None:
         if not (path / "ema.pt").is_file():
@@ -225,7 +240,9 @@ def load_checkpoint(run: Run, path: Path) -> None:
         run.ema.load_state_dict(torch.load(path / "ema.pt", map_location="cpu", weights_only=True))
     state = json.loads((path / STATE_FILE).read_text())
     run.state.step = state["step"]
+    restore_generator(run, rng, path)
     run.data.sampler.load_state_dict(state["sampler"])
+    run.state.position = state["sampler"]
 
 
 def clean_partial(output_dir: Path) -> None:

@@ -53,7 +53,12 @@ class Events:
         if not self.console or quiet:
             return
         if kind == "step":
-            self._bar(data["step"]).set_postfix(loss=f"{data['loss']:.4f}", lr=f"{data['lr']:.2e}", refresh=False)
+            shown = {"loss": f"{data['loss']:.4f}", "lr": f"{data['lr']:.2e}"}
+            if "tokens_per_s" in data:  # train/throughput.py
+                shown["tok/s"] = f"{data['tokens_per_s']:.4g}"
+            if "mfu" in data:
+                shown["MFU"] = f"{100 * data['mfu']:.1f}%"
+            self._bar(data["step"]).set_postfix(shown, refresh=False)
             self.bar.update(data["step"] - self.bar.n)
         elif kind in ("info", "warning", "error"):
             self.write(("" if kind == "info" else kind.upper() + ": ") + data["message"])

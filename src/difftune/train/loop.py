@@ -14,7 +14,7 @@ import torch
 
 from difftune.data.batches import Batch
 from difftune.data.cache import nonfinite
-from difftune.train import crepa, evaluation, objective, rollout
+from difftune.train import crepa, evaluation, objective, prefetch, rollout
 from difftune.train.checkpoint import (
     clean_partial,
     load_checkpoint,
@@ -31,7 +31,8 @@ from difftune.train.validation import validate
 
 
 def micro_step(run: Run, batch: Batch) -> torch.Tensor:
-    """Loss of one micro-batch. Noise and timesteps come from the run's own seeded generator."""
+    """Loss of one micro-batch (already on the device: train/prefetch.py). Noise and timesteps come from the
+    run's own seeded generator, which lives on the device: no host work, no copy, and a resume continues it."""
     x0 = batch.latents
     shift = run.cfg.flow_schedule_shift
     if run.cfg.flow_schedule_auto_shift:
@@ -39,8 +40,9 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     # Noise and noise levels are drawn for the global batch, then this process's slice is taken: the
     # same numbers as a single process training the whole batch.
     size, lo = max(batch.global_size, x0.shape[0]), batch.offset
-    noise = torch.randn((size, *x0.shape[1:]), generator=run.generator)[lo : lo + x0.shape[0]]
-    sigmas = objective.sample_sigmas(size, shift, run.generator, run.sampling)[lo : lo + x0.shape[0]]
+    g = run.generator
+    noise = torch.randn((size, *x0.shape[1:]), generator=g, device=g.device)[lo : lo + x0.shape[0]]
+    sigmas = objective.sample_sigmas(size, shift, g, run.sampling)[lo : lo + x0.shape[0]]
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     x_t, noise = rollout.noisy_input(run, batch, x0, noise, sigmas, shift)  # scheduled sampling, when on
     with run.accelerator.autocast():
@@ -79,28 +81,41 @@ def input_problem(batch: Batch) -> str | None:
     return f"the batch's data is bad: {what} (files: {', '.join(str(p) for p in batch.paths) or 'unknown'})"
 
 
+def _scalar(norm: object, device: torch.device) -> torch.Tensor:
+    """The gradient norm as a 0-d float tensor on `device` (inf when it was not measured)."""
+    if not isinstance(norm, torch.Tensor):
+        return torch.tensor(math.inf if norm is None else float(norm), device=device)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a replicated DTensor
+    return norm.detach().float().reshape(()).to(device)
+
+
 def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     """One optimizer step over `gradient_accumulation_steps` micro-batches. Returns the mean loss; a
-    step whose loss or gradient is not finite changes no weight (and returns that non-finite loss)."""
+    step whose loss or gradient is not finite changes no weight (and returns that non-finite loss).
+
+    The host reads the device once per step, after the backward passes (losses and gradient norm together):
+    the micro-batches queue up on the accelerator without waiting for each other's loss."""
     accum = run.cfg.gradient_accumulation_steps
-    total = 0.0
-    cause = None
+    losses, seen = [], []
     for micro in range(accum):
         sync = micro == accum - 1
         with nullcontext() if sync else run.accelerator.no_sync(run.transformer):
             batch = next(batches)
+            run.state.position = batch.position  # a checkpoint resumes after the batches consumed
+            run.throughput.add(batch)
             loss = micro_step(run, batch)
             run.accelerator.backward(loss / accum)
-        value = loss.item()  # one device sync per micro-batch
-        total += value / accum
-        if not math.isfinite(value):
-            cause = cause or input_problem(batch)
-    total = run.ranks.mean(total)  # every process logs, and decides on non-finite steps, alike
+        losses.append(loss.detach().float())
+        seen.append(batch)
     norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method)
-    if not math.isfinite(total) or (norm is not None and not torch.isfinite(torch.as_tensor(norm)).item()):
+    read = torch.stack([*losses, _scalar(norm, losses[0].device)])
+    *values, norm_value = read.tolist()  # the step's one device sync
+    total = run.ranks.mean(sum(values) / accum)  # every process logs, and decides on non-finite steps, alike
+    if not math.isfinite(total) or (norm is not None and not math.isfinite(norm_value)):
         run.optimizer.zero_grad(set_to_none=True)
         result = StepLoss(math.nan if math.isfinite(total) else total)
-        result.data_problem = cause
+        result.data_problem = next((p for v, b in zip(values, seen, strict=True) if not math.isfinite(v)
+                                    and (p := input_problem(b))), None)
         return result
     run.optimizer.step()
     run.lr_scheduler.step()
@@ -170,14 +185,17 @@ def _train(run: Run) -> Path:
     run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
                     processes=run.ranks.count, project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
     run.transformer.train()
-    batches = iter(run.data)
+    batches = prefetch.feed(run)  # read ahead in a thread, copied to the device without blocking
     started = time.perf_counter()
     stopped = False
     bad_steps = 0
     first = run.state.step + 1  # this process's first optimizer step (later than 1 after a resume)
     try:
         while run.state.step < run.total_steps and not stopped:
+            began = time.perf_counter()
             loss = optimizer_step(run, batches)
+            # before the first step's memory event resets CUDA's peak counter (train/throughput.py)
+            speed = run.throughput.step_fields(time.perf_counter() - began)
             run.state.step += 1
             step = run.state.step
             if step == first:
@@ -197,7 +215,7 @@ def _train(run: Run) -> Path:
             if run.ema is not None:
                 run.ema.step(step)
             run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
-                            elapsed=time.perf_counter() - started)
+                            elapsed=time.perf_counter() - started, **speed)
             # Validation before the checkpoint of the same step: a kill while sampling then resumes
             # from the previous checkpoint and samples again, instead of losing these images.
             if _due(step, cfg.validation_step_interval) and step < run.total_steps:
@@ -210,6 +228,8 @@ def _train(run: Run) -> Path:
     except KeyboardInterrupt:
         checkpoint(run, reason="interrupted")
         raise
+    finally:
+        batches.close()
     checkpoint(run)
     with gathered(run):
         adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir

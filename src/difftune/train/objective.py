@@ -42,10 +42,10 @@ def resolution_shift(scheduler_config: dict, image_tokens: int) -> float:
 
 def sample_sigmas(batch: int, shift: float, generator: torch.Generator,
                   sampling: TimestepSampling = TimestepSampling()) -> torch.Tensor:
-    """Noise levels [B] in (0, 1), drawn from the run's generator, then shifted."""
+    """Noise levels [B] in (0, 1), drawn from the run's generator (on its device), then shifted."""
     u = compute_density_for_timestep_sampling(
         sampling.distribution, batch, sampling.logit_mean, sampling.logit_std, sampling.mode_scale,
-        generator=generator,
+        device=generator.device, generator=generator,
     )
     return shift_sigmas(u, shift)
 

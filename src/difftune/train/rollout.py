@@ -53,8 +53,9 @@ def noisy_input(run: Any, batch: Any, x0: torch.Tensor, noise: torch.Tensor, sig
     if p <= 0.0:
         return x_t, noise
     size, lo, n = max(batch.global_size, x0.shape[0]), batch.offset, x0.shape[0]
-    rolled = torch.rand(size, generator=run.generator) < p
-    every = torch.randint(0, run.cfg.scheduled_sampling_max_step_offset + 1, (size,), generator=run.generator) * rolled
+    g = run.generator  # on the device: the draws stay there
+    rolled = torch.rand(size, generator=g, device=g.device) < p
+    every = torch.randint(0, run.cfg.scheduled_sampling_max_step_offset + 1, (size,), generator=g, device=g.device) * rolled
     if not bool(every.any()):
         return x_t, noise
     steps = every[lo : lo + n]  # every process runs as many model calls (the global batch's longest rollout)

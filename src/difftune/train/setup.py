@@ -24,9 +24,11 @@ from difftune.data.report import DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
+from difftune.models.flops import Flops
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
-from difftune.train import crepa, hub, trackers, tread
+from difftune.train import attention, crepa, hub, throughput, trackers, tread
 from difftune.train.caching import Cached, fill_caches
+from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
@@ -36,6 +38,7 @@ from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
 from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, size_rules
+from difftune.train.throughput import Throughput
 from difftune.train.torch_options import apply_torch_options
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -44,6 +47,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps completed
+    position: dict | None = None  # the sampler's state after the last batch consumed (what a checkpoint saves)
 
 
 @dataclass
@@ -72,6 +76,8 @@ class Run:
     fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
     evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded at the first evaluation
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
+    # TFLOP/s, tokens/s, MFU and peak memory of each step (train/throughput.py); loop.optimizer_step adds batches
+    throughput: Throughput = field(default_factory=lambda: Throughput(lambda *_: Flops(), full=False))
 
 
 def resolve_source(cfg: TrainConfig) -> str:
@@ -195,11 +201,13 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available(),
                               log_with=trackers.log_with(cfg), project_dir=str(trackers.tracker_folder(output_dir)))
     ranks = ranks_of(accelerator)
+    attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     trackers.attach(cfg, accelerator, events, output_dir, ranks.main)  # report_to: events -> trackers
     prepared = prepare_data(run_cfg, events, accelerator.device, ranks)
     family, comps, data = prepared.family, prepared.comps, prepared.data
+    attention.apply(cfg, comps.transformer, accelerator.device, events.emit)  # attention_mechanism
 
     if not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap or cfg.fsdp_enable):
         # Parked during caching (offload_during_startup): on the accelerator before the adapter attaches, since
@@ -221,8 +229,11 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
                                  num_training_steps=steps)
-    generator = torch.Generator().manual_seed(cfg.seed)  # noise, timesteps, TREAD routes, rollouts: resumable
+    # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
+    generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
     tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))
+    # compile / dynamo_backend: after every hook is attached (they stay outside the compiled code), before prepare
+    compile_transformer(cfg, family.facts.block_stacks, comps.transformer, events.emit)
     if sharded is None:
         transformer, optimizer = accelerator.prepare(comps.transformer, optimizer)
     else:  # FSDP2 is the module's own wrapping: accelerate would add DDP on top; it prepares the optimizer only
@@ -241,5 +252,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     )
     if aligner is not None:
         aligner.prepare(accelerator, ranks.count)
+    run.throughput = throughput.build(cfg, family, comps.transformer, tread.check(cfg.tread_config, family,
+                                      comps.transformer), run.first_frame, accelerator.device, events.emit)
     hub.attach(run_cfg, run)  # push_to_hub: checkpoint and final uploads, in the background
     return run

@@ -66,6 +66,9 @@ class TrackerForwarder:
             self.last = (record.get("step", 0), 0.0)
         elif kind == "step":
             values = {"train/loss": record["loss"], "train/lr": record["lr"]}
+            # train/throughput.py's figures, when the step has them (MFU only where the device's peak is known)
+            values |= {f"train/{k}": record[k] for k in ("tflops", "tokens_per_s", "mfu", "peak_memory_gib")
+                       if k in record}
             if self.last is not None and record["step"] > self.last[0]:
                 values["train/step_time_s"] = (record["elapsed"] - self.last[1]) / (record["step"] - self.last[0])
             self.last = (record["step"], record["elapsed"])

@@ -96,7 +96,7 @@ def _choose(routable: int, ratio: float, batch: int, generator: torch.Generator)
     dropped = int(ratio * routable)
     if dropped <= 0:
         return None
-    scores = torch.rand((batch, routable), generator=generator)
+    scores = torch.rand((batch, routable), generator=generator, device=generator.device)
     return scores.argsort(dim=1)[:, : routable - dropped].sort(dim=1).values
 
 

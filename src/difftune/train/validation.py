@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from difftune.train import evaluation
+from difftune.train import attention, evaluation
 from difftune.train.model_offload import model_cpu_offload
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def _sample_all(run: Run, label: str | None, suffix: str, requests: list[SampleR
     device = run.accelerator.device
     vae = run.comps.vae
     offload = model_cpu_offload(run.cfg.enable_model_cpu_offload, model, vae, device)
-    with plain_forward(model), as_loaded(model), offload:
+    with plain_forward(model), as_loaded(model), offload, attention.sampling(model):  # sageattention: sampling only
         return _sample_requests(run, model, vae, label, suffix, run.validation if requests is None else requests)
 
 

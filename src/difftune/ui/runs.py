@@ -33,6 +33,7 @@ from difftune.train.commands import send_command
 TERMINAL = {"done": "done", "stopped": "stopped", "error": "failed"}
 MEDIA = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".mp4", ".webm")
 MAX_CURVE_POINTS = 1000
+SPEED_FIELDS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib")  # of the "step" event
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -193,6 +194,8 @@ class Run:
             "loss": last.get("loss") if last else None, "lr": last.get("lr") if last else None,
             "its": None, "eta_s": None,
         }
+        for key in SPEED_FIELDS:  # the last step's throughput (train/throughput.py); None where it was not logged
+            out[key] = last.get(key) if last else None
         if len(steps) >= 2:
             window = steps[-20:]
             span = window[-1]["time"] - window[0]["time"]

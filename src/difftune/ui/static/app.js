@@ -446,7 +446,8 @@ function runSkeleton(run) {
         btn("sample", "Sample now"), btn("save", "Save now"), btn("stop", "Stop", "danger"), btn("kill", "Kill", "danger")),
       h("div", { class: "hint", id: "run-where" }, `${run.config_path} → ${run.output_dir}`),
       h("div", { class: "progress" }, h("div", { id: "run-progress", style: "width:0%" })),
-      h("div", { class: "stats" }, stat("step", "step"), stat("loss", "loss"), stat("lr", "learning rate"), stat("its", "it/s"), stat("eta", "ETA"), stat("elapsed", "elapsed"))),
+      h("div", { class: "stats" }, stat("step", "step"), stat("loss", "loss"), stat("lr", "learning rate"), stat("its", "it/s"), stat("eta", "ETA"), stat("elapsed", "elapsed"),
+        stat("tokens_per_s", "tokens/s"), stat("tflops", "TFLOP/s"), stat("mfu", "MFU"), stat("peak_memory_gib", "peak memory"))),
     h("div", { class: "card failure", id: "run-failure", hidden: true }, h("h3", {}, "This run failed"), h("p", { id: "run-error" }),
       h("pre", { id: "run-traceback", hidden: true }), h("div", { class: "hint" }, "Last lines of its log:"), h("pre", { id: "run-log" })),
     h("div", { class: "card" }, h("h3", {}, "Loss"), svgEl("svg", { class: "curve", id: "run-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
@@ -474,6 +475,11 @@ function renderRun(run) {
   set("loss", num(run.loss)); set("lr", num(run.lr, 3)); set("its", num(run.its, 3));
   set("eta", active ? duration(run.eta_s) : "–");
   set("elapsed", duration((run.ended || Date.now() / 1000) - run.started));
+  // the last step's throughput (train/throughput.py); MFU only where the device's peak is known
+  set("tokens_per_s", run.tokens_per_s == null ? "–" : Math.round(run.tokens_per_s).toLocaleString("en-US"));
+  set("tflops", num(run.tflops, 3));
+  set("mfu", run.mfu == null ? "–" : `${(100 * run.mfu).toFixed(1)}%`);
+  set("peak_memory_gib", run.peak_memory_gib == null ? "–" : `${run.peak_memory_gib.toFixed(2)} GiB`);
   const failed = run.status === "failed";
   $("#run-failure").hidden = !failed;
   if (failed) {
