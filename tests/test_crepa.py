@@ -58,6 +58,12 @@ def test_config_keys(tmp_path, dataset, dino):
         with pytest.raises(ConfigError, match=expected):
             load_config(write_config(tmp_path / expected, dataset, crepa_enabled=True, **keys))
     load_config(write_config(tmp_path / "off", dataset, crepa_drop_vae_encoder=True))  # free while off
+    # A wrong encoder fails at check, before any model loads and before caching (DINOv2 loads after it)
+    for typo, message in (("dinov2_vitg14_typo", "neither an existing folder nor a hub id"),
+                          ("/nowhere/dino", "the folder '/nowhere/dino' does not exist")):
+        with pytest.raises(ConfigError, match=f"crepa_encoder: .*{message}"):
+            load_config(write_config(tmp_path / "enc", dataset, crepa_enabled=True, crepa_encoder=typo))
+    load_config(write_config(tmp_path / "enc-off", dataset, crepa_encoder="/nowhere/dino"))  # free while off
     with pytest.raises(crepa.CrepaError, match="crepa_block_index 8 is out of range"):
         build_run(load_config(write_config(tmp_path / "range", dataset, **on(dino, crepa_block_index=8))))
     with pytest.raises(crepa.CrepaError, match="inside the TREAD route"):

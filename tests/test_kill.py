@@ -505,6 +505,7 @@ def missing_samples(chain: Chain, ref: Reference) -> list[str]:
 # ------------------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.slow  # 55 s: five kills in one run; test_single_sigkill_resumes_exactly covers each point in make test
 def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
     """One output folder killed four times in a row, each time at a different kind of moment:
     startup -> (from scratch) mid-step after step 5 -> (from 4) mid-save of checkpoint 6 -> (from 4)

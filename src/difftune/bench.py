@@ -35,6 +35,7 @@ from difftune.data.latents import fill_latent_cache
 from difftune.data.sampler import BucketSampler
 from difftune.demo import make_dataset
 from difftune.models import get_family
+from difftune.train import prefetch
 from difftune.train.events import Events
 from difftune.train.loop import optimizer_step
 from difftune.train.plan import dataset_spec, size_rules
@@ -128,7 +129,7 @@ def bench_training(run_cfg: RunConfig, prefix: str) -> tuple[dict[str, float], T
     built = time.perf_counter()
     # The same preparation as train(), minus resume and logging: what the first step really costs.
     run.transformer.train()
-    batches = iter(run.data)
+    batches = prefetch.feed(run)  # read ahead, as train() does
     optimizer_step(run, batches)
     first = time.perf_counter()
     times = []
@@ -137,6 +138,7 @@ def bench_training(run_cfg: RunConfig, prefix: str) -> tuple[dict[str, float], T
         optimizer_step(run, batches)
         times.append(time.perf_counter() - t)
     times.sort()
+    batches.close()
     events.close()
     return {
         f"{prefix}build_run_s": built - started,

@@ -23,6 +23,7 @@ from difftune.config.compat import (
     substitute_all,
     suggest,
 )
+from difftune.config.crepa_keys import ENCODER_ALIASES
 from difftune.config.datasets import (
     DATASET_MODELS,
     ConditioningDataset,
@@ -263,6 +264,9 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
     sources = [("pretrained_model_name_or_path", train.pretrained_model_name_or_path, "hub layout, with model_index.json")]
     if train.evaluation_type == "clip":  # the CLIP model loads at the first evaluation: fail its path now
         sources.append(("evaluation_clip_model", train.evaluation_clip_model, "with config.json"))
+    if train.crepa_enabled:  # DINOv2 loads when the run is built, after caching: fail its path now
+        sources.append(("crepa_encoder", ENCODER_ALIASES.get(train.crepa_encoder, train.crepa_encoder),
+                        "a transformers DINOv2 model, with config.json"))
     for key, source, layout in sources:
         if source is None:
             continue
