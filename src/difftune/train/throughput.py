@@ -137,8 +137,9 @@ def build(cfg: Any, family: Any, transformer: torch.nn.Module, routes: Sequence[
         peak = peak_tflops(name) if name else None
         if peak is None:
             what = f"the peak bf16 TFLOP/s of {name!r} is not known" if name else f"training on the {device.type}"
-            emit("info", message=f"MFU is not shown: {what}. Set gpu_peak_tflops to the device's dense bf16 "
-                                 "TFLOP/s to see it (TFLOP/s and tokens/s are logged either way)")
+            # in the log either way; on the console only for a GPU, where setting gpu_peak_tflops helps
+            emit("info", quiet=name is None, message=f"MFU is not shown: {what}. Set gpu_peak_tflops to the "
+                 "device's dense bf16 TFLOP/s to see it (TFLOP/s and tokens/s are logged either way)")
 
     def flops_of(latent_shape: tuple[int, ...], text_tokens: int) -> Flops:
         return family.forward_flops(config, latent_shape, text_tokens, routes=routes, first_frame=first_frame)
