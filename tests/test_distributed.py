@@ -3,7 +3,6 @@ batch, caching split without duplicate work, checkpoints and resume, commands re
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,20 @@ def launch(config, port, processes=2, **popen):
                    "--master_port", str(port), "-m", "difftune.cli", "train", "--config", str(config)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def kill_all(proc):
+    """SIGKILL the launcher and every process under it at once. torch.distributed.run starts each trainer in a
+    session of its own, so a kill of the launcher's process group would leave the trainers running."""
+    import psutil
+
+    launcher = psutil.Process(proc.pid)
+    for p in [launcher, *launcher.children(recursive=True)]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.communicate()
 
 
 def finish(proc, timeout=300):
@@ -71,10 +84,12 @@ def test_two_processes_killed_then_resumed(tmp_path, images):
     deadline = time.time() + 240
     while time.time() < deadline and not (checkpoints / "checkpoint-0000004" / "training_state.json").exists():
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both trainers at once
-    proc.communicate()
+    kill_all(proc)  # the launcher and both trainers at once
     assert (checkpoints / "checkpoint-0000004").exists()
     finish(launch(cut, 29613))
+    resumed = [e for e in map(json.loads, (tmp_path / "cut" / "output" / "events.jsonl").read_text().splitlines())
+               if e["event"] == "info" and "resumed" in e["message"]]
+    assert resumed and resumed[-1]["message"].endswith("at step 4")  # killed between checkpoints 4 and 6
     a, b = losses(tmp_path / "ref" / "output"), losses(tmp_path / "cut" / "output")
     assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
 

@@ -2,8 +2,6 @@
 same global batch, write the files one process writes, sample without hanging, and resume exactly."""
 
 import json
-import os
-import signal
 import time
 
 import numpy as np
@@ -15,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import write_config
 from difftune.config.schema import TrainConfig
 from difftune.demo import make_dataset
-from test_distributed import finish, launch
+from test_distributed import finish, kill_all, launch
 from test_train import losses
 
 SAMPLE = dict(validation_prompt="a red circle", validation_num_inference_steps=2, validation_resolution="64x48",
@@ -140,8 +138,7 @@ def test_fsdp_killed_then_resumed(tmp_path, images, layout):
     deadline = time.time() + 240
     while time.time() < deadline and not (checkpoints / "checkpoint-0000004" / "training_state.json").exists():
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    kill_all(proc)
     finish(launch(cut, 29653))
     resumed = [e for e in events(tmp_path / "cut" / "output") if e["event"] == "info" and "resumed" in e["message"]]
     assert resumed and resumed[-1]["message"].endswith("at step 4")  # killed between checkpoints 4 and 6

@@ -268,8 +268,8 @@ class DatasetPlan(BaseModel):
     notes: list[str] = []  # what the loader chose for the user (the default text cache), printed by check
 
     def text_embeds_for(self, dataset: ImageDataset) -> TextEmbedsDataset | None:
-        if dataset.text_embeds is not None:
-            return self.all_text_embeds[dataset.text_embeds]
+        if dataset.text_embeds is not None:  # a name of no entry: load_datasets reported it; None here
+            return self.all_text_embeds.get(dataset.text_embeds)
         return self.text_embeds
 
     def text_cache_root(self, dataset: ImageDataset, family: str) -> str:
