@@ -505,7 +505,7 @@ def missing_samples(chain: Chain, ref: Reference) -> list[str]:
 # ------------------------------------------------------------------------------------------ tests
 
 
-@pytest.mark.slow  # 55 s: five kills in one run; test_single_sigkill_resumes_exactly covers each point in make test
+@pytest.mark.slow  # 55 s: five kills in one run; make test keeps test_single_sigkill_resumes_exactly[mid-step]
 def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
     """One output folder killed four times in a row, each time at a different kind of moment:
     startup -> (from scratch) mid-step after step 5 -> (from 4) mid-save of checkpoint 6 -> (from 4)
@@ -535,13 +535,13 @@ def test_sigkill_anywhere_resumes_exactly(tmp_path, images, reference):
           f"  validation images never written: {missing_samples(chain, reference)}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("point", [
-    STARTUP,
-    mid_step(min_step=7),
-    before_rename(min_step=8),  # checkpoint 8 written in full, killed before its rename
-    mid_validation(min_step=9),  # step 9 has no checkpoint: resumes from 8
-    FINAL,  # the next launch resumes from the last checkpoint and saves it again (the replace path)
+    pytest.param(STARTUP, marks=pytest.mark.slow),
+    mid_step(min_step=7),  # in make test: a SIGKILL mid-training resumes exactly (the rest in make test-slow)
+    pytest.param(before_rename(min_step=8), marks=pytest.mark.slow),  # checkpoint 8 in full, not yet renamed
+    pytest.param(mid_validation(min_step=9), marks=pytest.mark.slow),  # step 9 has no checkpoint: resumes from 8
+    # the next launch resumes from the last checkpoint and saves it again (the replace path)
+    pytest.param(FINAL, marks=pytest.mark.slow),
 ], ids=lambda p: p.name.split(" ")[0])
 def test_single_sigkill_resumes_exactly(tmp_path, images, reference, point):
     """A fresh output folder per kill point: one kill there, then relaunched until it finishes."""
