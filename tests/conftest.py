@@ -27,6 +27,19 @@ def lumina2_dir(tiny_home) -> Path:
     return tiny_model("lumina2", "tiny-random")
 
 
+@pytest.fixture(scope="session")
+def dino(tmp_path_factory) -> str:
+    """A tiny random DINOv2 saved offline: the CREPA / REPA encoder of the tests (crepa_encoder)."""
+    import torch
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("dino")
+    Dinov2Model(Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                             patch_size=14, image_size=28)).save_pretrained(folder)
+    return str(folder)
+
+
 def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
     """config.json + multidatabackend.json under root/config; returns the config path."""
     (root / "config").mkdir(parents=True, exist_ok=True)

@@ -37,10 +37,9 @@ def test_wrong_type_names_key(tmp_path, dataset):
 
 def test_pending_feature_is_rejected_not_ignored(tmp_path, dataset):
     text = problems(write_config(tmp_path, dataset, base_model_precision="int4-torchao",
-                                 scheduled_sampling_reflexflow=True,
                                  compress_disk_cache=True))
     assert "base_model_precision" in text and "not implemented yet" in text
-    assert "scheduled_sampling_reflexflow" in text and "compress_disk_cache" in text
+    assert "compress_disk_cache" in text
     assert "optimizer" in problems(write_config(tmp_path, dataset, optimizer="sgd-with-vibes"))
     # The "off" value of a pending key is accepted: it changes nothing.
     load_config(write_config(tmp_path, dataset, compress_disk_cache=False, base_model_precision="no_change"))

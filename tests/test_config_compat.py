@@ -109,15 +109,10 @@ def test_apply_torch_options():
 
 
 @pytest.mark.parametrize("key,value", [
-    ("scheduled_sampling_strategy", "biased_late"), ("crepa_drop_vae_encoder", True),
-    ("scheduled_sampling_ramp_shape", "cosine"), ("compress_disk_cache", True), ("optimizer", "adamw_schedulefree"),
-    ("scheduled_sampling_start_step", 5), ("scheduled_sampling_reflexflow", True),
+    ("compress_disk_cache", True), ("optimizer", "adamw_schedulefree"),
 ])
 def test_simpletuner_keys_are_pending_not_unknown(tmp_path, dataset, key, value):
-    overrides = {key: value}
-    if key in ("crepa_drop_vae_encoder",):
-        overrides["crepa_enabled"] = True
-    text = problems(write_config(tmp_path, dataset, **overrides))
+    text = problems(write_config(tmp_path, dataset, **{key: value}))
     assert "not implemented yet" in text and "unknown key" not in text
 
 
@@ -128,9 +123,8 @@ def test_settings_of_a_switched_off_feature_are_accepted(tmp_path, dataset):
         fsdp_version=2, group_offload_type="block_level", enable_group_offload=False, num_eval_images=4,
         eval_steps_interval=50, quantize_via="cpu"))
     load_config(write_config(tmp_path, dataset, hub_model_id="lumina2-lora"))  # no push_to_hub at all
-    text = problems(write_config(tmp_path, dataset, scheduled_sampling_reflexflow_alpha=0.5,
-                                 scheduled_sampling_reflexflow=True))
-    assert "scheduled_sampling_reflexflow" in text and "not implemented yet" in text
+    load_config(write_config(tmp_path, dataset, scheduled_sampling_reflexflow_alpha=0.5, scheduled_sampling_order=3,
+                             scheduled_sampling_strategy="biased_late", scheduled_sampling_ramp_shape="cosine"))
 
 
 def test_regularisation_and_hub_datasets_are_pending(tmp_path, dataset):

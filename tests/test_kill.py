@@ -559,15 +559,18 @@ def test_single_sigkill_resumes_exactly(tmp_path, images, reference, point):
 # TREAD routes and rollouts draw from the run's generator: a resumed run must draw the same tokens and steps.
 TREAD_AND_ROLLOUTS = dict(
     tread_config={"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -1}]},
-    scheduled_sampling_max_step_offset=2, scheduled_sampling_probability=0.5,
+    scheduled_sampling_max_step_offset=2, scheduled_sampling_probability=0.5, scheduled_sampling_reflexflow=True,
 )
 
 
 @pytest.mark.slow
-def test_sigkill_resumes_exactly_with_tread_and_rollouts(tmp_path, tmp_path_factory, images):
-    reference = Reference(tmp_path_factory.mktemp("kill-reference-tread"), images, **TREAD_AND_ROLLOUTS)
+def test_sigkill_resumes_exactly_with_tread_and_rollouts(tmp_path, tmp_path_factory, images, dino):
+    # and REPA on block 0, outside the TREAD route, with its weight warming up across the kill
+    extra = TREAD_AND_ROLLOUTS | dict(crepa_enabled=True, crepa_encoder=dino, crepa_encoder_image_size=28,
+                                      crepa_block_index=0, crepa_warmup_steps=4)
+    reference = Reference(tmp_path_factory.mktemp("kill-reference-tread"), images, **extra)
     try:
-        chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON, **TREAD_AND_ROLLOUTS))
+        chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON, **extra))
         chain.kill_at(mid_step(min_step=5))
         chain.run(None)
         assert_same_as_reference(chain, reference)

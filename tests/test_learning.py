@@ -31,14 +31,25 @@ KINDS = {
     # TREAD (train/tread.py) on the specs' route: half of the tokens skip blocks 2 to 2 of the tiny model's 4
     "k5-lora-tread": ("kandinsky5-image", {"tread_config": {"routes": [
         {"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}}),
+    # scheduled sampling with ReflexFlow (train/rollout.py): half the samples rolled out 1 to 3 steps
+    "lora-rollout-reflexflow": ("lumina2", {"scheduled_sampling_max_step_offset": 3, "scheduled_sampling_probability": 0.5,
+                                            "scheduled_sampling_strategy": "biased_early",
+                                            "scheduled_sampling_reflexflow": True}),
+    # REPA (train/crepa.py) with a tiny random DINOv2: the alignment must not stop the LoRA from learning
+    "lora-repa": ("lumina2", {"crepa_enabled": True, "crepa_block_index": 1, "crepa_encoder_image_size": 28}),
     "lycoris-lokr": ("lumina2", {"lora_type": "lycoris", "learning_rate": 3e-2}),
     "full": ("lumina2", {"model_type": "full", "learning_rate": 1e-3, "max_train_steps": 100}),
 }
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k.endswith("-tread") else k for k in KINDS])
-def test_learns_one_image(kind, tmp_path):
+SLOW = ("k5-lora-tread", "lora-rollout-reflexflow", "lora-repa")
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in KINDS])
+def test_learns_one_image(kind, tmp_path, request):
     family_name, extra = KINDS[kind]
+    if extra.get("crepa_enabled"):
+        extra = {**extra, "crepa_encoder": request.getfixturevalue("dino")}
     case = Case(family_name, "tiny-random")
     images = tmp_path / "one"
     make_dataset(images, count=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from types import SimpleNamespace as NS
 
@@ -45,7 +46,11 @@ def test_config_keys_are_checked(tmp_path, dataset):
         "selection_ratio": dict(tread_config={"routes": [{"selection_ratio": 1.0, "start_layer_idx": 0,
                                                           "end_layer_idx": 1}]}),
         "scheduled_sampling_sampler": dict(scheduled_sampling_max_step_offset=3, scheduled_sampling_sampler="unipc"),
-        "scheduled_sampling_reflexflow": dict(scheduled_sampling_max_step_offset=3, scheduled_sampling_reflexflow=True),
+        "acts on rolled-out samples only": dict(scheduled_sampling_reflexflow=True),
+        "_beta2 are both 0": dict(scheduled_sampling_max_step_offset=3, scheduled_sampling_probability=0.5,
+                                  scheduled_sampling_reflexflow=True, scheduled_sampling_reflexflow_beta1=0.0,
+                                  scheduled_sampling_reflexflow_beta2=0.0),
+        "scheduled_sampling_strategy": dict(scheduled_sampling_strategy="biased_middle"),
         "replaces scheduled_sampling_probability": dict(scheduled_sampling_max_step_offset=3, scheduled_sampling_ramp_steps=5,
                                                         scheduled_sampling_probability=0.5),
     }
@@ -57,6 +62,12 @@ def test_config_keys_are_checked(tmp_path, dataset):
     assert cli.tread_config.routes[0].selection_ratio == 0.25
     # ReflexFlow's own settings are accepted while it is off, as the spec's defaults
     load_config(write_config(tmp_path / "rf", dataset, scheduled_sampling_reflexflow_beta1=10.0))
+    on = load_config(write_config(tmp_path / "on", dataset, scheduled_sampling_max_step_offset=3,
+                                  scheduled_sampling_probability=0.5))
+    assert any("ReflexFlow is off" in note for note in on.notes())  # SimpleTuner would have turned it on
+    chosen = load_config(write_config(tmp_path / "chosen", dataset, scheduled_sampling_max_step_offset=3,
+                                      scheduled_sampling_probability=0.5, scheduled_sampling_reflexflow=False))
+    assert not any("ReflexFlow" in note for note in chosen.notes())
 
 
 def _inputs(case: Case, transformer):
@@ -173,7 +184,9 @@ def test_resume_is_exact_with_tread_and_rollouts(tmp_path, monkeypatch):
     make_dataset(images, count=4)
     common = dict(max_train_steps=4, checkpoint_step_interval=2, train_batch_size=2, resume_from_checkpoint="latest",
                   tread_config=HALF_OF_LAST, scheduled_sampling_max_step_offset=2, scheduled_sampling_ramp_steps=2,
-                  scheduled_sampling_prob_start=0.5, scheduled_sampling_prob_end=1.0, validation_num_inference_steps=8)
+                  scheduled_sampling_prob_start=0.5, scheduled_sampling_prob_end=1.0, validation_num_inference_steps=8,
+                  scheduled_sampling_ramp_shape="cosine", scheduled_sampling_strategy="biased_late",
+                  scheduled_sampling_reflexflow=True)
     full = write_config(tmp_path / "a", images, **common)
     train(build_run(load_config(full)))
     cut = write_config(tmp_path / "b", images, **common)
@@ -185,8 +198,9 @@ def _fake_run(bias: float, chance: float = 1.0, offset: int = 4, steps_done: int
     """A run whose model predicts the true velocity (noise - x0) plus `bias`."""
     x0, noise = torch.randn(3, 4, 8, 8), torch.randn(3, 4, 8, 8)
     family = NS(predict=lambda model, x, s, text, cond: (noise - x0) + bias)
-    cfg = NS(scheduled_sampling_max_step_offset=offset, scheduled_sampling_ramp_steps=0,
-             scheduled_sampling_probability=chance, validation_num_inference_steps=10)
+    cfg = NS(scheduled_sampling_max_step_offset=offset, scheduled_sampling_ramp_steps=0, scheduled_sampling_start_step=0,
+             scheduled_sampling_probability=chance, scheduled_sampling_strategy="uniform",
+             validation_num_inference_steps=10)
     accelerator = NS(device=torch.device("cpu"), autocast=nullcontext, unwrap_model=lambda m: m)
     run = NS(cfg=cfg, state=NS(step=steps_done), generator=torch.Generator().manual_seed(1), family=family,
              accelerator=accelerator, comps=NS(transformer=NS(dtype=torch.float32)), transformer=None)
@@ -196,28 +210,89 @@ def _fake_run(bias: float, chance: float = 1.0, offset: int = 4, steps_done: int
 def test_rollout_follows_the_flow_convention():
     sigmas = torch.tensor([0.2, 0.5, 0.9])
     run, batch, x0, noise = _fake_run(bias=0.0)
-    x_t, implied = rollout.noisy_input(run, batch, x0, noise, sigmas, shift=3.0)
+    x_t, implied, rolled, drift = rollout.noisy_input(run, batch, x0, noise, sigmas, shift=3.0)
+    assert rolled is not None and rolled.any()
+    torch.testing.assert_close(drift, torch.zeros_like(drift))
     # a perfect model's Euler steps stay on the straight path: the same latent and the same noise
     torch.testing.assert_close(x_t, objective.noisy_input(x0, noise, sigmas))
     torch.testing.assert_close(implied, noise)
 
     run, batch, x0, noise = _fake_run(bias=0.1)
-    x_t, implied = rollout.noisy_input(run, batch, x0, noise, sigmas, shift=3.0)
+    x_t, implied, rolled, drift = rollout.noisy_input(run, batch, x0, noise, sigmas, shift=3.0)
     truth = objective.noisy_input(x0, noise, sigmas)
+    torch.testing.assert_close(drift, x_t - truth)
+    assert torch.equal(drift.flatten(1).abs().amax(dim=1) > 0, rolled)  # only rolled-out samples drift
     drift = (x_t - truth).flatten(1).mean(dim=1)
     assert (drift < 0).any() and torch.all(drift <= 1e-6)  # the biased model drifted (downwards: s decreases)
     s = sigmas.view(-1, 1, 1, 1)
     torch.testing.assert_close((1 - s) * x0 + s * implied, x_t)  # the target leads from x~ to x0
     run, batch, x0, noise = _fake_run(bias=0.1, chance=0.0)
     state = run.generator.get_state()
-    assert torch.equal(rollout.noisy_input(run, batch, x0, noise, sigmas, shift=3.0)[0],
+    assert torch.equal(rollout.noisy_input(run, batch, x0, noise, sigmas, shift=3.0).x,
                        objective.noisy_input(x0, noise, sigmas))
     assert torch.equal(run.generator.get_state(), state)  # chance 0 draws nothing
 
 
 def test_rollout_chance_ramps():
     cfg = NS(scheduled_sampling_max_step_offset=2, scheduled_sampling_ramp_steps=10, scheduled_sampling_prob_start=0.1,
-             scheduled_sampling_prob_end=0.5, scheduled_sampling_probability=0.0)
+             scheduled_sampling_prob_end=0.5, scheduled_sampling_probability=0.0, scheduled_sampling_start_step=0,
+             scheduled_sampling_ramp_shape="linear")
     assert [rollout.chance(cfg, s) for s in (0, 5, 10, 50)] == pytest.approx([0.1, 0.3, 0.5, 0.5])
+    cfg.scheduled_sampling_ramp_shape = "cosine"  # slow at both ends, the same middle
+    assert [rollout.chance(cfg, s) for s in (0, 1, 5, 9, 10)] == pytest.approx(
+        [0.1, 0.1 + 0.4 * (0.5 - 0.5 * math.cos(math.pi / 10)), 0.3, 0.5 - 0.4 * (0.5 - 0.5 * math.cos(math.pi / 10)), 0.5])
+    cfg.scheduled_sampling_start_step = 4  # nothing before it; the ramp starts there
+    assert [rollout.chance(cfg, s) for s in (0, 3, 4, 9, 14)] == pytest.approx([0.0, 0.0, 0.1, 0.3, 0.5])
+    cfg.scheduled_sampling_ramp_steps, cfg.scheduled_sampling_probability = 0, 0.7
+    assert [rollout.chance(cfg, s) for s in (3, 4)] == [0.0, 0.7]
     cfg.scheduled_sampling_max_step_offset = 0
     assert rollout.chance(cfg, 5) == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "biased_early", "biased_late"])
+def test_rollout_lengths_follow_the_strategy(strategy):
+    cfg = NS(scheduled_sampling_max_step_offset=4, scheduled_sampling_strategy=strategy)
+    k = rollout.rollout_steps(cfg, 40000, torch.Generator().manual_seed(0))
+    share = torch.bincount(k, minlength=5).float() / k.numel()
+    expected = {"uniform": [0.2] * 5, "biased_early": [0, 0.4, 0.3, 0.2, 0.1], "biased_late": [0, 0.1, 0.2, 0.3, 0.4]}
+    torch.testing.assert_close(share, torch.tensor(expected[strategy]), atol=0.01, rtol=0)
+    again = rollout.rollout_steps(cfg, 40000, torch.Generator().manual_seed(0))
+    assert torch.equal(k, again)  # the run's generator decides: a resumed run draws the same lengths
+
+
+def _reflex_cfg(on=True, alpha=1.0, beta1=10.0, beta2=1.0):
+    return NS(scheduled_sampling_reflexflow=on, scheduled_sampling_reflexflow_alpha=alpha,
+              scheduled_sampling_reflexflow_beta1=beta1, scheduled_sampling_reflexflow_beta2=beta2)
+
+
+def test_reflexflow_loss_terms():
+    torch.manual_seed(0)
+    pred, target = torch.randn(3, 4, 2, 6, 6), torch.randn(3, 4, 2, 6, 6)
+    drift = torch.zeros(3, 4, 2, 6, 6)
+    drift[1, :, :, :3] = 0.5  # sample 1 drifted in its top half only
+    rolled = rollout.Rolled(torch.zeros(1), torch.zeros(1), torch.tensor([False, True, False]), drift)
+    weights = torch.tensor([1.0, 2.0, 0.5])
+    plain = objective.flow_loss(pred, target, weights)
+    # off, or nothing rolled out: the plain flow loss, bit for bit
+    assert torch.equal(rollout.loss(_reflex_cfg(on=False), pred, target, weights, rolled), plain)
+    assert torch.equal(rollout.loss(_reflex_cfg(), pred, target, weights, rollout.Rolled(pred, pred)), plain)
+    # alpha 0, beta1 0, beta2 1: the plain loss again (the weights are all 1)
+    torch.testing.assert_close(rollout.loss(_reflex_cfg(alpha=0.0, beta1=0.0), pred, target, weights, rolled), plain)
+    # by hand: sample 1's error weighted (1 + a |d| / mean|d|) / (1 + a) = 1.5 on the top half, 0.5 below
+    error = (pred - target) ** 2
+    w = torch.full((2, 6, 6), 0.5)
+    w[:, :3] = 1.5
+    compensated = (w * error[1]).mean()
+    cosine = torch.nn.functional.cosine_similarity(pred[1].flatten(), target[1].flatten(), dim=0)
+    per_sample = error.flatten(1).mean(dim=1)
+    per_sample[1] = 0.7 * compensated + 3.0 * (2 - 2 * cosine)
+    expected = (per_sample * weights).mean()
+    got = rollout.loss(_reflex_cfg(alpha=1.0, beta1=3.0, beta2=0.7), pred, target, weights, rolled)
+    torch.testing.assert_close(got, expected)
+    # the input frame of image-to-video is left out of the drift as it is out of pred and target
+    cut = rollout.loss(_reflex_cfg(), pred[:, :, 1:], target[:, :, 1:], None, rolled, first=1)
+    assert torch.isfinite(cut)
+    # the direction term is blind to the prediction's length, the weighted error is not
+    direction_only = _reflex_cfg(beta1=1.0, beta2=0.0)
+    torch.testing.assert_close(rollout.loss(direction_only, 2 * target, target, None, rolled),
+                               objective.flow_loss(2 * target[[0, 2]], target[[0, 2]]) * 2 / 3)

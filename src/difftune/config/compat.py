@@ -25,6 +25,7 @@ from difftune.models.registry import FAMILY_FACTS
 KEY_ALIASES: dict[str, str] = {
     "validation_steps": "validation_step_interval",
     "checkpointing_steps": "checkpoint_step_interval",
+    "crepa_model": "crepa_encoder",  # SimpleTuner's older name of the CREPA encoder
 }
 DATASET_DEFAULT_KEYS = ("resolution", "resolution_type", "minimum_image_size")
 PLACEHOLDERS = ("model_family",)

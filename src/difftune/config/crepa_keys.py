@@ -8,7 +8,7 @@ defaults. The torch hub names are read as the matching transformers checkpoints 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -25,6 +25,9 @@ ENCODER_ALIASES = {
 }
 
 
+CREPA_SCHEDULERS = ("constant", "linear", "cosine", "polynomial")
+
+
 class CrepaKeys(BaseModel):
     crepa_enabled: bool = field(
         False, "CREPA (video) / REPA (images): align the transformer's hidden states after block crepa_block_index, "
@@ -37,12 +40,14 @@ class CrepaKeys(BaseModel):
         "visual blocks) whose output is aligned.", "training", ge=0, advanced=True,
     )
     crepa_lambda: float = field(
-        0.5, "With crepa_enabled: weight of the alignment loss added to the flow-matching loss.", "training",
+        0.5, "With crepa_enabled: weight of the alignment loss added to the flow-matching loss (its peak, with "
+        "crepa_warmup_steps or a decaying crepa_scheduler).", "training",
         ge=0.0, advanced=True,
     )
     crepa_adjacent_distance: int = field(
-        1, "With crepa_enabled, video: each latent frame is also aligned with the DINOv2 features of the frames up "
-        "to this many latent frames away (0: its own frame only, plain REPA). Images use 0.", "training", ge=0,
+        1, "With crepa_enabled, video: each latent frame is also aligned with the DINOv2 features of the frames this "
+        "many latent frames away (every frame up to it with crepa_cumulative_neighbors; 0: its own frame only, "
+        "plain REPA). Images use 0.", "training", ge=0,
         advanced=True,
     )
     crepa_adjacent_tau: float = field(
@@ -62,9 +67,45 @@ class CrepaKeys(BaseModel):
         True, "With crepa_enabled: average the alignment loss over the latent frames (off: sum it, so longer "
         "clips weigh more).", "training", advanced=True,
     )
-    crepa_drop_vae_encoder: bool = field(
-        False, "With crepa_enabled: free the VAE's encoder after caching. Not implemented yet (must stay false).",
+    crepa_cumulative_neighbors: bool = field(
+        False, "With crepa_enabled, video: align each latent frame with every frame up to crepa_adjacent_distance "
+        "away (1..d, each weighed exp(-d/tau)); off: with its own frame and the two exactly d away (the paper's "
+        "K = {f-d, f+d}). The same at distance 1.", "training", advanced=True,
+    )
+    crepa_spatial_align: bool = field(
+        True, "With crepa_enabled: align token by token (DINOv2's patch grid resized to the frame's token grid); "
+        "off: align the mean of the frame's tokens with the mean of its features (less memory, coarser).",
         "training", advanced=True,
+    )
+    crepa_scheduler: Literal[CREPA_SCHEDULERS] = field(  # type: ignore[valid-type]
+        "constant", "With crepa_enabled: how the alignment weight moves from crepa_lambda to crepa_lambda_end after "
+        "the warm-up: 'constant' (stays at crepa_lambda), 'linear', 'cosine' or 'polynomial' (crepa_power), over "
+        "crepa_decay_steps.", "training", advanced=True,
+    )
+    crepa_warmup_steps: int = field(
+        0, "With crepa_enabled: the weight rises linearly from 0 to crepa_lambda over this many optimizer steps.",
+        "training", ge=0, advanced=True,
+    )
+    crepa_decay_steps: int = field(
+        0, "With crepa_enabled and a decaying crepa_scheduler: steps of the decay after the warm-up (0: until the "
+        "last step of the run).", "training", ge=0, advanced=True,
+    )
+    crepa_lambda_end: float = field(
+        0.0, "With crepa_enabled and a decaying crepa_scheduler: the weight at the end of the decay (it stays there).",
+        "training", ge=0.0, advanced=True,
+    )
+    crepa_power: float = field(
+        1.0, "With crepa_scheduler 'polynomial': the decay's power (1: linear, 2: quadratic, faster at first).",
+        "training", gt=0.0, advanced=True,
+    )
+    crepa_cutoff_step: int = field(
+        0, "With crepa_enabled: no alignment from this optimizer step on (0: never cut off). Steps without it skip "
+        "the VAE decode and the DINOv2 pass.", "training", ge=0, advanced=True,
+    )
+    crepa_drop_vae_encoder: bool = field(
+        False, "With crepa_enabled: once the latent caches are complete, free the VAE's encoder (CREPA only decodes "
+        "latents), saving its memory during training. Refused with on-the-fly latents (vae_cache_disable) and with "
+        "validation of image-to-image/video flavours, which encode the input image.", "training", advanced=True,
     )
 
 
@@ -73,9 +114,35 @@ def crepa_checks(cfg: Any) -> None:
     if not cfg.crepa_enabled:
         return
     if cfg.crepa_drop_vae_encoder:
-        raise ValueError("not implemented yet: crepa_drop_vae_encoder (CREPA decodes the cached latents with the "
-                         "VAE, and on-the-fly latents and image-conditioned validation need its encoder); set "
-                         "crepa_drop_vae_encoder to false")
+        _drop_encoder_checks(cfg)
     if cfg.fsdp_enable:
         raise ValueError("crepa_enabled with fsdp_enable is not supported (the projector is not sharded); turn one "
                          "of them off")
+
+
+def _drop_encoder_checks(cfg: Any) -> None:
+    """crepa_drop_vae_encoder frees the encoder after caching (train/crepa.py): whatever encodes pixels later is
+    refused here, before any model loads. Per-dataset vae_cache_disable is checked by `crepa_dataset_problems`."""
+    from difftune.models.registry import FAMILY_FACTS
+
+    if cfg.vae_cache_disable:
+        raise ValueError("crepa_drop_vae_encoder with vae_cache_disable: on-the-fly latents are encoded during "
+                         "training, which needs the VAE's encoder; turn one of them off")
+    # The stock I2I/I2V pipelines encode the validation input image with the VAE at every validation (and CLIP
+    # evaluation samples through validation): the encoder is needed after caching.
+    validating = cfg.validation_prompt or cfg.user_prompt_library or cfg.validation_prompt_library
+    if validating and FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()):
+        raise ValueError(f"crepa_drop_vae_encoder with validation of the image-conditioned flavour {cfg.flavour()!r}: "
+                         "its pipeline encodes the validation input image with the VAE's encoder; set "
+                         "crepa_drop_vae_encoder to false, or validate without prompts (no validation_prompt, "
+                         "user_prompt_library or validation_prompt_library)")
+
+
+def crepa_dataset_problems(cfg: Any, datasets: list[Any]) -> list[str]:
+    """crepa_drop_vae_encoder against the dataset list (config/load.py, before any model loads): a dataset whose
+    latents are encoded during training (its vae_cache_disable) needs the encoder the option frees."""
+    if not (cfg.crepa_enabled and cfg.crepa_drop_vae_encoder):
+        return []
+    return [f"dataset {ds.id!r}: vae_cache_disable encodes its latents during training, but crepa_drop_vae_encoder "
+            "frees the VAE's encoder after caching; remove vae_cache_disable from the dataset or set "
+            "crepa_drop_vae_encoder to false" for ds in datasets if ds.vae_cache_disable]

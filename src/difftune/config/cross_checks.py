@@ -1,6 +1,6 @@
 """The checks between keys of TrainConfig (the schema's model validator calls `cross_checks`): each raises
 ValueError with the keys involved and the fix. Feature groups keep their own checks beside their keys
-(fsdp_keys, offload_keys, crepa_keys, reporting_keys, speed_keys); this module calls them in turn."""
+(fsdp_keys, offload_keys, crepa_keys, reporting_keys, rollout_keys, speed_keys); this module calls them in turn."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.offload_keys import offload_checks
 from difftune.config.reporting_keys import reporting_checks
+from difftune.config.rollout_keys import rollout_checks
 from difftune.config.speed_keys import speed_checks
 from difftune.models.registry import FAMILY_FACTS
 
@@ -71,13 +72,7 @@ def cross_checks(cfg: TrainConfig) -> None:
     if cfg.flow_schedule_shift <= 0 and not cfg.flow_schedule_auto_shift:
         raise ValueError(f"flow_schedule_shift {cfg.flow_schedule_shift:g} must be above 0 (1.0 is the default), "
                          "unless flow_schedule_auto_shift is on")
-    rollout = cfg.scheduled_sampling_max_step_offset > 0  # while off, its settings change nothing
-    if rollout and cfg.scheduled_sampling_sampler != "euler":
-        raise ValueError(f"not implemented yet: scheduled_sampling_sampler {cfg.scheduled_sampling_sampler!r}; "
-                         "use 'euler' (the rollouts are a few short steps)")
-    if rollout and cfg.scheduled_sampling_ramp_steps and cfg.scheduled_sampling_probability:
-        raise ValueError("scheduled_sampling_ramp_steps replaces scheduled_sampling_probability with a ramp from "
-                         "scheduled_sampling_prob_start to scheduled_sampling_prob_end; remove one of them")
+    rollout_checks(cfg)
     if cfg.fsdp_enable or cfg.fsdp_version != 2 or cfg.fsdp_cpu_ram_efficient_loading:
         fsdp_checks(cfg)
     offload_checks(cfg)

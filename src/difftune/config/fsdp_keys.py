@@ -14,9 +14,10 @@ def fsdp_checks(cfg: Any) -> None:
     if cfg.fsdp_version != 2:
         raise ValueError(f"fsdp_version {cfg.fsdp_version}: only FSDP2 (torch's fully_shard) is implemented; "
                          "set fsdp_version to 2 (FSDP1 is deprecated in torch)")
-    if cfg.fsdp_cpu_ram_efficient_loading:
-        raise ValueError("fsdp_cpu_ram_efficient_loading true is not implemented yet (every process loads the "
-                         "whole model, then keeps only its shard); set fsdp_cpu_ram_efficient_loading to false")
+    if cfg.fsdp_cpu_ram_efficient_loading and not cfg.fsdp_enable:
+        raise ValueError("fsdp_cpu_ram_efficient_loading acts only with FSDP (process 0 reads the transformer's "
+                         "weights and sends every other process its shard); set fsdp_enable true and launch "
+                         "several processes, or set fsdp_cpu_ram_efficient_loading false")
     if not cfg.fsdp_enable:
         return
     if cfg.use_ema:

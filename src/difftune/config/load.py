@@ -23,7 +23,7 @@ from difftune.config.compat import (
     substitute_all,
     suggest,
 )
-from difftune.config.crepa_keys import ENCODER_ALIASES
+from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems
 from difftune.config.datasets import (
     DATASET_MODELS,
     ConditioningDataset,
@@ -39,6 +39,7 @@ from difftune.config.pending import (
     is_pending,
     pending_problem,
 )
+from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
 from difftune.models.registry import FAMILY_FACTS, family_names
 
@@ -64,7 +65,7 @@ class RunConfig:
     def notes(self) -> list[str]:
         """What the loader decided for the user (a snapped validation size, where the text cache goes):
         lines to print before the run starts."""
-        return self.train.validation_notes() + list(self.datasets.notes)
+        return self.train.validation_notes() + rollout_notes(self.train) + list(self.datasets.notes)
 
 
 def _read_json(path: Path, what: str, hint: str, problems: list[str] | None = None) -> Any:
@@ -394,6 +395,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         check_media(train, plan, Path(train.data_backend_config), problems)
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
+        problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.images)]
     if problems or train is None or plan is None:
         raise ConfigError(list(dict.fromkeys(problems)))
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)

@@ -7,10 +7,10 @@ from here into the schema.
 
 Three kinds of entries:
 - `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
-- `DEPENDS_ON`: a setting of a feature that only acts when its switch is on
-  (`scheduled_sampling_reflexflow_*` without `scheduled_sampling_reflexflow`): any value is accepted while the
-  switch is off, and refused with the switch's message when it is on. Whole families of keys are
-  matched by prefix (`scheduled_sampling_reflexflow_*`).
+- `DEPENDS_ON`: a setting of a pending feature that only acts when its switch is on
+  (`crepa_similarity_ema_decay` without `crepa_similarity_threshold`): any value is accepted while the
+  switch is off, and refused with the switch's message when it is on. Whole families of keys can be
+  matched by prefix (`PREFIX_DEPENDS_ON`).
 - `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
 
 Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
@@ -24,21 +24,13 @@ from typing import Any
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
-    # ReflexFlow (arXiv 2512.04904) changes the rollout loss; its exact terms are not specified where we could
-    # check them, so it is refused rather than guessed. SimpleTuner turns it on by default with rollouts: not here.
-    "scheduled_sampling_reflexflow": (
-        (None, False), "ReflexFlow (scheduled_sampling_reflexflow) is not implemented yet: difftune's rollout trains "
-        "on the plain flow-matching loss; set scheduled_sampling_reflexflow to false",
+    "crepa_similarity_threshold": (
+        (None,), "the CREPA cut-off on a similarity threshold (crepa_similarity_threshold); use crepa_cutoff_step, "
+        "or crepa_scheduler with crepa_lambda_end, to end CREPA, and remove crepa_similarity_threshold",
     ),
-    "scheduled_sampling_start_step": (
-        (None, 0), "a rollout start step is not implemented yet; use scheduled_sampling_ramp_steps (from step 0)",
-    ),
-    "scheduled_sampling_ramp_shape": (
-        (None, "linear"), "only the linear rollout ramp is implemented; set scheduled_sampling_ramp_shape to 'linear'",
-    ),
-    "scheduled_sampling_strategy": (
-        (None, "uniform"), "only 'uniform' rollout lengths (0 to scheduled_sampling_max_step_offset) are implemented; "
-        "set scheduled_sampling_strategy to 'uniform'",
+    "crepa_use_backbone_features": (
+        (False, None), "CREPA against a deeper block of the transformer (crepa_use_backbone_features); difftune aligns "
+        "with a DINOv2 encoder (crepa_encoder): set crepa_use_backbone_features to false",
     ),
 }
 
@@ -51,9 +43,15 @@ PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 # A setting that only acts when its switch is on: any value while the switch is off.
-DEPENDS_ON: dict[str, str] = {}
+DEPENDS_ON: dict[str, str] = {
+    "crepa_similarity_ema_decay": "crepa_similarity_threshold",
+    "crepa_threshold_mode": "crepa_similarity_threshold",
+    "crepa_teacher_block_index": "crepa_use_backbone_features",
+}
 PREFIX_DEPENDS_ON: dict[str, str] = {
-    "scheduled_sampling_reflexflow_": "scheduled_sampling_reflexflow",
+    "crepa_similarity_ema_decay": "crepa_similarity_threshold",
+    "crepa_threshold_mode": "crepa_similarity_threshold",
+    "crepa_teacher_block_index": "crepa_use_backbone_features",
 }
 
 # (key, value) -> message, for keys difftune has, whose other values work
@@ -120,7 +118,7 @@ def switch_of(key: str) -> str | None:
     """The switch a setting depends on (None: it stands alone)."""
     if key in DEPENDS_ON:
         return DEPENDS_ON[key]
-    if key in PENDING_TRAIN_KEYS:  # a key with its own off values (scheduled_sampling_reflexflow)
+    if key in PENDING_TRAIN_KEYS:  # a key with its own off values
         return None
     return next((s for p, s in PREFIX_DEPENDS_ON.items() if key.startswith(p)), None)
 

@@ -16,8 +16,9 @@ from pydantic import ConfigDict, field_validator, model_validator
 from difftune.config.compat import family_name
 from difftune.config.crepa_keys import CrepaKeys
 from difftune.config.cross_checks import cross_checks
-from difftune.config.experimental import ROLLOUT_SAMPLERS, TreadConfig, tread_from_text
+from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.fields import field
+from difftune.config.rollout_keys import RolloutKeys
 from difftune.config.speed_keys import SpeedKeys
 from difftune.config.values import parse_resolutions, prompt_library, read_json_file, snap_size
 from difftune.models.registry import FAMILY_FACTS, family_names
@@ -31,7 +32,7 @@ QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto"
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
-class TrainConfig(CrepaKeys, SpeedKeys):  # crepa_* fields: config/crepa_keys.py; speed: config/speed_keys.py
+class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys):  # config/crepa_keys.py, rollout_keys.py, speed_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -307,8 +308,9 @@ class TrainConfig(CrepaKeys, SpeedKeys):  # crepa_* fields: config/crepa_keys.py
         "file). Weights are always gathered into the usual result files.", "memory", advanced=True,
     )
     fsdp_cpu_ram_efficient_loading: bool = field(
-        False, "Only process 0 reads the transformer's weights from disk; the others build it empty and receive "
-        "their shards from process 0. Not implemented yet: only false (every process loads the whole model).",
+        False, "With fsdp_enable and several processes: only process 0 reads the transformer's weights into CPU "
+        "memory; the others build it empty (on the meta device) and receive their shards, and the adapter's "
+        "initial weights, from process 0. False: every process loads the whole transformer, then keeps its shard.",
         "memory", advanced=True,
     )
     fsdp_transformer_layer_cls_to_wrap: list[str] | None = field(
@@ -322,34 +324,6 @@ class TrainConfig(CrepaKeys, SpeedKeys):  # crepa_* fields: config/crepa_keys.py
         "image-to-video always stay. Training only: validation sees every token. Empty: off.", "training",
         advanced=True,
     )
-    scheduled_sampling_max_step_offset: int = field(
-        0, "Scheduled sampling (rollout): a rolled-out sample is denoised by the model itself, without gradient, "
-        "for 0 to this many steps of the validation sampling schedule down to its training noise level, and the "
-        "loss is taken on that latent (with the velocity that leads from it to the clean latent). 0: off.",
-        "training", ge=0, advanced=True,
-    )
-    scheduled_sampling_probability: float = field(
-        0.0, "Chance that a sample is rolled out (with scheduled_sampling_max_step_offset > 0). 0 changes nothing.",
-        "training", ge=0.0, le=1.0, advanced=True,
-    )
-    scheduled_sampling_ramp_steps: int = field(
-        0, "Ramp the rollout chance linearly from scheduled_sampling_prob_start to scheduled_sampling_prob_end "
-        "over this many optimizer steps (it stays at the end value after); replaces scheduled_sampling_probability. "
-        "0: no ramp.", "training", ge=0, advanced=True,
-    )
-    scheduled_sampling_prob_start: float = field(
-        0.0, "Rollout chance at step 0 of the ramp (scheduled_sampling_ramp_steps).", "training", ge=0.0, le=1.0,
-        advanced=True,
-    )
-    scheduled_sampling_prob_end: float = field(
-        0.5, "Rollout chance at the end of the ramp (scheduled_sampling_ramp_steps).", "training", ge=0.0, le=1.0,
-        advanced=True,
-    )
-    scheduled_sampling_sampler: Literal[ROLLOUT_SAMPLERS] = field(  # type: ignore[valid-type]
-        "euler", "Solver of the rollout steps: 'euler' (the flow sampler's own step); the spec's others are not "
-        "implemented yet.", "training", advanced=True,
-    )
-
     # --- validation
     validation_prompt: str | None = field(None, "Prompt sampled during training; empty disables validation.", "validation")
     user_prompt_library: str | None = field(

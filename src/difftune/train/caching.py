@@ -26,6 +26,7 @@ from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs, un
 from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.registry import FAMILY_FACTS
+from difftune.train.crepa import drop_vae_encoder
 from difftune.train.distributed import Ranks
 from difftune.train.events import Events
 
@@ -218,6 +219,8 @@ def fill_caches(
     # The VAE stays for on-the-fly encoding; on the CPU only if validation (or CREPA, train/crepa.py) decodes with it.
     if not on_the_fly:
         comps.vae = comps.vae.to("cpu") if validation or cfg.crepa_enabled else None
+    if cfg.crepa_enabled and cfg.crepa_drop_vae_encoder:  # every start, once its caches are complete: CREPA only
+        drop_vae_encoder(comps.vae, events.emit)  # decodes (what would encode later is refused by the config)
     _free(device)
     return Cached(cached, text_caches, failed, validation, on_the_fly)
 

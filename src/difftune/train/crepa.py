@@ -3,8 +3,9 @@
 REPA (Yu et al., 2024, "Representation Alignment for Generation") adds to the diffusion loss the
 negative cosine similarity between the transformer's hidden states after one block, passed through a
 small trained MLP projector, and frozen DINOv2 patch features of the clean image. CREPA extends it over
-time: each latent frame's tokens are also aligned with the features of the frames up to
-`crepa_adjacent_distance` latent frames away, a neighbour d frames away weighing exp(-d/tau). On the
+time: each latent frame's tokens are also aligned with the features of the frames
+`crepa_adjacent_distance` latent frames away (or every frame up to there, `crepa_cumulative_neighbors`), a
+neighbour d frames away weighing exp(-d/tau). On the
 image families (Lumina2, Kandinsky 5 image) there is one frame, so the same switch is plain REPA.
 
 Targets: the cached latents x0 are decoded with the family's VAE (no gradient) at each step, and the
@@ -20,8 +21,15 @@ Hooked from outside diffusers' classes, never by copying their code: a forward p
 transformer arms a capture only while training with gradients on (validation, sampling and the no-grad
 rollouts never capture); a forward hook on block `crepa_block_index` of the image/video blocks
 (`tread.LAYOUTS`: Lumina2's joint `layers`, Kandinsky 5's visual blocks) keeps its output once per call,
-so gradient checkpointing's recomputation captures nothing. `loss` then adds crepa_lambda times the
-alignment term to the flow loss.
+so gradient checkpointing's recomputation captures nothing. `add_term` then adds the alignment term to the
+flow loss, weighted by `weight`: crepa_lambda, or its warm-up, decay (`crepa_scheduler`) and cut-off; a step
+whose weight is 0 skips the term's VAE decode and DINOv2 pass.
+
+`crepa_drop_vae_encoder`: since only decoding is left once the latent caches are complete, `drop_vae_encoder`
+(called by train/caching.py at the end of every start, after the caches are filled, so a resumed run still
+encodes what its cache lacks) replaces the VAE's encoder and quant_conv (encode-only in diffusers' AutoencoderKL
+and AutoencoderKLHunyuanVideo) with a parameterless module that raises a clear error if called. The config
+refuses what would still encode (config/crepa_keys.py): on-the-fly latents and image-conditioned validation.
 
 The projector (hidden -> 2048 -> 2048 -> DINOv2 width, SiLU) joins the optimizer (outside gradient
 clipping, which covers the adapter) and is saved in each checkpoint as `crepa_projector.safetensors`
@@ -31,7 +39,10 @@ seeded with `seed`, so turning CREPA on draws nothing from the global RNG.
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +60,9 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Families whose cached latents are (z - shift_factor) * scaling_factor (models/lumina2.py); the Kandinsky 5
 # pipelines ignore the VAE's shift_factor (models/kandinsky5_image.py): their latents are z * scaling_factor.
 SHIFTED_LATENTS = ("lumina2",)
+# The submodules diffusers' VAEs use only to encode (`_encode`, `tiled_encode`); decoding goes through
+# post_quant_conv and decoder. Lumina2 and Kandinsky 5 Image use AutoencoderKL, Kandinsky 5 Video the HunyuanVideo one.
+ENCODE_ONLY = {"AutoencoderKL": ("encoder", "quant_conv"), "AutoencoderKLHunyuanVideo": ("encoder", "quant_conv")}
 
 
 class CrepaError(ComponentError):
@@ -79,12 +93,15 @@ def load_encoder(name: str, device: torch.device) -> Any:
     return encoder.eval().requires_grad_(False).to(device)
 
 
-def alignment(tokens: torch.Tensor, targets: torch.Tensor, distance: int, tau: float, by_frames: bool) -> torch.Tensor:
-    """tokens, targets: [B, T, N, D]. Per frame t: sum over |d| <= distance of exp(-|d|/tau) times the mean
-    over tokens of -cos(tokens[t], targets[t+d]); then the mean (or the sum) over frames, the mean over B."""
+def alignment(tokens: torch.Tensor, targets: torch.Tensor, distance: int, tau: float, by_frames: bool,
+              cumulative: bool = False) -> torch.Tensor:
+    """tokens, targets: [B, T, N, D]. Per frame t: sum over the offsets d (0 and +-distance; with `cumulative`
+    every |d| <= distance) of exp(-|d|/tau) times the mean over tokens of -cos(tokens[t], targets[t+d]); then
+    the mean (or the sum) over frames, the mean over B."""
     frames = tokens.shape[1]
     total = tokens.new_zeros(tokens.shape[0])
-    for d in range(-distance, distance + 1):
+    offsets = range(-distance, distance + 1) if cumulative else sorted({-distance, 0, distance})
+    for d in offsets:
         lo, hi = max(0, -d), min(frames, frames - d)
         if lo >= hi:
             continue
@@ -177,17 +194,20 @@ class Crepa:
         return patches.flatten(2).transpose(1, 2).reshape(x0.shape[0], t, h * w, -1)
 
     def term(self, x0: torch.Tensor) -> torch.Tensor:
-        """crepa_lambda times the alignment loss of the last training call of the transformer."""
+        """The alignment loss of the last training call of the transformer (unweighted: see `weight`)."""
         if self.captured is None:
             raise RuntimeError("CREPA: block crepa_block_index did not run in this training step")
         frames = x0.shape[2] if x0.dim() == 5 else 1
         grid = (frames, x0.shape[-2] // self.patch[0], x0.shape[-1] // self.patch[1])
         tokens = self.forward_module(self._tokens(grid).float())
         targets = self._targets(x0, grid).to(tokens.device)
+        if not self.cfg.crepa_spatial_align:  # one vector per frame on each side
+            tokens, targets = tokens.mean(dim=2, keepdim=True), targets.mean(dim=2, keepdim=True)
         distance = self.cfg.crepa_adjacent_distance if frames > 1 else 0
-        loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames)
+        loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames,
+                         self.cfg.crepa_cumulative_neighbors)
         self.captured = None
-        return self.cfg.crepa_lambda * loss
+        return loss
 
     def save(self, folder: Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()},
@@ -200,12 +220,82 @@ class Crepa:
         self.module.load_state_dict(load_file(folder / PROJECTOR_FILE))
 
 
+class DroppedEncoder(torch.nn.Module):
+    """Stands where the VAE's encoder was (no parameters): a call fails with the reason, not a NoneType error."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"the VAE's {self.name} was freed after caching (crepa_drop_vae_encoder), but something "
+                           "tried to encode pixels; set crepa_drop_vae_encoder to false")
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def drop_vae_encoder(vae: Any, emit: Callable[..., None]) -> int:
+    """Free the encode-only submodules of `vae` (crepa_drop_vae_encoder); returns the bytes they held."""
+    names = ENCODE_ONLY.get(type(vae).__name__)
+    if names is None:
+        raise CrepaError(f"crepa_drop_vae_encoder: difftune does not know which parts of a {type(vae).__name__} VAE "
+                         "only encode; set crepa_drop_vae_encoder to false")
+    gone: list[tuple[str, weakref.ref, int]] = []
+    for name in names:
+        module = getattr(vae, name, None)
+        if module is None or isinstance(module, DroppedEncoder):  # AutoencoderKL(use_quant_conv=False): none
+            continue
+        gone.append((name, weakref.ref(module), _bytes(module)))
+        setattr(vae, name, DroppedEncoder(name))
+        del module
+    gc.collect()  # the patch_conv wrappers (models/patch_conv.py) are reference cycles through the convs
+    held = [name for name, ref, _ in gone if ref() is not None]
+    if held:  # not given back while anything else references them: not counted as freed
+        emit("warning", message=f"crepa_drop_vae_encoder: the VAE's {', '.join(held)} is still referenced elsewhere; "
+                                "its memory is not released")
+    dropped = [name for name, _, _ in gone]
+    freed = sum(size for name, _, size in gone if name not in held)
+    emit("info", message=f"crepa_drop_vae_encoder: the VAE's {' and '.join(dropped) or 'encoder'} freed after "
+                         f"caching ({freed / 2**20:.1f} MiB)", freed_bytes=freed, modules=dropped)
+    return freed
+
+
 def attach(cfg: Any, family: Any, comps: Any, device: torch.device) -> Crepa | None:
     """Hook CREPA onto the (unwrapped) transformer; None when crepa_enabled is off."""
     return Crepa(cfg, family, comps, device) if cfg.crepa_enabled else None
 
 
+def weight(cfg: Any, step: int, total_steps: int) -> float:
+    """The alignment loss's weight at optimizer step `step` (steps done so far): a linear warm-up from 0 to
+    crepa_lambda over crepa_warmup_steps, then crepa_scheduler's way to crepa_lambda_end over crepa_decay_steps
+    (0: the rest of the run), and 0 from crepa_cutoff_step on."""
+    if cfg.crepa_cutoff_step and step >= cfg.crepa_cutoff_step:
+        return 0.0
+    peak, warmup = cfg.crepa_lambda, cfg.crepa_warmup_steps
+    if step < warmup:
+        return peak * step / warmup
+    if cfg.crepa_scheduler == "constant":
+        return peak
+    span = cfg.crepa_decay_steps or max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    end = cfg.crepa_lambda_end
+    if cfg.crepa_scheduler == "linear":
+        return peak + (end - peak) * progress
+    if cfg.crepa_scheduler == "cosine":
+        return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return end + (peak - end) * (1.0 - progress) ** cfg.crepa_power  # polynomial
+
+
 def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """The flow loss plus the CREPA term (the loss unchanged when CREPA is off)."""
+    """The flow loss plus the weighted CREPA term (the loss unchanged when CREPA is off, or its weight is 0 at
+    this step: then the VAE decode and the DINOv2 pass are skipped too)."""
     crepa = getattr(run, "crepa", None)
-    return loss if crepa is None else loss + crepa.term(x0).to(loss.device)
+    if crepa is None:
+        return loss
+    w = weight(run.cfg, run.state.step, run.total_steps)
+    if w == 0.0:
+        crepa.captured = None
+        return loss
+    return loss + w * crepa.term(x0).to(loss.device)

@@ -23,6 +23,13 @@ What it changes, and where:
   others free them at once and wait at the barrier.
 - Loading a checkpoint: the weights through `adapters.kinds._copy_into` (each process takes its part
   of the full tensor), the optimizer through `load_optimizer`.
+- `fsdp_cpu_ram_efficient_loading` (accelerate's meaning): `transformer_on_meta` (around the family's
+  `load`) makes every process but 0 build the transformer from its config.json on the meta device, so it
+  reads no weight; `shard` then puts every process's transformer on meta (process 0 keeps its state dict
+  on the CPU), shards it, gives each process empty shards on its device and fills them from process 0
+  (`set_model_state_dict(..., broadcast_from_rank0=True)`): the pretrained weights and the adapter's
+  seeded initial weights alike. Buffers, which `to_empty` leaves uninitialised and some of which are in
+  no state dict (Kandinsky 5's RoPE tables are non-persistent), are sent from process 0 too.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 
 SHARDED_OPTIMIZER = "optimizer_fsdp"  # a torch.distributed.checkpoint folder: one file per process
 FULL_OPTIMIZER = "optimizer_fsdp.pt"  # the whole state, keyed by parameter name
+WEIGHTS_READ = "_difftune_weights_read"  # on the transformer: bytes of weights its loading put in memory
 
 
 @dataclass
@@ -88,10 +96,63 @@ def _listed_blocks(transformer: torch.nn.Module) -> set[type]:
     return classes
 
 
+def ram_efficient(cfg: Any, ranks: Ranks) -> bool:
+    """fsdp_cpu_ram_efficient_loading acts: FSDP with several processes (with one it is plain training)."""
+    return bool(cfg.fsdp_enable and cfg.fsdp_cpu_ram_efficient_loading and ranks.count > 1)
+
+
+@contextmanager
+def transformer_on_meta(cfg: Any, ranks: Ranks) -> Iterator[None]:
+    """Around the family's `load`. With fsdp_cpu_ram_efficient_loading, on every process but 0, a diffusers
+    `from_pretrained(..., subfolder="transformer")` builds the model from its config.json on the meta device,
+    the way diffusers builds it before reading the weights (the same default dtype, no initialisation), and
+    reads no weight; the VAE and text encoders load as usual. Every process notes on the transformer the
+    bytes of weights its loading put in memory (`WEIGHTS_READ`), which `shard` reports. Otherwise a no-op."""
+    if not ram_efficient(cfg, ranks):
+        yield
+        return
+    from diffusers import ModelMixin
+
+    original = ModelMixin.__dict__["from_pretrained"]
+
+    def from_pretrained(cls: type, source: Any, **kwargs: Any) -> Any:
+        if kwargs.get("subfolder") != "transformer":
+            return original.__func__(cls, source, **kwargs)
+        model = original.__func__(cls, source, **kwargs) if ranks.main else _empty_model(cls, source, **kwargs)
+        setattr(model, WEIGHTS_READ, sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
+        return model
+
+    ModelMixin.from_pretrained = classmethod(from_pretrained)  # a class attribute: restored right after loading
+    try:
+        yield
+    finally:
+        ModelMixin.from_pretrained = original
+
+
+def _empty_model(cls: type, source: Any, torch_dtype: torch.dtype | None = None, **kwargs: Any) -> Any:
+    """What diffusers' from_pretrained builds before it reads the weights: the parameters on the meta
+    device, buffers and other tensors computed in `__init__` under the same default dtype."""
+    from accelerate import init_empty_weights
+    from diffusers.models.modeling_utils import no_init_weights
+
+    config, unused = cls.load_config(source, return_unused_kwargs=True, **kwargs)
+    default = torch.get_default_dtype()
+    if torch_dtype is not None and torch_dtype.is_floating_point:
+        torch.set_default_dtype(torch_dtype)
+    try:
+        with no_init_weights(), init_empty_weights():
+            model = cls.from_config(config, **unused)
+    finally:
+        torch.set_default_dtype(default)
+    model.register_to_config(_name_or_path=source)
+    return model.eval()
+
+
 def shard(cfg: Any, transformer: torch.nn.Module, adapter: Any, ranks: Ranks, device: torch.device,
           emit: Any) -> Sharded | None:
     """Apply FSDP2 to `transformer` (in place) when fsdp_enable and several processes run; else None.
-    The adapter's parameter list is refreshed: fully_shard replaces every parameter with a DTensor."""
+    The adapter's parameter list is refreshed: fully_shard replaces every parameter with a DTensor.
+    With fsdp_cpu_ram_efficient_loading the shards are filled from process 0's weights (`_from_process0`)."""
     if not cfg.fsdp_enable:
         return None
     if ranks.count == 1:
@@ -106,14 +167,97 @@ def shard(cfg: Any, transformer: torch.nn.Module, adapter: Any, ranks: Ranks, de
     # Innermost first: a unit's parameters are those not already in a unit below it.
     blocks = [m for m in reversed(list(transformer.modules())) if type(m) in classes and m is not transformer]
     names = ", ".join(sorted({type(b).__name__ for b in blocks}))  # before fully_shard renames the classes
+    staged = _to_meta(transformer, ranks) if ram_efficient(cfg, ranks) else None
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward)
     # The root keeps its weights after the forward pass: its backward comes right after (torch's default).
     fully_shard(transformer, mesh=mesh, reshard_after_forward=False)
+    if staged is not None:
+        _from_process0(transformer, staged, ranks, device, emit)
     adapter.params = [p for p in transformer.parameters() if p.requires_grad]
     emit("info", message=f"FSDP2: {len(blocks)} blocks ({names}) and the rest of the transformer sharded between "
                          f"{ranks.count} processes; optimizer state in checkpoints: {cfg.fsdp_state_dict_type}")
     return Sharded(transformer, blocks, cfg.fsdp_reshard_after_forward, cfg.fsdp_state_dict_type)
+
+
+@dataclass
+class _Staged:
+    """Process 0's whole transformer on the CPU, kept while the sharded model is filled from it."""
+
+    state: dict[str, torch.Tensor]  # its state dict (empty on the other processes)
+    buffers: dict[str, torch.Tensor]  # every buffer, those in no state dict too (empty on the other processes)
+    loading: list[dict[str, Any]]  # per process: how its transformer was built
+
+
+def _to_meta(transformer: torch.nn.Module, ranks: Ranks) -> _Staged:
+    """Every process: check that its transformer (with the adapter) has process 0's names and shapes, take
+    process 0's dtypes (diffusers keeps `_keep_in_fp32_modules` in fp32 while it reads the weights, which the
+    empty build does not), then move it to the meta device; process 0 keeps its weights on the CPU."""
+    tensors = {**dict(transformer.named_parameters()), **dict(transformer.named_buffers())}
+    layout = ranks.broadcast({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()})
+    problem = None
+    if tensors.keys() != layout.keys():
+        differ = sorted(tensors.keys() ^ layout.keys())
+        problem = f"{len(differ)} tensors are not on both (first: {differ[0]})"
+    elif (name := next((n for n, t in tensors.items() if tuple(t.shape) != layout[n][0]), None)) is not None:
+        problem = f"{name} is {tuple(tensors[name].shape)} here, {layout[name][0]} on process 0"
+    read = getattr(transformer, WEIGHTS_READ, None)
+    loading = ranks.gather({"process": ranks.index, "weights_read_bytes": read, "problem": problem})
+    bad = [e for e in loading if e["problem"] or e["weights_read_bytes"] is None
+           or (e["process"] > 0) == (e["weights_read_bytes"] > 0)]
+    if bad:  # every process raises, none waits at the next collective
+        e = bad[0]
+        why = e["problem"] or (
+            "its family did not load the transformer through from_pretrained(subfolder='transformer')"
+            if e["weights_read_bytes"] is None else f"it read {e['weights_read_bytes']} bytes of weights")
+        raise RuntimeError(f"fsdp_cpu_ram_efficient_loading: process {e['process']}'s transformer is not what "
+                           f"process 0 loaded ({why}); set fsdp_cpu_ram_efficient_loading false")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            dtype = layout[name][1]
+            if tensor.dtype == dtype:
+                continue
+            if isinstance(tensor, torch.nn.Parameter):
+                tensor.data = tensor.data.to(dtype)
+            else:
+                owner, _, leaf = name.rpartition(".")
+                transformer.get_submodule(owner)._buffers[leaf] = tensor.to(dtype)
+    state = transformer.state_dict() if ranks.main else {}  # references: moving the model does not free them
+    buffers = dict(transformer.named_buffers()) if ranks.main else {}
+    transformer.to("meta")
+    return _Staged(state, buffers, loading)
+
+
+def _from_process0(transformer: torch.nn.Module, staged: _Staged, ranks: Ranks, device: torch.device,
+                   emit: Any) -> None:
+    """Every process, after fully_shard on the meta device: empty shards on `device`, filled from process 0's
+    state dict one tensor at a time (set_model_state_dict with broadcast_from_rank0; each process keeps its
+    part), then every buffer sent whole: `to_empty` left them uninitialised, and the non-persistent ones (RoPE
+    tables) are in no state dict."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from difftune.train.memory import peak_rss_bytes
+
+    transformer.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(transformer, staged.state, options=options)
+    with torch.no_grad():
+        for name, buffer in transformer.named_buffers():
+            if ranks.main:
+                buffer.copy_(staged.buffers[name])
+            dist.broadcast(buffer, src=0)
+    staged.state.clear()
+    staged.buffers.clear()
+    peaks = ranks.gather(peak_rss_bytes())  # after filling: process 0's peak includes the whole model
+    loading = [{"process": e["process"], "built": "read" if e["weights_read_bytes"] else "meta",
+                "weights_read_bytes": e["weights_read_bytes"], "rss_peak_bytes": peak}
+               for e, peak in zip(staged.loading, peaks, strict=True)]
+    parts = [f"process {e['process']} " + (f"read the weights ({e['weights_read_bytes'] / 2**20:.1f} MiB)"
+                                           if e["built"] == "read" else "built it on meta, weights from process 0")
+             for e in loading]
+    emit("info", loading=loading, message="fsdp_cpu_ram_efficient_loading: " + "; ".join(parts) + "; peak RSS: "
+         + ", ".join(f"{e['rss_peak_bytes'] / 2**20:.0f} MiB" for e in loading))
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:

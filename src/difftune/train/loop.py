@@ -44,16 +44,18 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     noise = torch.randn((size, *x0.shape[1:]), generator=g, device=g.device)[lo : lo + x0.shape[0]]
     sigmas = objective.sample_sigmas(size, shift, g, run.sampling)[lo : lo + x0.shape[0]]
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
-    x_t, noise = rollout.noisy_input(run, batch, x0, noise, sigmas, shift)  # scheduled sampling, when on
+    rolled = rollout.noisy_input(run, batch, x0, noise, sigmas, shift)  # scheduled sampling, when on
     with run.accelerator.autocast():
         # image-to-image: the input images' latents; image-to-video: each clip's first frame encoded alone
         conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
-        pred = run.family.predict(run.transformer, x_t.to(device, dtype), sigmas.to(device), batch.text, conditioning)
-    target = objective.velocity_target(x0, noise).to(device)
-    if run.first_frame:  # the sampler never updates the input frame: it is not trained either
-        pred, target = pred[:, :, 1:], target[:, :, 1:]
+        pred = run.family.predict(run.transformer, rolled.x.to(device, dtype), sigmas.to(device), batch.text,
+                                  conditioning)
+    target = objective.velocity_target(x0, rolled.noise).to(device)
+    first = 1 if run.first_frame else 0  # the sampler never updates the input frame: it is not trained either
+    pred, target = pred[:, :, first:], target[:, :, first:]
     weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
-    return crepa.add_term(run, objective.flow_loss(pred, target, weights), x0)  # crepa_enabled: + alignment
+    loss = rollout.loss(run.cfg, pred, target, weights, rolled, first)  # ReflexFlow on rolled-out samples, when on
+    return crepa.add_term(run, loss, x0)  # crepa_enabled: + alignment
 
 
 class NonFiniteError(RuntimeError):

@@ -32,7 +32,7 @@ from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
-from difftune.train.fsdp import Sharded, shard
+from difftune.train.fsdp import Sharded, ram_efficient, shard, transformer_on_meta
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
@@ -160,7 +160,8 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     ranks.barrier()
     source = resolve_source(cfg)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
-    comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
+    with transformer_on_meta(cfg, ranks):  # fsdp_cpu_ram_efficient_loading: only process 0 reads its weights
+        comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
     if family.takes_conditioning(comps) != family.facts.takes_input_image(cfg.flavour()):
         kind = "an image-conditioned (i2i/i2v)" if family.takes_conditioning(comps) else "a text-only"
         raise DataError(
@@ -175,8 +176,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
     tread.check(cfg.tread_config, family, comps.transformer)  # a route that does not fit fails now, not after caching
-    # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights.
-    if not park and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap):
+    # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights;
+    # fsdp_cpu_ram_efficient_loading keeps it where it is (process 0's CPU, or meta) until fsdp.shard.
+    if not park and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap or ram_efficient(cfg, ranks)):
         # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     record_peak_memory(events, "model load", device)
