@@ -222,3 +222,221 @@ def test_train_sh_runs_difftune_train_with_config_and_passes_arguments(tmp_path,
     done = subprocess.run([str(script)], cwd=tmp_path, env={**env, "ENV": "other"}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "config/other/config.json" in done.stderr and "empty" in done.stderr
+
+
+# --- SimpleTuner's other options (config/pending.py, the st_keys audit) --------------------------------------
+
+# (key, a value that changes nothing here, a value that would): every SimpleTuner option difftune does not have
+SIMPLETUNER_PENDING = [
+    ("aspect_bucket_worker_count", 12, 4), ("image_processing_batch_size", 32, 8), ("read_batch_size", 25, 8),
+    ("write_batch_size", 128, 16), ("max_workers", 32, 4), ("aws_max_pool_connections", 128, 16),
+    ("torch_num_threads", 8, 2), ("metadata_update_interval", 3600, 60),
+    ("enable_multiprocessing", False, True), ("caption_strategy", None, "textfile"),
+    ("instance_prompt", None, "a photo of sks"), ("maximum_image_size", None, 2048),
+    ("target_downsample_size", None, 1024), ("crop_style", None, "center"), ("crop_aspect", None, "square"),
+    ("crop_aspect_buckets", None, [0.75, 1.0]), ("cache_dir_vae", None, "cache/vae"),
+    ("parquet_caption_column", None, "caption"), ("parquet_filename_column", None, "filename"),
+    ("crop", False, True), ("prepend_instance_prompt", False, True), ("only_instance_prompt", False, True),
+    ("prediction_type", None, "epsilon"), ("snr_gamma", None, 5), ("use_soft_min_snr", False, True),
+    ("rescale_betas_zero_snr", False, True), ("timestep_bias_strategy", None, "later"),
+    ("training_scheduler_timestep_spacing", "trailing", "leading"),
+    ("inference_scheduler_timestep_spacing", "trailing", "leading"), ("offset_noise", False, True),
+    ("diff2flow_enabled", False, True), ("pretrained_t5_model_name_or_path", None, "google/t5-v1_1-xxl"),
+    ("t5_padding", "unmodified", "zero"), ("sd3_clip_uncond_behaviour", "empty_string", "zero"),
+    ("sd3_t5_uncond_behaviour", None, "zero"), ("pretrained_unet_model_name_or_path", None, "me/unet"),
+    ("pretrained_unet_subfolder", "unet", "unet2"), ("unet_attention_slice", False, True),
+    ("flux_lora_target", "all", "mmdit"), ("flux_fast_schedule", False, True),
+    ("flux_guidance_mode", "constant", "random-range"), ("flux_guidance_value", 1.0, 3.5),
+    ("flux_guidance_min", 0.0, 1.0), ("flux_guidance_max", 4.0, 5.0),
+    ("flux_attention_masked_training", False, True), ("validation_guidance_real", 1.0, 3.0),
+    ("hidream_use_load_balancing_loss", False, True), ("ltx_train_mode", "i2v", "t2v"),
+    ("ltx_i2v_prob", 0.1, 0.5), ("ltx_partial_noise_fraction", 0.05, 0.1),
+    ("ltx_protect_first_frame", False, True), ("refiner_training", False, True),
+    ("sdxl_refiner_uses_full_range", False, True), ("data_aesthetic_score", 7.0, 6.0),
+    ("sana_complex_human_instruction", None, "Enhance:"),
+    ("text_encoder_3_precision", "no_change", "int8-quanto"),
+    ("text_encoder_4_precision", "no_change", "int8-quanto"), ("controlnet", False, True),
+    ("control", False, True), ("pretrained_vae_model_name_or_path", None, "madebyollin/sdxl-vae-fp16-fix"),
+    ("pretrained_transformer_model_name_or_path", None, "me/dit"),
+    ("pretrained_transformer_subfolder", "transformer", "transformer_2"),
+    ("pretrained_gemma_model_name_or_path", None, "google/gemma-2-2b"), ("revision", None, "main"),
+    ("variant", None, "fp16"), ("non_ema_revision", None, "main"), ("vae_dtype", None, "bf16"),
+    ("quantization_config", None, {"transformer": {"load_in_4bit": True}}),
+    ("quantize_activations", False, True), ("fuse_qkv_projections", False, True),
+    ("sla_config", None, {"topk": 0.2}), ("i_know_what_i_am_doing", False, True),
+    ("lora_init_type", "default", "pissa"), ("peft_lora_mode", "standard", "singlora"),
+    ("peft_lora_target_modules", None, ["to_q", "to_k"]), ("slider_lora_target", False, True),
+    ("init_lokr_norm", None, 0.001), ("use_dora", False, True), ("train_text_encoder", False, True),
+    ("flow_use_uniform_schedule", False, True), ("flow_use_beta_schedule", False, True),
+    ("flow_custom_timesteps", None, "0.5,1.0"), ("input_perturbation", 0, 0.1), ("loss_type", "l2", "huber"),
+    ("masked_loss_probability", 1.0, 0.5), ("lr_end", None, 1e-06), ("lr_power", 1, 0.8),
+    ("lr_num_cycles", 1, 3), ("lr_scale", False, True), ("lr_scale_sqrt", False, True),
+    ("ignore_final_epochs", False, True), ("disable_tf32", True, False),
+    ("set_grads_to_none", False, "sometimes"), ("disable_segmented_timestep_sampling", False, "sometimes"),
+    ("gradient_checkpointing_backend", "torch", "unsloth"), ("optimizer_config", None, "d_coef=0.1"),
+    ("optimizer_beta1", None, 0.95), ("optimizer_beta2", None, 0.99),
+    ("optimizer_cpu_offload_method", "offload", "offload_and_return"),
+    ("optimizer_offload_gradients", False, True), ("fuse_optimizer", False, True),
+    ("optimizer_release_gradients", False, True), ("gradient_precision", None, "fp32"),
+    ("prodigy_steps", None, 100), ("ema_cpu_only", False, "sometimes"), ("ema_foreach_disable", False, True),
+    ("aspect_bucket_alignment", 16, 64), ("aspect_bucket_rounding", None, 2),
+    ("aspect_bucket_disable_rebuild", True, False), ("allow_dataset_oversubscription", False, True),
+    ("data_backend_sampling", "auto-weighting", "uniform"),
+    ("conditioning_multidataset_sampling", "random", "combined"), ("ignore_missing_files", False, True),
+    ("delete_unwanted_images", False, True), ("delete_problematic_images", False, True),
+    ("preserve_data_backend_cache", False, True), ("override_dataset_config", False, True),
+    ("skip_file_discovery", "", "vae"), ("max_upscale_threshold", None, 0.2), ("cache_dir", None, "/models"),
+    ("cache_dir_text", None, "cache/text"), ("vae_cache_ondemand", False, True),
+    ("vae_cache_scan_behaviour", "recreate", "sync"), ("vae_enable_temporal_roll", False, True),
+    ("keep_vae_loaded", False, True), ("cache_clear_validation_prompts", False, True),
+    ("tokenizer_max_length", None, 512), ("framerate", None, 24),
+    ("accelerator_cache_clear_interval", None, 100), ("offload_during_save", False, True),
+    ("delete_model_after_load", False, True), ("musubi_block_swap_device", "cpu", "cuda:0"),
+    ("ramtorch", False, True), ("group_offload_text_encoder", False, True), ("group_offload_vae", False, True),
+    ("num_processes", 1, 8), ("num_machines", 1, 2), ("accelerate_config", None, "accelerate.yaml"),
+    ("accelerate_extra_args", None, "--multi_gpu"), ("local_rank", -1, 0),
+    ("deepspeed_config", None, {"zero_optimization": {"stage": 2}}), ("offload_param_path", None, "/offload"),
+    ("context_parallel_size", 1, 2), ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"),
+    ("fsdp_limit_all_gathers", True, False), ("fsdp_cpu_offload", False, True),
+    ("fsdp_activation_checkpointing", False, True), ("seed_for_each_device", True, False),
+    ("num_validation_images", 1, 4), ("validation_epoch_interval", None, 1),
+    ("eval_epoch_interval", None, 0.5), ("checkpoint_epoch_interval", None, 1), ("eval_timesteps", 28, 10),
+    ("eval_loss_disable", False, "sometimes"), ("eval_dataset_pooling", False, True),
+    ("validation_on_startup", False, True), ("validation_disable", False, True),
+    ("validation_randomize", False, True), ("validation_seed_source", "gpu", "cpu"),
+    ("validation_multigpu", "batch-parallel", "all"), ("validation_torch_compile", False, True),
+    ("validation_stitch_input_location", None, "left"), ("validation_guidance_skip_layers", None, [7, 8]),
+    ("validation_lycoris_strength", 1.0, 0.5), ("validation_noise_scheduler", None, "unipc"),
+    ("validation_method", "simpletuner-local", "external-script"),
+    ("validation_adapter_path", None, "me/lora"), ("validation_adapter_config", None, "adapters.json"),
+    ("validation_preview", False, True), ("checkpointing_rolling_steps", 0, 100),
+    ("checkpointing_use_tempdir", False, "sometimes"), ("logging_dir", None, "logs"),
+    ("tracker_image_layout", "gallery", "table"), ("custom_tracker", None, "my_tracker"),
+    ("webhook_config", None, "hooks.json"), ("post_upload_script", None, "notify.sh"),
+    ("post_checkpoint_script", None, "eval.sh"), ("publishing_config", None, "publish.json"),
+    ("push_to_hub_background", False, "sometimes"), ("model_card_safe_for_work", True, False),
+    ("model_card_note", None, "hi"), ("enable_watermark", False, True), ("debug_aspect_buckets", False, True),
+    ("debug_dataset_loader", False, True), ("print_filenames", False, True),
+    ("print_sampler_statistics", False, True), ("distillation_method", None, "lcm"),
+    ("layersync_enabled", False, True),
+]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """One small dataset for the many config-only tests below (none of them reads it)."""
+    from difftune.demo import make_dataset
+
+    folder = tmp_path_factory.mktemp("st-images")
+    make_dataset(folder, count=2)
+    return folder
+
+
+@pytest.mark.parametrize("key,off,on", SIMPLETUNER_PENDING, ids=[k for k, _, _ in SIMPLETUNER_PENDING])
+def test_simpletuner_option_accepted_off_refused_on(tmp_path, images, key, off, on):
+    load_config(write_config(tmp_path, images, **{key: off}))
+    text = problems(write_config(tmp_path, images, **{key: on}))
+    assert f"{key}=" in text and "not implemented yet" in text and "unknown key" not in text
+
+
+@pytest.mark.parametrize("setting,value,switch,off,on", [
+    ("noise_offset", 0.1, "offset_noise", False, True), ("huber_c", 0.1, "loss_type", "l2", "huber"),
+    ("text_encoder_lr", 1e-5, "train_text_encoder", False, True),
+    ("validation_no_cfg_until_timestep", 2, "validation_guidance_real", 1.0, 3.0),
+    ("ramtorch_vae", True, "ramtorch", False, True), ("layersync_lambda", 0.2, "layersync_enabled", False, True),
+    ("timestep_bias_portion", 0.25, "timestep_bias_strategy", "none", "later"),
+    ("validation_adapter_strength", 0.5, "validation_adapter_path", None, "me/lora"),
+    ("main_process_port", 29500, "num_machines", 1, 2),
+])
+def test_settings_of_a_pending_switch(tmp_path, images, setting, value, switch, off, on):
+    load_config(write_config(tmp_path, images, **{setting: value}))  # no switch: SimpleTuner ignores it too
+    load_config(write_config(tmp_path, images, **{setting: value, switch: off}))
+    text = problems(write_config(tmp_path, images, **{setting: value, switch: on}))
+    assert f"{setting}=" in text and f"{switch}=" in text and "not implemented yet" in text
+
+
+@pytest.mark.parametrize("alias,value,key,expected,other", [
+    ("flow_sigmoid_scale", 1.5, "logit_std", 1.5, 1.0),  # sigmoid(scale * randn) is logit-normal sampling
+    ("pretrained_evaluation_model_name_or_path", "openai/clip-vit-large-patch14-336", "evaluation_clip_model",
+     "openai/clip-vit-large-patch14-336", "openai/clip-vit-base-patch32"),
+    ("model_card_private", "true", "hub_private", True, False),
+])
+def test_simpletuner_aliases(tmp_path, images, alias, value, key, expected, other):
+    assert getattr(load_config(write_config(tmp_path, images, **{alias: value})).train, key) == expected
+    text = problems(write_config(tmp_path, images, **{alias: value, key: other}))
+    assert alias in text and key in text and "keep one" in text
+
+
+def test_a_simpletuner_kandinsky5_config_loads(tmp_path, images):
+    """A config.json as a SimpleTuner user brings it: the Kandinsky 5 Image quickstart's keys, those of
+    SimpleTuner's config.json.example, and many options left at SimpleTuner's defaults."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "user_prompt_library.json").write_text(json.dumps({"portrait": "a portrait"}))
+    spec = {
+        "model_type": "lora", "model_family": "kandinsky5-image", "model_flavour": "t2i-lite-sft",
+        "train_batch_size": 1, "gradient_accumulation_steps": 1, "validation_resolution": "1024x1024",
+        "validation_guidance": 5.0, "flow_schedule_shift": 1.0,
+        "user_prompt_library": str(tmp_path / "config" / "user_prompt_library.json"),
+        "enable_group_offload": True, "group_offload_type": "block_level", "group_offload_blocks_per_group": 1,
+        "group_offload_use_stream": True, "offload_during_startup": True, "base_model_precision": "int8-quanto",
+        "text_encoder_1_precision": "no_change", "text_encoder_2_precision": "no_change", "lora_rank": 16,
+        "base_model_default_dtype": "bf16",
+        "tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]},
+    }
+    example = {  # SimpleTuner's config/config.json.example, with the leading dashes it writes
+        "--resume_from_checkpoint": "latest", "--seed": 42, "--max_train_steps": 10000, "--num_train_epochs": 0,
+        "--checkpointing_steps": 500, "--checkpoints_total_limit": 5, "--hub_model_id": "simpletuner-lora",
+        "--push_to_hub": "false", "--tracker_project_name": "lora-training", "--tracker_run_name": "simpletuner-lora",
+        "--gradient_checkpointing": "true", "--caption_dropout_probability": 0.1, "--resolution_type": "pixel_area",
+        "--resolution": 1024, "--validation_seed": 42, "--validation_steps": 500,
+        "--validation_guidance_rescale": "0.0", "--validation_num_inference_steps": "20",
+        "--validation_prompt": "A photo-realistic image of a cat", "--mixed_precision": "bf16",
+        "--optimizer": "adamw_bf16", "--learning_rate": "1e-4", "--lr_scheduler": "polynomial",
+        "--lr_warmup_steps": 100, "--validation_torch_compile": "false", "--disable_benchmark": "false",
+    }
+    defaults = {  # SimpleTuner's defaults of options difftune does not have (or has under another name)
+        "lr_power": 1.0, "lr_num_cycles": 1, "noise_offset": 0.1, "noise_offset_probability": 0.25,
+        "offset_noise": False, "input_perturbation": 0.0, "input_perturbation_steps": 0, "flow_sigmoid_scale": 1.0,
+        "flow_use_uniform_schedule": False, "flow_use_beta_schedule": False, "flow_beta_schedule_alpha": 2.0,
+        "loss_type": "l2", "huber_schedule": "snr", "huber_c": 0.1, "snr_gamma": None, "use_soft_min_snr": False,
+        "train_text_encoder": False, "freeze_encoder": True, "text_encoder_limit": 100, "lora_init_type": "default",
+        "peft_lora_mode": "standard", "use_dora": False, "ema_cpu_only": False, "ema_foreach_disable": False,
+        "num_validation_images": 1, "validation_randomize": False, "validation_disable": False,
+        "validation_on_startup": False, "eval_timesteps": 28, "eval_dataset_pooling": False,
+        "pretrained_evaluation_model_name_or_path": "openai/clip-vit-large-patch14-336",
+        "data_backend_sampling": "auto-weighting", "vae_cache_scan_behaviour": "recreate", "write_batch_size": 128,
+        "read_batch_size": 25, "max_workers": 32, "image_processing_batch_size": 32, "aspect_bucket_worker_count": 12,
+        "torch_num_threads": 8, "metadata_update_interval": 3600, "seed_for_each_device": True, "local_rank": -1,
+        "num_processes": 1, "i_know_what_i_am_doing": False, "fuse_qkv_projections": False,
+        "text_encoder_3_precision": "no_change", "prediction_type": None, "timestep_bias_strategy": "none",
+        "training_scheduler_timestep_spacing": "trailing", "inference_scheduler_timestep_spacing": "trailing",
+        "rescale_betas_zero_snr": False, "flux_guidance_mode": "constant", "t5_padding": "unmodified",
+        "push_to_hub_background": False, "model_card_private": False, "checkpointing_use_tempdir": False,
+        "checkpointing_rolling_steps": 0, "checkpoints_rolling_total_limit": 1, "tracker_image_layout": "gallery",
+        "musubi_block_swap_device": "cpu", "ramtorch": False, "gradient_checkpointing_backend": "torch",
+        "validation_multigpu": "batch-parallel", "attention_mechanism": "diffusers", "controlnet": False,
+        "quantize_via": "cpu", "ema_validation": "comparison", "delete_problematic_images": False,
+        "validation_preview": False, "validation_preview_steps": 1, "layersync_enabled": False,
+    }
+    path = write_config(tmp_path, images, dataset={"crop": True, "crop_aspect": "square", "repeats": 10,
+                                                   "resolution": 1024})
+    paths = {k: v for k, v in json.loads(path.read_text()).items() if k in ("output_dir", "data_backend_config")}
+    path.write_text(json.dumps({**paths, **spec, **example, **defaults}))
+    cfg = load_config(path).train
+    assert (cfg.model_family, cfg.checkpoint_step_interval, cfg.validation_step_interval) == ("kandinsky5-image", 500,
+                                                                                               500)
+    assert cfg.logit_std == 1.0 and cfg.evaluation_clip_model == "openai/clip-vit-large-patch14-336"
+
+
+def test_simpletuner_nulls_and_switched_off_settings(tmp_path, dataset):
+    """SimpleTuner writes null for these, names a default lycoris_config whatever lora_type is, and allows
+    minimum_image_size 0 (no minimum): all load, each meaning what leaving it out means."""
+    cfg = load_config(write_config(tmp_path, dataset, seed=None, max_train_steps=None, num_train_epochs=1,
+                                   eval_steps_interval=None, validation_using_datasets=None, minimum_image_size=0,
+                                   lycoris_config="config/lycoris_config.json", dynamo_dynamic=False,
+                                   dynamo_use_regional_compilation=False)).train
+    assert (cfg.seed, cfg.max_train_steps, cfg.eval_steps_interval, cfg.validation_using_datasets) == (42, 0, 0, False)
+    assert cfg.minimum_image_size == 0
+    # the LyCORIS file is read when it is used, and then it must exist
+    text = problems(write_config(tmp_path / "ly", dataset, lora_type="lycoris", lycoris_config=str(tmp_path / "no.json")))
+    assert "lycoris_config" in text

@@ -96,6 +96,44 @@ def test_warmup_and_cutoff_skip_the_term(tmp_path, dataset, dino, monkeypatch):
     assert losses(tmp_path / "cut" / "output")[1] != plain[1]
 
 
+def test_similarity_threshold_cuts_the_term(tmp_path):
+    from types import SimpleNamespace as NS
+
+    def aligner(mode):
+        a = crepa.Crepa.__new__(crepa.Crepa)  # the gate alone: no model needed
+        a.cfg = NS(crepa_similarity_threshold=0.5, crepa_similarity_ema_decay=0.5, crepa_threshold_mode=mode)
+        a.processes, a.similarity, a.cut, a.device = 1, None, torch.tensor(False), torch.device("cpu")
+        return a
+
+    seen = [0.2, 0.9, 0.9, 0.0, 0.0]  # averages: 0.2, 0.55, 0.725, 0.3625, 0.18125
+    permanent, recoverable = aligner("permanent"), aligner("recoverable")
+    assert [permanent._gate(torch.tensor(v)).item() for v in seen] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [recoverable._gate(torch.tensor(v)).item() for v in seen] == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert recoverable.similarity.item() == pytest.approx(0.18125)
+    # checkpointed: a resumed run goes on from the same average and the same cut
+    permanent.module = torch.nn.Linear(2, 2)
+    permanent.save(tmp_path)
+    back = aligner("permanent")
+    back.module = torch.nn.Linear(2, 2)
+    back.load(tmp_path)
+    assert back.cut.item() and back.similarity.item() == pytest.approx(permanent.similarity.item())
+
+
+def test_similarity_threshold_in_training(tmp_path, dataset, dino):
+    common = dict(max_train_steps=2, train_batch_size=2)
+    train(build_run(load_config(write_config(tmp_path / "off", dataset, **common))))
+    train(build_run(load_config(write_config(tmp_path / "on", dataset, **common, **on(dino)))))
+    # reached at once (any similarity is above it): the plain flow loss, bit for bit
+    train(build_run(load_config(write_config(tmp_path / "low", dataset, **common,
+                                             **on(dino, crepa_similarity_threshold=1e-9, crepa_similarity_ema_decay=0.0)))))
+    # never reached: CREPA as without a threshold
+    train(build_run(load_config(write_config(tmp_path / "high", dataset, **common,
+                                             **on(dino, crepa_similarity_threshold=1.0)))))
+    off, on_, low, high = (losses(tmp_path / k / "output") for k in ("off", "on", "low", "high"))
+    assert low == off and high == on_ and on_ != off
+    assert (tmp_path / "high" / "output" / "checkpoints" / "checkpoint-0000002" / crepa.SIMILARITY_FILE).is_file()
+
+
 def test_config_keys(tmp_path, dataset, dino):
     cfg = load_config(write_config(tmp_path, dataset, crepa_enabled=True)).train
     assert (cfg.crepa_block_index, cfg.crepa_lambda, cfg.crepa_adjacent_distance, cfg.crepa_adjacent_tau) == (8, 0.5, 1, 1.0)
@@ -105,12 +143,11 @@ def test_config_keys(tmp_path, dataset, dino):
         with pytest.raises(ConfigError, match=expected):
             load_config(write_config(tmp_path / expected, dataset, crepa_enabled=True, **keys))
     load_config(write_config(tmp_path / "off", dataset, crepa_drop_vae_encoder=True))  # free while off
-    # SimpleTuner's names: crepa_model is crepa_encoder; the similarity cut-off and backbone mode are not here yet
+    # SimpleTuner's names: crepa_model is crepa_encoder; the backbone mode is not here yet
     assert load_config(write_config(tmp_path / "alias", dataset, crepa_model="dinov2_vits14")).train.crepa_encoder == \
         "dinov2_vits14"
-    for key, value in (("crepa_similarity_threshold", 0.9), ("crepa_use_backbone_features", True)):
-        with pytest.raises(ConfigError, match=f"{key}.*not implemented yet"):
-            load_config(write_config(tmp_path / key, dataset, crepa_enabled=True, **{key: value}))
+    with pytest.raises(ConfigError, match="crepa_use_backbone_features.*not implemented yet"):
+        load_config(write_config(tmp_path / "backbone", dataset, crepa_enabled=True, crepa_use_backbone_features=True))
     load_config(write_config(tmp_path / "dep", dataset, crepa_similarity_ema_decay=0.99, crepa_threshold_mode="permanent",
                              crepa_teacher_block_index=16, crepa_scheduler="cosine", crepa_warmup_steps=100,
                              crepa_decay_steps=5000, crepa_lambda_end=0.1, crepa_cutoff_step=3000))
@@ -170,7 +207,7 @@ def test_term_on_kandinsky5(case, dino):
     transformer = comps.transformer.train()
     cfg = NS(crepa_block_index=0, crepa_encoder=dino, crepa_encoder_image_size=28, seed=0, tread_config=None,
              crepa_adjacent_distance=1, crepa_adjacent_tau=1.0, crepa_normalize_by_frames=True, crepa_lambda=0.5,
-             crepa_cumulative_neighbors=False, crepa_spatial_align=True)
+             crepa_cumulative_neighbors=False, crepa_spatial_align=True, crepa_similarity_threshold=None)
     aligner = crepa.attach(NS(crepa_enabled=True, **vars(cfg)), family, comps, torch.device("cpu"))
     torch.manual_seed(0)
     x0 = torch.randn(1, 16, 2, 8, 8) if case.video else torch.randn(1, 16, 8, 8)

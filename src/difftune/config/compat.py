@@ -26,6 +26,12 @@ KEY_ALIASES: dict[str, str] = {
     "validation_steps": "validation_step_interval",
     "checkpointing_steps": "checkpoint_step_interval",
     "crepa_model": "crepa_encoder",  # SimpleTuner's older name of the CREPA encoder
+    # SimpleTuner draws flow noise levels as sigmoid(flow_sigmoid_scale * randn): the logit-normal sampling
+    # (timestep_sampling's default) with mean 0 and this standard deviation
+    "flow_sigmoid_scale": "logit_std",
+    # the CLIP model (hub id or folder) that scores validation samples for evaluation_type 'clip'
+    "pretrained_evaluation_model_name_or_path": "evaluation_clip_model",
+    "model_card_private": "hub_private",  # create the hub repository as private
 }
 DATASET_DEFAULT_KEYS = ("resolution", "resolution_type", "minimum_image_size")
 PLACEHOLDERS = ("model_family",)

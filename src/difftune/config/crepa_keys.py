@@ -102,6 +102,19 @@ class CrepaKeys(BaseModel):
         0, "With crepa_enabled: no alignment from this optimizer step on (0: never cut off). Steps without it skip "
         "the VAE decode and the DINOv2 pass.", "training", ge=0, advanced=True,
     )
+    crepa_similarity_threshold: float | None = field(
+        None, "With crepa_enabled: cut the alignment off once the moving average of the frames' cosine similarity "
+        "to their own DINOv2 features reaches this value (0 to 1; null: never). The term is still computed, since "
+        "its similarity decides (crepa_cutoff_step saves the time).", "training", gt=0.0, le=1.0, advanced=True,
+    )
+    crepa_similarity_ema_decay: float = field(
+        0.99, "With crepa_similarity_threshold: the moving average's decay per micro-batch (0.99: about the last "
+        "100).", "training", ge=0.0, lt=1.0, advanced=True,
+    )
+    crepa_threshold_mode: Literal["permanent", "recoverable"] = field(
+        "permanent", "With crepa_similarity_threshold: 'permanent' (once cut, off for the rest of the run) or "
+        "'recoverable' (on again whenever the average falls below the threshold).", "training", advanced=True,
+    )
     crepa_drop_vae_encoder: bool = field(
         False, "With crepa_enabled: once the latent caches are complete, free the VAE's encoder (CREPA only decodes "
         "latents), saving its memory during training. Refused with on-the-fly latents (vae_cache_disable) and with "

@@ -14,6 +14,7 @@ from difftune.config.offload_keys import offload_checks
 from difftune.config.reporting_keys import reporting_checks
 from difftune.config.rollout_keys import rollout_checks
 from difftune.config.speed_keys import speed_checks
+from difftune.config.values import read_json_file
 from difftune.models.registry import FAMILY_FACTS
 
 if TYPE_CHECKING:
@@ -52,8 +53,10 @@ def cross_checks(cfg: TrainConfig) -> None:
     if cfg.gradient_checkpointing_interval not in (None, 1) and not cfg.gradient_checkpointing:
         raise ValueError("gradient_checkpointing_interval only acts with gradient_checkpointing; set "
                          "gradient_checkpointing to true, or remove gradient_checkpointing_interval")
-    if cfg.lycoris_config is not None and cfg.lora_type != "lycoris":
-        raise ValueError("lycoris_config is only used with lora_type 'lycoris'; set lora_type or remove it")
+    if cfg.lycoris_config is not None and cfg.lora_type == "lycoris" and cfg.model_type == "lora":
+        data = read_json_file(cfg.lycoris_config, "lycoris_config")  # only read when used (SimpleTuner's configs
+        if not isinstance(data, dict) or "algo" not in data:    # name a default file whatever lora_type is)
+            raise ValueError(f"{cfg.lycoris_config} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
     if cfg.lora_format == "comfyui" and (cfg.model_type != "lora" or cfg.lora_type != "standard"):
         raise ValueError("lora_format 'comfyui' applies to standard LoRA (model_type lora, lora_type standard)")
     if cfg.validation_using_datasets and not facts.takes_input_image(cfg.flavour()):

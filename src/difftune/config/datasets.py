@@ -144,8 +144,8 @@ class ImageDataset(BaseModel):
         None, "Images wider than this width/height are left out and reported.", "data", gt=0, advanced=True
     )
     minimum_image_size: float | None = field(
-        None, "Images whose short edge (pixel) or area (pixel_area) is smaller are left out and reported.",
-        "data", gt=0, advanced=True,
+        None, "Images whose short edge (pixel) or area (pixel_area) is smaller are left out and reported (0: no "
+        "minimum, not even the enlargement limit).", "data", ge=0, advanced=True,
     )
     maximum_image_size: float | None = field(
         None, "Images larger than this (same unit as minimum_image_size) are first downsampled to "

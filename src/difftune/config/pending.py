@@ -8,7 +8,7 @@ from here into the schema.
 Three kinds of entries:
 - `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
 - `DEPENDS_ON`: a setting of a pending feature that only acts when its switch is on
-  (`crepa_similarity_ema_decay` without `crepa_similarity_threshold`): any value is accepted while the
+  (`crepa_teacher_block_index` without `crepa_use_backbone_features`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys can be
   matched by prefix (`PREFIX_DEPENDS_ON`).
 - `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
@@ -24,10 +24,6 @@ from typing import Any
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
-    "crepa_similarity_threshold": (
-        (None,), "the CREPA cut-off on a similarity threshold (crepa_similarity_threshold); use crepa_cutoff_step, "
-        "or crepa_scheduler with crepa_lambda_end, to end CREPA, and remove crepa_similarity_threshold",
-    ),
     "crepa_use_backbone_features": (
         (False, None), "CREPA against a deeper block of the transformer (crepa_use_backbone_features); difftune aligns "
         "with a DINOv2 encoder (crepa_encoder): set crepa_use_backbone_features to false",
@@ -44,15 +40,345 @@ PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # A setting that only acts when its switch is on: any value while the switch is off.
 DEPENDS_ON: dict[str, str] = {
-    "crepa_similarity_ema_decay": "crepa_similarity_threshold",
-    "crepa_threshold_mode": "crepa_similarity_threshold",
     "crepa_teacher_block_index": "crepa_use_backbone_features",
 }
-PREFIX_DEPENDS_ON: dict[str, str] = {
-    "crepa_similarity_ema_decay": "crepa_similarity_threshold",
-    "crepa_threshold_mode": "crepa_similarity_threshold",
-    "crepa_teacher_block_index": "crepa_use_backbone_features",
+PREFIX_DEPENDS_ON: dict[str, str] = {}
+
+# --- The rest of SimpleTuner's options (its OPTIONS page and field registry), audited one by one. Each is
+# accepted at the values that change nothing here (SimpleTuner's default where difftune does just that, and
+# null/false where that means off) and refused otherwise with what to do instead.
+
+
+def _elsewhere(what: str, models: str) -> str:
+    return (f"{what}, which SimpleTuner applies to {models} only; Lumina2 and Kandinsky 5 have nothing for it "
+            "to act on: remove it")
+
+
+def _per_dataset(key: str, where: str = "") -> str:
+    return (f"a config-level {key} for every dataset; set {where or key} on each entry of the dataset list "
+            "(data_backend_config) instead")
+
+
+_DDPM = "epsilon and v-prediction (DDPM) models"  # Lumina2 and Kandinsky 5 are flow-matching models
+_REMOVE = "; remove it"
+# SimpleTuner's knobs for its own data pipeline (worker counts, batch sizes of its caching, save intervals):
+# results do not depend on them and difftune has none, so only SimpleTuner's default is accepted.
+_PIPELINE_KNOBS = {"aspect_bucket_worker_count": 12, "image_processing_batch_size": 32, "read_batch_size": 25,
+                   "write_batch_size": 128, "max_workers": 32, "aws_max_pool_connections": 128,
+                   "torch_num_threads": 8, "metadata_update_interval": 3600, "enable_multiprocessing": False}
+
+PENDING_TRAIN_KEYS |= {
+    key: ((default, None), f"{key} (SimpleTuner's own data pipeline; difftune has no such setting){_REMOVE}")
+    for key, default in _PIPELINE_KNOBS.items()
+} | {
+    key: ((None, ""), _per_dataset(key, where))
+    for key, where in [("caption_strategy", ""), ("instance_prompt", ""), ("maximum_image_size", ""),
+                       ("target_downsample_size", ""), ("crop_style", ""), ("crop_aspect", ""),
+                       ("crop_aspect_buckets", ""), ("cache_dir_vae", ""),
+                       ("parquet_caption_column", "parquet.caption_column"),
+                       ("parquet_filename_column", "parquet.filename_column")]
+} | {
+    key: ((False,), _per_dataset(key)) for key in ("crop", "prepend_instance_prompt", "only_instance_prompt")
+} | {
+    # models difftune does not train
+    "prediction_type": ((None, "flow_matching"), "another prediction type; Lumina2 and Kandinsky 5 are "
+                        "flow-matching models: set prediction_type to 'flow_matching' or remove it"),
+    "snr_gamma": ((None, 0), _elsewhere("min-SNR loss weighting", _DDPM)),
+    "use_soft_min_snr": ((False,), _elsewhere("soft min-SNR weighting", _DDPM)),
+    "rescale_betas_zero_snr": ((False,), _elsewhere("zero-terminal-SNR betas", _DDPM)),
+    "timestep_bias_strategy": ((None, "none"), _elsewhere("timestep bias", _DDPM) + " (timestep_sampling, "
+                               "flow_schedule_shift and flow_schedule_auto_shift shape the noise levels here)"),
+    "training_scheduler_timestep_spacing": (("trailing", None), _elsewhere("DDPM timestep spacing", _DDPM)),
+    "inference_scheduler_timestep_spacing": (("trailing", None), _elsewhere("DDPM timestep spacing", _DDPM)),
+    "offset_noise": ((False,), _elsewhere("offset noise", _DDPM)),
+    "diff2flow_enabled": ((False,), _elsewhere("the diffusion-to-flow bridge", _DDPM)),
+    "pretrained_t5_model_name_or_path": ((None,), _elsewhere("a separate T5 text encoder", "PixArt, SD3 and Flux")),
+    "t5_padding": (("unmodified", None), _elsewhere("T5 padding", "PixArt, SD3 and Flux")),
+    "sd3_clip_uncond_behaviour": (("empty_string", None), _elsewhere("the unconditional prompt's encoding", "SD3")),
+    "sd3_t5_uncond_behaviour": ((None,), _elsewhere("the unconditional prompt's encoding", "SD3")),
+    "pretrained_unet_model_name_or_path": ((None,), _elsewhere("a separate UNet", "UNet models (SD, SDXL)")),
+    "pretrained_unet_subfolder": (("unet", None), _elsewhere("the UNet's subfolder", "UNet models (SD, SDXL)")),
+    "unet_attention_slice": ((False,), _elsewhere("UNet attention slicing", "UNet models (SD, SDXL)")),
+    "flux_lora_target": (("all", None), _elsewhere("Flux's LoRA target presets", "Flux") + " (use "
+                         "lora_target_modules to choose the modules)"),
+    "flux_fast_schedule": ((False,), _elsewhere("the fast schedule", "Flux")),
+    "flux_guidance_mode": (("constant", None), _elsewhere("guidance-embedding training", "Flux")),
+    "flux_guidance_value": ((1.0, None), _elsewhere("guidance-embedding training", "Flux")),
+    "flux_guidance_min": ((0.0, None), _elsewhere("guidance-embedding training", "Flux")),
+    "flux_guidance_max": ((4.0, None), _elsewhere("guidance-embedding training", "Flux")),
+    "flux_attention_masked_training": ((False,), _elsewhere("attention-masked training", "Flux")),
+    "validation_guidance_real": ((1.0, None), _elsewhere("real CFG for guidance-distilled models", "Flux")),
+    "hidream_use_load_balancing_loss": ((False,), _elsewhere("the mixture-of-experts balancing loss", "HiDream")),
+    "ltx_train_mode": (("i2v", None), _elsewhere("LTX's training mode", "LTX-Video") + " (Kandinsky 5 Video "
+                       "trains image-to-video with an i2v flavour)"),
+    "ltx_i2v_prob": ((0.1, None), _elsewhere("LTX's image-to-video share", "LTX-Video")),
+    "ltx_partial_noise_fraction": ((0.05, None), _elsewhere("LTX's partial noise", "LTX-Video")),
+    "ltx_protect_first_frame": ((False,), _elsewhere("LTX's first-frame protection", "LTX-Video")),
+    "refiner_training": ((False,), _elsewhere("refiner (mixture-of-experts) training", "SDXL")),
+    "sdxl_refiner_uses_full_range": ((False,), _elsewhere("the refiner's timestep range", "SDXL")),
+    "data_aesthetic_score": ((7.0, None), _elsewhere("the aesthetic-score conditioning", "the SDXL refiner")),
+    "sana_complex_human_instruction": ((None, ""), _elsewhere("the prompt-enhancing instruction", "Sana")),
+    "text_encoder_3_precision": (("no_change", None), "a third text encoder; Lumina2 has one and Kandinsky 5 two"
+                                 + _REMOVE),
+    "text_encoder_4_precision": (("no_change", None), "a fourth text encoder; Lumina2 has one and Kandinsky 5 two"
+                                 + _REMOVE),
+    "controlnet": ((False,), "ControlNet training (diffusers has no ControlNet for Lumina2 or Kandinsky 5); set "
+                   "controlnet to false"),
+    "control": ((False,), "channel-wise control training; set control to false"),
+    # model loading
+    "pretrained_vae_model_name_or_path": ((None,), "a VAE from another repository; the VAE is loaded from the "
+                                         "model's vae/ folder (pretrained_model_name_or_path)" + _REMOVE),
+    "pretrained_transformer_model_name_or_path": ((None,), "a transformer from another repository; give a folder "
+                                                  "in the hub layout holding it as pretrained_model_name_or_path"),
+    "pretrained_transformer_subfolder": (("transformer", None), "another transformer subfolder; give a folder in "
+                                         "the hub layout as pretrained_model_name_or_path"),
+    "pretrained_gemma_model_name_or_path": ((None,), "Lumina2's Gemma text encoder from another repository; the "
+                                            "text encoder is loaded from the model's folder" + _REMOVE),
+    "revision": ((None,), "hub revisions; download the revision you want and give its folder as "
+                 "pretrained_model_name_or_path"),
+    "variant": ((None,), "hub variants (fp16, ...); the weights are loaded as stored and cast to "
+                "base_model_default_dtype" + _REMOVE),
+    "non_ema_revision": ((None,), "hub revisions" + _REMOVE),
+    "vae_dtype": ((None,), "a separate VAE dtype; the VAE takes the weights' dtype (base_model_default_dtype, "
+                  "else mixed_precision)" + _REMOVE),
+    "quantization_config": ((None,), "Diffusers quantization configs (quantize_via 'pipeline'); use "
+                            "base_model_precision"),
+    "quantize_activations": ((False,), "quantized activations; base_model_precision quantizes weights only"
+                             + _REMOVE),
+    "fuse_qkv_projections": ((False,), "fused attention projections (attention_mechanism picks the kernel)"
+                             + _REMOVE),
+    "sla_config": ((None,), "SLA attention (attention_mechanism 'sla' is refused too)" + _REMOVE),
+    "i_know_what_i_am_doing": ((False, None), "difftune has no safety limits to unlock" + _REMOVE),
+    # LoRA
+    "lora_init_type": (("default", None), "LoRA initialisations other than peft's default" + _REMOVE),
+    "peft_lora_mode": (("standard", None), "SingLoRA; use peft_lora_mode 'standard' or lora_type 'lycoris'"),
+    "peft_lora_target_modules": ((None,), "use lora_target_modules (a JSON list of module-name suffixes)"),
+    "slider_lora_target": ((False,), "slider LoRA targets; use lora_target_modules to choose the modules"),
+    "init_lokr_norm": ((None,), "LoKr's perturbed-normal initialisation" + _REMOVE),
+    "use_dora": ((False,), "DoRA (weight-decomposed LoRA)" + _REMOVE),
+    # text encoders: their embeddings are cached, so they never train
+    "train_text_encoder": ((False,), "training the text encoder; difftune trains the transformer and caches the "
+                           "text embeddings: set train_text_encoder to false"),
+    # noise levels, loss, learning rate
+    "flow_use_uniform_schedule": ((False,), "use timestep_sampling: 'uniform'"),
+    "flow_use_beta_schedule": ((False,), "Beta-distributed noise levels; use timestep_sampling ('logit_normal', "
+                               "'uniform' or 'mode')"),
+    "flow_custom_timesteps": ((None, ""), "a fixed list of training noise levels; use timestep_sampling"),
+    "input_perturbation": ((0, None), "input perturbation; set input_perturbation to 0"),
+    "loss_type": (("l2", None), "Huber and smooth-L1 losses; difftune trains with the mean squared error ('l2')"),
+    "masked_loss_probability": ((1.0, None), "masked loss (mask conditioning datasets)" + _REMOVE),
+    "lr_end": ((None,), "a chosen final learning rate; the schedules decay to 0 (polynomial: to 1e-7, diffusers' "
+               "default)" + _REMOVE),
+    "lr_power": ((1, None), "a polynomial power other than 1 (the polynomial schedule decays linearly, "
+                 "diffusers' default); set lr_power to 1 or remove it"),
+    "lr_num_cycles": ((1, None), "several cosine_with_restarts cycles; set lr_num_cycles to 1 or remove it"),
+    "lr_scale": ((False,), "scaling learning_rate by batch size and process count; multiply learning_rate "
+                 "yourself"),
+    "lr_scale_sqrt": ((False,), "scaling learning_rate by batch size and process count; multiply learning_rate "
+                      "yourself"),
+    "ignore_final_epochs": ((False,), "ignoring num_train_epochs; set num_train_epochs to 0 so that "
+                            "max_train_steps alone decides"),
+    "disable_tf32": ((True, None), "turning TF32 matmuls on (SimpleTuner's default); difftune leaves torch's "
+                     "default (TF32 off for matmuls): set disable_tf32 to true or remove it"),
+    # same result either way: torch frees gradients (zero_grad(set_to_none=True)); flow-matching noise levels are
+    # never segmented (SimpleTuner segments DDPM timesteps only)
+    "set_grads_to_none": ((False, True, None), "set_grads_to_none takes true or false"),
+    "disable_segmented_timestep_sampling": ((False, True, None), "disable_segmented_timestep_sampling takes true or false"),
+    "gradient_checkpointing_backend": (("torch", None), "offloading activations to the CPU ('unsloth'); "
+                                       "gradient_checkpointing recomputes them ('torch'): set it to 'torch' or "
+                                       "remove it"),
+    # optimizer
+    "optimizer_config": ((None, ""), "optimizer settings beyond learning_rate, adam_beta1/adam_beta2, "
+                         "adam_weight_decay and adam_epsilon" + _REMOVE),
+    "optimizer_beta1": ((None,), "use adam_beta1 (the first beta of every optimizer difftune builds)"),
+    "optimizer_beta2": ((None,), "use adam_beta2 (the second beta of every optimizer difftune builds)"),
+    "optimizer_cpu_offload_method": (("offload", "none", None), "optimizer state offloading" + _REMOVE),
+    "optimizer_offload_gradients": ((False,), "offloading gradients to the CPU" + _REMOVE),
+    "fuse_optimizer": ((False,), "fused offloaded optimizers" + _REMOVE),
+    "optimizer_release_gradients": ((False,), "releasing gradients inside the optimizer step" + _REMOVE),
+    "gradient_precision": ((None, "unmodified"), "a forced gradient precision; each gradient keeps its "
+                           "parameter's dtype" + _REMOVE),
+    "prodigy_steps": ((None,), "limiting Prodigy's adaptation to a number of steps" + _REMOVE),
+    # EMA: difftune's CPU EMA is updated on the CPU (as with ema_cpu_only: true); the result is the same
+    "ema_cpu_only": ((False, True, None), "ema_cpu_only takes true or false"),
+    "ema_foreach_disable": ((False,), "EMA updates without torch._foreach kernels" + _REMOVE),
+    # data
+    "aspect_bucket_alignment": ((16, None), "bucket sides are multiples of 16 (each family's VAE factor times "
+                                "patch size); set aspect_bucket_alignment to 16 or remove it"),
+    "aspect_bucket_rounding": ((None,), "rounding aspect ratios; images are grouped by their bucket size in "
+                               "pixels" + _REMOVE),
+    "aspect_bucket_disable_rebuild": ((True, None), "drawing a new 'random' crop aspect every epoch; difftune "
+                                      "draws it once per image (as with aspect_bucket_disable_rebuild: true)"
+                                      + _REMOVE),
+    "allow_dataset_oversubscription": ((False,), "raising repeats automatically for small datasets; set repeats "
+                                       "on the dataset entries"),
+    "data_backend_sampling": (("auto-weighting", None), "'uniform' dataset sampling; datasets are sampled in "
+                              "proportion to their size ('auto-weighting'), or by each entry's probability: set "
+                              "probability on the dataset entries"),
+    "conditioning_multidataset_sampling": (("random", None), "several conditioning datasets per dataset; each "
+                                           "dataset names one (conditioning_data)" + _REMOVE),
+    "ignore_missing_files": ((False,), "keeping files that left the disk in the buckets" + _REMOVE),
+    "delete_unwanted_images": ((False,), "deleting your images; difftune never deletes them and reports the "
+                               "skipped ones in the data report" + _REMOVE),
+    "delete_problematic_images": ((False,), "deleting your images; difftune never deletes them and reports the "
+                                  "unreadable ones in the data report" + _REMOVE),
+    "preserve_data_backend_cache": ((False,), "skipping the dataset scan; the metadata cache is reused while the "
+                                    "files are unchanged" + _REMOVE),
+    "override_dataset_config": ((False,), "reusing caches made with other dataset settings; the caches are "
+                                "fingerprinted and rebuilt when a setting changes" + _REMOVE),
+    "skip_file_discovery": (("", None), "skipping discovery stages; the metadata cache is reused while the "
+                            "files are unchanged" + _REMOVE),
+    "max_upscale_threshold": ((None,), "dropping images upscaled beyond a threshold; set minimum_image_size on the "
+                              "dataset entries"),
+    "cache_dir": ((None,), "a download folder for models; set HF_HOME (or HF_HUB_CACHE) in the environment"),
+    "cache_dir_text": ((None,), "set cache_dir on the text_embeds entry of the dataset list"),
+    "vae_cache_ondemand": ((False,), "encoding latents during training while still writing them to disk; set "
+                           "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
+                           "training"),
+    "vae_cache_scan_behaviour": (("recreate", None), "'sync' (rewriting bucket metadata to match stale latents); "
+                                 "a latent whose fingerprint changed is encoded again, as with 'recreate'"
+                                 + _REMOVE),
+    "vae_enable_temporal_roll": ((False,), "rolling the video VAE over time; use vae_enable_patch_conv to bound "
+                                 "its memory"),
+    "keep_vae_loaded": ((False,), "keeping the VAE on the accelerator while training; it waits in CPU memory "
+                        "after caching" + _REMOVE),
+    "cache_clear_validation_prompts": ((False,), "re-encoding the validation prompts; the text cache encodes a "
+                                       "prompt again when its text or the encoder changes" + _REMOVE),
+    "tokenizer_max_length": ((None,), "another prompt length; each family encodes prompts at its pipeline's "
+                             "length" + _REMOVE),
+    "framerate": ((None,), "use frame_rate (frames per second of validation videos, and of training clips unless "
+                  "a dataset's video block sets its own)"),
+    # memory and processes
+    "accelerator_cache_clear_interval": ((None, 0), "emptying the accelerator's memory cache every N steps"
+                                         + _REMOVE),
+    "offload_during_save": ((False,), "offloading while saving; checkpoints never hold the base model" + _REMOVE),
+    "delete_model_after_load": ((False,), "deleting the model from the hub cache" + _REMOVE),
+    "musubi_block_swap_device": (("cpu", None), "streaming blocks from another device than CPU memory"
+                                 + _REMOVE),
+    "ramtorch": ((False,), "RamTorch's CPU-streamed layers; use enable_group_offload or musubi_blocks_to_swap"),
+    "group_offload_text_encoder": ((False,), "streaming the text encoders; offload_during_startup keeps the "
+                                   "transformer off the accelerator while they encode" + _REMOVE),
+    "group_offload_vae": ((False,), "streaming the VAE; use vae_enable_tiling or vae_enable_patch_conv"),
+    "num_processes": ((1, None), "launch with `accelerate launch --num_processes N`; remove num_processes"),
+    "num_machines": ((1, None), "multi-machine runs: give the machine settings to accelerate launch (accelerate "
+                     "config)"),
+    "accelerate_config": ((None,), "pass it to accelerate launch (--config_file)"),
+    "accelerate_extra_args": ((None,), "pass them to accelerate launch"),
+    "local_rank": ((-1, None), "the launcher sets each process's rank" + _REMOVE),
+    "deepspeed_config": ((None,), "DeepSpeed; use fsdp_enable to shard the model between processes"),
+    "offload_param_path": ((None,), "DeepSpeed's parameter offload; use fsdp_enable" + _REMOVE),
+    "context_parallel_size": ((1, None), "context parallelism" + _REMOVE),
+    "fsdp_auto_wrap_policy": (("TRANSFORMER_BASED_WRAP", None), "other FSDP wrap policies; each transformer block "
+                              "is one shard unit (TRANSFORMER_BASED_WRAP)" + _REMOVE),
+    "fsdp_limit_all_gathers": ((True, None), "FSDP1's all-gather limit (FSDP2 has none)" + _REMOVE),
+    "fsdp_cpu_offload": ((False,), "FSDP's CPU offload" + _REMOVE),
+    "fsdp_activation_checkpointing": ((False,), "use gradient_checkpointing"),
+    "seed_for_each_device": ((True, None), "the same seed on every process; noise is drawn for the global batch "
+                             "from one seed and split between the processes" + _REMOVE),
+    # validation and evaluation
+    "num_validation_images": ((1, None), "several samples per prompt; each prompt is sampled once per "
+                              "validation_resolution: set it to 1 or remove it"),
+    "validation_epoch_interval": ((None,), "use validation_step_interval"),
+    "eval_epoch_interval": ((None,), "use eval_steps_interval"),
+    "checkpoint_epoch_interval": ((None,), "use checkpoint_step_interval"),
+    "eval_timesteps": ((28, None), "validation loss on eval datasets" + _REMOVE),
+    # there are no eval datasets, so no validation loss either way
+    "eval_loss_disable": ((False, True, None), "eval_loss_disable takes true or false"),
+    "eval_dataset_pooling": ((False,), "pooling evaluation charts of several eval datasets" + _REMOVE),
+    "validation_on_startup": ((False,), "sampling the base model before training" + _REMOVE),
+    "validation_disable": ((False,), "validation is off when no prompt is set: remove validation_prompt, "
+                           "user_prompt_library and validation_prompt_library"),
+    "validation_randomize": ((False,), "random validation seeds; samples use validation_seed (else seed)"),
+    "validation_seed_source": (("gpu", None), "drawing validation noise on the CPU; it is drawn on the "
+                               "accelerator (SimpleTuner's 'gpu'): set it to 'gpu' or remove it"),
+    # validation samples on process 0 (SimpleTuner's 'single-gpu'); the samples are the same either way
+    "validation_multigpu": (("batch-parallel", "single-gpu", None), "validation_multigpu takes 'batch-parallel' or 'single-gpu'"),
+    "validation_torch_compile": ((False,), "compiling the validation pipeline; compile: true compiles the "
+                                 "transformer for training and validation alike"),
+    "validation_stitch_input_location": ((None,), "stitching the input image beside image-to-image samples; "
+                                         "each sample is saved alone" + _REMOVE),
+    "validation_guidance_skip_layers": ((None,), "skip-layer guidance" + _REMOVE),
+    "validation_lycoris_strength": ((1.0, None), "sampling LyCORIS at another strength" + _REMOVE),
+    "validation_noise_scheduler": ((None,), "another validation scheduler; samples use the pipeline's own "
+                                   "flow-matching scheduler" + _REMOVE),
+    "validation_method": (("simpletuner-local", None), "external validation scripts" + _REMOVE),
+    "validation_adapter_path": ((None,), "validating with an extra LoRA loaded" + _REMOVE),
+    "validation_adapter_config": ((None,), "validating with extra LoRAs loaded" + _REMOVE),
+    "validation_preview": ((False,), "streaming previews of validation samples" + _REMOVE),
+    # checkpoints, trackers, publishing
+    "checkpointing_rolling_steps": ((0, None), "rolling checkpoints; use checkpoint_step_interval with "
+                                    "checkpoints_total_limit"),
+    # checkpoints are always written into a temporary folder and renamed into place
+    "checkpointing_use_tempdir": ((False, True, None), "checkpointing_use_tempdir takes true or false"),
+    "logging_dir": ((None,), "a TensorBoard folder of your choice; the logs go under output_dir/tensorboard"
+                    + _REMOVE),
+    "tracker_image_layout": (("gallery", None), "the 'table' layout of validation images" + _REMOVE),
+    "custom_tracker": ((None,), "custom tracker modules; use report_to 'wandb' or 'tensorboard'"),
+    "webhook_config": ((None,), "webhooks; every event is written to events.jsonl in output_dir" + _REMOVE),
+    "post_upload_script": ((None,), "running a script after each upload" + _REMOVE),
+    "post_checkpoint_script": ((None,), "running a script after each checkpoint" + _REMOVE),
+    "publishing_config": ((None,), "publishing to other stores than the Hugging Face hub" + _REMOVE),
+    # uploads always run in the background (the run waits for the last one); the result is the same
+    "push_to_hub_background": ((False, True, None), "push_to_hub_background takes true or false"),
+    "model_card_safe_for_work": ((True, None), "the NSFW warning of SimpleTuner's model cards; difftune's card "
+                                 "has none (as with model_card_safe_for_work: true): set it to true or remove it"),
+    "model_card_note": ((None, ""), "a note on the model card; edit README.md on the hub after the upload"),
+    "enable_watermark": ((False,), "watermarked validation images" + _REMOVE),
+    "debug_aspect_buckets": ((False,), "SimpleTuner's debug printing; the data report lists the buckets"
+                             + _REMOVE),
+    "debug_dataset_loader": ((False,), "SimpleTuner's debug printing; the data report lists the datasets"
+                             + _REMOVE),
+    "print_filenames": ((False,), "SimpleTuner's debug printing; the data report names the unreadable files"
+                        + _REMOVE),
+    "print_sampler_statistics": ((False,), "SimpleTuner's debug printing" + _REMOVE),
+    "distillation_method": ((None,), "distillation (LCM, DCM, ...)" + _REMOVE),
+    "layersync_enabled": ((False,), "LayerSync (hidden-state self-alignment); set layersync_enabled to false"),
 }
+
+PENDING_DATASET_KEYS |= {
+    "scan_for_errors": ((False,), "scanning the latent cache for errors; each cached latent's fingerprint is "
+                        "checked on every start" + _REMOVE),
+    "preserve_data_backend_cache": ((False,), "skipping the dataset scan; the metadata cache is reused while the "
+                                    "files are unchanged" + _REMOVE),
+    "skip_file_discovery": (("", None), "skipping discovery stages; the metadata cache is reused while the files "
+                            "are unchanged" + _REMOVE),
+}
+
+# A SimpleTuner setting of a pending switch above: any value while the switch is off.
+DEPENDS_ON |= {key: switch for switch, keys in {
+    "peft_lora_mode": ["singlora_ramp_up_steps"],
+    "train_text_encoder": ["text_encoder_lr", "freeze_encoder", "freeze_encoder_before", "freeze_encoder_after",
+                           "freeze_encoder_strategy", "layer_freeze_strategy", "save_text_encoder",
+                           "text_encoder_limit", "fully_unload_text_encoder"],
+    "use_soft_min_snr": ["soft_min_snr_sigma_data"],
+    "snr_gamma": ["snr_weight"],
+    "timestep_bias_strategy": ["timestep_bias_begin", "timestep_bias_end", "timestep_bias_multiplier",
+                               "timestep_bias_portion"],
+    "offset_noise": ["noise_offset", "noise_offset_probability"],
+    "diff2flow_enabled": ["diff2flow_loss"],
+    "validation_guidance_real": ["validation_no_cfg_until_timestep"],
+    "hidream_use_load_balancing_loss": ["hidream_load_balancing_loss_weight"],
+    "refiner_training": ["refiner_training_invert_schedule", "refiner_training_strength"],
+    "controlnet": ["controlnet_custom_config", "controlnet_model_name_or_path"],
+    "flow_use_beta_schedule": ["flow_beta_schedule_alpha", "flow_beta_schedule_beta"],
+    "input_perturbation": ["input_perturbation_steps"],
+    "loss_type": ["huber_schedule", "huber_c"],
+    "ramtorch": ["ramtorch_target_modules", "ramtorch_text_encoder", "ramtorch_vae", "ramtorch_controlnet",
+                 "ramtorch_transformer_percent", "ramtorch_text_encoder_percent", "ramtorch_disable_sync_hooks",
+                 "ramtorch_disable_extensions"],
+    "num_machines": ["main_process_ip", "main_process_port", "machine_rank", "same_network"],
+    "context_parallel_size": ["context_parallel_comm_strategy"],
+    "validation_torch_compile": ["validation_torch_compile_mode"],
+    "validation_guidance_skip_layers": ["validation_guidance_skip_layers_start",
+                                        "validation_guidance_skip_layers_stop", "validation_guidance_skip_scale"],
+    "validation_method": ["validation_external_script", "validation_external_background"],
+    "validation_adapter_path": ["validation_adapter_name", "validation_adapter_strength", "validation_adapter_mode"],
+    "validation_preview": ["validation_preview_steps"],
+    "checkpointing_rolling_steps": ["checkpoints_rolling_total_limit"],
+    "webhook_config": ["webhook_reporting_interval"],
+    "distillation_method": ["distillation_config"],
+    "layersync_enabled": ["layersync_student_block", "layersync_teacher_block", "layersync_lambda"],
+}.items() for key in keys}
 
 # (key, value) -> message, for keys difftune has, whose other values work
 PENDING_VALUES: dict[tuple[str, str], str] = {

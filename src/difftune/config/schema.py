@@ -9,7 +9,7 @@ import-light by design.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, field_validator, model_validator
 
@@ -20,7 +20,7 @@ from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.fields import field
 from difftune.config.rollout_keys import RolloutKeys
 from difftune.config.speed_keys import SpeedKeys
-from difftune.config.values import parse_resolutions, prompt_library, read_json_file, snap_size
+from difftune.config.values import parse_resolutions, prompt_library, snap_size
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
@@ -123,7 +123,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys):  # config/crepa_keys.py, r
         None, "Default resolution_type of every dataset that does not set its own.", "data", advanced=True
     )
     minimum_image_size: float | None = field(
-        None, "Default minimum_image_size of every dataset that does not set its own.", "data", gt=0,
+        None, "Default minimum_image_size of every dataset that does not set its own (0: no minimum).", "data", ge=0,
         advanced=True,
     )
     caption_dropout_probability: float = field(
@@ -132,7 +132,10 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys):  # config/crepa_keys.py, r
     )
 
     # --- training
-    seed: int = field(42, "Random seed: data order, noise and timesteps all derive from it.", "training")
+    seed: int = field(
+        42, "Random seed: data order, noise and timesteps all derive from it (null: 42; a run is always seeded, so "
+        "that a resume repeats it).", "training",
+    )
     train_batch_size: int = field(1, "Images per micro-batch.", "training", gt=0)
     gradient_accumulation_steps: int = field(1, "Micro-batches per optimizer step.", "training", gt=0)
     learning_rate: float = field(1e-4, "Peak learning rate. LoRA: 1e-4 (5e-5 if artifacts).", "training", gt=0)
@@ -440,12 +443,13 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys):  # config/crepa_keys.py, r
     @field_validator("lycoris_config")
     @classmethod
     def _lycoris_file(cls, v: str | None) -> str | None:
-        if v in (None, ""):
-            return None
-        data = read_json_file(v, "lycoris_config")
-        if not isinstance(data, dict) or "algo" not in data:
-            raise ValueError(f"{v} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
-        return v
+        return None if v in (None, "") else v  # the file is read by cross_checks when lora_type is 'lycoris'
+
+    @field_validator("seed", "max_train_steps", "eval_steps_interval", "validation_using_datasets", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: object, info: Any) -> object:
+        """SimpleTuner writes null for these (its default): the same as leaving them out."""
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("init_lora")
     @classmethod

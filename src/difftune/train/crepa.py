@@ -56,6 +56,7 @@ from difftune.train.tread import LAYOUTS
 
 PROJECTOR_WIDTH = 2048
 PROJECTOR_FILE = "crepa_projector.safetensors"
+SIMILARITY_FILE = "crepa_similarity.safetensors"  # crepa_similarity_threshold's moving average and cut flag
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Families whose cached latents are (z - shift_factor) * scaling_factor (models/lumina2.py); the Kandinsky 5
 # pipelines ignore the VAE's shift_factor (models/kandinsky5_image.py): their latents are z * scaling_factor.
@@ -134,6 +135,10 @@ class Crepa:
         self.module = projector(hidden, self.encoder.config.hidden_size, cfg.seed).to(device)
         self.forward_module: Any = self.module  # accelerate's prepared (DDP) module with several processes
         self.armed, self.captured, self.captions = False, None, None
+        self.processes = 1
+        # crepa_similarity_threshold: the moving average and the permanent cut, kept on the device (no host read)
+        self.similarity: torch.Tensor | None = None
+        self.cut = torch.zeros((), dtype=torch.bool, device=device)
         self.handles = [transformer.register_forward_pre_hook(self._on_call, with_kwargs=True),
                         blocks[index].register_forward_hook(self._on_block)]
         vae = comps.vae
@@ -142,6 +147,7 @@ class Crepa:
 
     def prepare(self, accelerator: Any, processes: int) -> None:
         """Several processes: the projector in accelerate's DDP wrapper, so its gradients are averaged too."""
+        self.processes = processes
         if processes > 1:
             self.forward_module = accelerator.prepare(self.module)
 
@@ -207,17 +213,42 @@ class Crepa:
         loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames,
                          self.cfg.crepa_cumulative_neighbors)
         self.captured = None
+        if self.cfg.crepa_similarity_threshold is not None:
+            loss = loss * self._gate(F.cosine_similarity(tokens, targets, dim=-1).mean().detach())
         return loss
+
+    def _gate(self, similarity: torch.Tensor) -> torch.Tensor:
+        """crepa_similarity_threshold: 1.0 while the alignment applies, 0.0 once it is cut. The moving average is
+        of every process's similarity (so all of them cut at the same step), updated on the device."""
+        if self.processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(similarity)
+            similarity = similarity / self.processes
+        decay = self.cfg.crepa_similarity_ema_decay
+        self.similarity = similarity if self.similarity is None else decay * self.similarity + (1 - decay) * similarity
+        reached = self.similarity >= self.cfg.crepa_similarity_threshold
+        if self.cfg.crepa_threshold_mode == "recoverable":
+            return (~reached).float()
+        self.cut = self.cut | reached
+        return (~self.cut).float()
 
     def save(self, folder: Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()},
                   folder / PROJECTOR_FILE)
+        if self.similarity is not None:
+            save_file({"average": self.similarity.detach().float().cpu().reshape(1),
+                       "cut": self.cut.float().cpu().reshape(1)}, folder / SIMILARITY_FILE)
 
     def load(self, folder: Path) -> None:
         if not (folder / PROJECTOR_FILE).is_file():
             raise ValueError(f"{folder} has no CREPA projector ({PROJECTOR_FILE}) but crepa_enabled is on; resume "
                              "with crepa_enabled false, or start a new output_dir")
         self.module.load_state_dict(load_file(folder / PROJECTOR_FILE))
+        if (folder / SIMILARITY_FILE).is_file():  # absent: no average yet (or no threshold when it was saved)
+            state = load_file(folder / SIMILARITY_FILE)
+            self.similarity = state["average"].reshape(()).to(self.device)
+            self.cut = state["cut"].reshape(()).to(self.device) > 0.5
 
 
 class DroppedEncoder(torch.nn.Module):
