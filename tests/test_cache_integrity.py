@@ -157,3 +157,85 @@ def test_damaged_entries_in_training_are_left_out_deleted_and_reencoded(tmp_path
     for path in {*latent_files, *text_files}:
         read(path)
     assert load_file(zeroed)["latents"].abs().sum() > 0
+
+
+# --- compress_disk_cache: the same guarantees for deflated entries ------------------------------------------
+
+def packed_data_start(blob: bytes) -> int:
+    from difftune.data.cache import _PREFIX
+    return _PREFIX + int.from_bytes(blob[4:12], "little")
+
+
+def packed_zeroed(blob: bytes) -> bytes:
+    start = packed_data_start(blob)
+    return blob[:start] + bytes(len(blob) - start)
+
+
+def packed_random(blob: bytes) -> bytes:
+    start = packed_data_start(blob)
+    return blob[:start] + np.random.default_rng(0).integers(0, 256, len(blob) - start, dtype=np.uint8).tobytes()
+
+
+def packed_header_edit(old: str, new: str):
+    def edit(blob: bytes) -> bytes:
+        start = packed_data_start(blob)
+        return blob[:20] + blob[20:start].decode().replace(old, new, 1).encode() + blob[start:]
+    return edit
+
+
+PACKED_DAMAGE = [
+    ("deflated data zeroed", packed_zeroed, False),
+    ("deflated data random", packed_random, False),
+    ("dtype changed in the header", packed_header_edit('"F32"', '"I32"'), True),
+    ("renamed tensor", packed_header_edit('"latents"', '"latentz"'), True),
+    ("whole file zeroed", lambda blob: bytes(len(blob)), True),
+    ("truncated", lambda blob: blob[: len(blob) - 7], True),
+    ("bytes appended", lambda blob: blob + b"\0" * 7, True),
+]
+
+
+@pytest.mark.parametrize("name,damage,at_start", PACKED_DAMAGE, ids=[d[0] for d in PACKED_DAMAGE])
+def test_compressed_entries_catch_every_damage(tmp_path, name, damage, at_start):
+    cache = TensorCache(tmp_path, {"t": 1}, compress=True)
+    path = cache.put("k", LATENTS)
+    assert path.read_bytes().startswith(b"DTZ1")
+    assert cache.has("k") and torch.equal(cache.read("k")["latents"], LATENTS["latents"])
+    path.write_bytes(damage(path.read_bytes()))
+    if at_start:
+        assert not cache.has("k") and not path.exists()
+        return
+    assert cache.has("k")
+    with pytest.raises(DamagedEntry):
+        cache.read("k")
+    assert not path.exists()
+
+
+def test_compressed_and_plain_entries_read_either_way(tmp_path):
+    """Switching compress_disk_cache re-encodes nothing: each form is read by a cache of the other; the
+    compressed one is smaller where the data has slack (padded text embeddings)."""
+    padded = torch.randn(64, 32).to(torch.bfloat16)
+    padded[20:] = 0
+    entry = {"prompt_embeds": padded, "mask": torch.arange(64) < 20}
+    plain, packed = TensorCache(tmp_path, {"t": 1}), TensorCache(tmp_path, {"t": 1}, compress=True)
+    a, b = plain.put("a", entry), packed.put("b", entry)
+    assert b.stat().st_size < 0.5 * a.stat().st_size
+    for cache in (plain, packed):
+        for key in ("a", "b"):
+            assert cache.has(key)
+            got = cache.read(key)
+            assert torch.equal(got["prompt_embeds"], padded) and torch.equal(got["mask"], entry["mask"])
+
+
+def test_training_on_a_compressed_cache_matches_the_plain_one(tmp_path, dataset):
+    """compress_disk_cache writes every latent and text entry deflated, and training reads the same numbers."""
+    losses = []
+    for name, compress in (("plain", False), ("packed", True)):
+        config = write_config(tmp_path / name, dataset, max_train_steps=3, compress_disk_cache=compress,
+                              output_dir=str(tmp_path / name / "out"))
+        run = build_run(load_config(config))
+        files = [c.latent_file for c in run.data.items]
+        files += [run.data.text_caches["train"].path(c.text_keys[0]) for c in run.data.items]
+        assert files and all(f.read_bytes().startswith(b"DTZ1") == compress for f in files)
+        train(run)
+        losses.append([e["loss"] for e in events_of(tmp_path / name / "out") if e["event"] == "step"])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

@@ -75,15 +75,36 @@ def test_config_level_dataset_defaults(tmp_path, dataset):
     assert (ds.resolution, ds.minimum_image_size) == (48, 16)  # the dataset's own value wins
 
 
+def test_config_level_crop_and_caption_defaults(tmp_path, dataset):
+    """SimpleTuner's config-level crop_*, caption and size keys reach every dataset lacking its own."""
+    path = write_config(tmp_path, dataset, crop=True, crop_style="random", crop_aspect="closest",
+                        crop_aspect_buckets=[0.75, 1.0], caption_strategy="instanceprompt",
+                        instance_prompt="a photo of sks", maximum_image_size=2048, target_downsample_size=1024)
+    entries = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    del entries[0]["caption_strategy"]
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(entries))
+    ds = load_config(path).datasets.images[0]
+    assert (ds.crop, ds.crop_style, ds.crop_aspect, ds.crop_aspect_buckets) == (True, "random", "closest", [0.75, 1.0])
+    assert (ds.caption_strategy, ds.instance_prompt) == ("instanceprompt", "a photo of sks")
+    assert (ds.maximum_image_size, ds.target_downsample_size) == (2048, 1024)
+    own = write_config(tmp_path, dataset, crop=True, crop_style="random", prepend_instance_prompt=True,
+                       instance_prompt="sks", dataset={"crop": False, "crop_style": "corner"})
+    ds = load_config(own).datasets.images[0]
+    assert (ds.crop, ds.crop_style, ds.prepend_instance_prompt) == (False, "corner", True)
+    # a default that makes a dataset invalid is reported there, naming the key
+    text = problems(write_config(tmp_path, dataset, crop=True, crop_aspect="closest"))
+    assert "crop_aspect_buckets" in text
+    text = problems(write_config(tmp_path, dataset, crop_style="diagonal"))
+    assert "crop_style" in text
+
+
 def test_vae_and_runtime_keys(tmp_path, dataset):
     cfg = load_config(write_config(tmp_path, dataset, vae_enable_tiling=True, vae_enable_slicing="true",
-                                   grad_clip_method="value", disable_benchmark=False)).train
+                                   grad_clip_method="value", cudnn_benchmark=True)).train
     assert cfg.vae_enable_tiling and cfg.vae_enable_slicing and cfg.grad_clip_method == "value"
-    assert cfg.disable_benchmark is False
+    assert cfg.cudnn_benchmark is True and cfg.disable_benchmark is True  # base-model samples: their own key
     assert "grad_clip_method" in problems(write_config(tmp_path, dataset, grad_clip_method="percentile"))
-    load_config(write_config(tmp_path, dataset, compress_disk_cache=False))
-    text = problems(write_config(tmp_path, dataset, compress_disk_cache=True))
-    assert "compress_disk_cache" in text and "not implemented yet" in text
+    assert load_config(write_config(tmp_path, dataset, compress_disk_cache="true")).train.compress_disk_cache
 
 
 def test_apply_torch_options():
@@ -94,7 +115,7 @@ def test_apply_torch_options():
 
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4, sample_size=32)
     cfg = TrainConfig(model_family="lumina2", max_train_steps=1, vae_enable_tiling=True, vae_enable_slicing=True,
-                      disable_benchmark=False)
+                      cudnn_benchmark=True)
     before = torch.backends.cudnn.benchmark
     try:
         assert apply_torch_options(cfg, vae) == ["cuDNN benchmark", "vae_enable_tiling", "vae_enable_slicing"]
@@ -109,7 +130,7 @@ def test_apply_torch_options():
 
 
 @pytest.mark.parametrize("key,value", [
-    ("compress_disk_cache", True), ("optimizer", "adamw_schedulefree"),
+    ("use_dora", True), ("optimizer", "adamw_schedulefree"),
 ])
 def test_simpletuner_keys_are_pending_not_unknown(tmp_path, dataset, key, value):
     text = problems(write_config(tmp_path, dataset, **{key: value}))
@@ -173,7 +194,7 @@ def test_did_you_mean_finds_misspellings(typo, meant):
 
 
 @pytest.mark.parametrize("key", ["gradient_checkpointing_steps", "validation_seeds_list", "num_eval_batches",
-                                 "vae_dtype", "lora_init_type", "max_workers", "snr_gamma", "data_loader_workers"])
+                                 "vae_cache_mode", "lora_init_type", "max_workers", "snr_gamma", "data_loader_workers"])
 def test_did_you_mean_does_not_suggest_unrelated_keys(key):
     assert "did you mean" not in suggest(key, list(TrainConfig.model_fields))
 
@@ -231,12 +252,8 @@ SIMPLETUNER_PENDING = [
     ("aspect_bucket_worker_count", 12, 4), ("image_processing_batch_size", 32, 8), ("read_batch_size", 25, 8),
     ("write_batch_size", 128, 16), ("max_workers", 32, 4), ("aws_max_pool_connections", 128, 16),
     ("torch_num_threads", 8, 2), ("metadata_update_interval", 3600, 60),
-    ("enable_multiprocessing", False, True), ("caption_strategy", None, "textfile"),
-    ("instance_prompt", None, "a photo of sks"), ("maximum_image_size", None, 2048),
-    ("target_downsample_size", None, 1024), ("crop_style", None, "center"), ("crop_aspect", None, "square"),
-    ("crop_aspect_buckets", None, [0.75, 1.0]), ("cache_dir_vae", None, "cache/vae"),
+    ("enable_multiprocessing", False, True), ("cache_dir_vae", None, "cache/vae"),
     ("parquet_caption_column", None, "caption"), ("parquet_filename_column", None, "filename"),
-    ("crop", False, True), ("prepend_instance_prompt", False, True), ("only_instance_prompt", False, True),
     ("prediction_type", None, "epsilon"), ("snr_gamma", None, 5), ("use_soft_min_snr", False, True),
     ("rescale_betas_zero_snr", False, True), ("timestep_bias_strategy", None, "later"),
     ("training_scheduler_timestep_spacing", "trailing", "leading"),
@@ -260,21 +277,19 @@ SIMPLETUNER_PENDING = [
     ("pretrained_transformer_model_name_or_path", None, "me/dit"),
     ("pretrained_transformer_subfolder", "transformer", "transformer_2"),
     ("pretrained_gemma_model_name_or_path", None, "google/gemma-2-2b"), ("revision", None, "main"),
-    ("variant", None, "fp16"), ("non_ema_revision", None, "main"), ("vae_dtype", None, "bf16"),
+    ("variant", None, "fp16"), ("non_ema_revision", None, "main"),
     ("quantization_config", None, {"transformer": {"load_in_4bit": True}}),
     ("quantize_activations", False, True), ("fuse_qkv_projections", False, True),
     ("sla_config", None, {"topk": 0.2}), ("i_know_what_i_am_doing", False, True),
     ("lora_init_type", "default", "pissa"), ("peft_lora_mode", "standard", "singlora"),
-    ("peft_lora_target_modules", None, ["to_q", "to_k"]), ("slider_lora_target", False, True),
+    ("slider_lora_target", False, True),
     ("init_lokr_norm", None, 0.001), ("use_dora", False, True), ("train_text_encoder", False, True),
     ("flow_use_uniform_schedule", False, True), ("flow_use_beta_schedule", False, True),
-    ("flow_custom_timesteps", None, "0.5,1.0"), ("input_perturbation", 0, 0.1), ("loss_type", "l2", "huber"),
-    ("masked_loss_probability", 1.0, 0.5), ("lr_end", None, 1e-06), ("lr_power", 1, 0.8),
-    ("lr_num_cycles", 1, 3), ("lr_scale", False, True), ("lr_scale_sqrt", False, True),
-    ("ignore_final_epochs", False, True), ("disable_tf32", True, False),
+    ("flow_custom_timesteps", None, "0.5,1.0"),
+    ("masked_loss_probability", 1.0, 0.5), ("lr_scale", False, True), ("lr_scale_sqrt", False, True),
+    ("ignore_final_epochs", False, True),
     ("set_grads_to_none", False, "sometimes"), ("disable_segmented_timestep_sampling", False, "sometimes"),
     ("gradient_checkpointing_backend", "torch", "unsloth"), ("optimizer_config", None, "d_coef=0.1"),
-    ("optimizer_beta1", None, 0.95), ("optimizer_beta2", None, 0.99),
     ("optimizer_cpu_offload_method", "offload", "offload_and_return"),
     ("optimizer_offload_gradients", False, True), ("fuse_optimizer", False, True),
     ("optimizer_release_gradients", False, True), ("gradient_precision", None, "fp32"),
@@ -289,7 +304,7 @@ SIMPLETUNER_PENDING = [
     ("cache_dir_text", None, "cache/text"), ("vae_cache_ondemand", False, True),
     ("vae_cache_scan_behaviour", "recreate", "sync"), ("vae_enable_temporal_roll", False, True),
     ("keep_vae_loaded", False, True), ("cache_clear_validation_prompts", False, True),
-    ("tokenizer_max_length", None, 512), ("framerate", None, 24),
+    ("tokenizer_max_length", None, 512),
     ("accelerator_cache_clear_interval", None, 100), ("offload_during_save", False, True),
     ("delete_model_after_load", False, True), ("musubi_block_swap_device", "cpu", "cuda:0"),
     ("ramtorch", False, True), ("group_offload_text_encoder", False, True), ("group_offload_vae", False, True),
@@ -299,10 +314,9 @@ SIMPLETUNER_PENDING = [
     ("context_parallel_size", 1, 2), ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"),
     ("fsdp_limit_all_gathers", True, False), ("fsdp_cpu_offload", False, True),
     ("fsdp_activation_checkpointing", False, True), ("seed_for_each_device", True, False),
-    ("num_validation_images", 1, 4), ("validation_epoch_interval", None, 1),
-    ("eval_epoch_interval", None, 0.5), ("checkpoint_epoch_interval", None, 1), ("eval_timesteps", 28, 10),
+    ("eval_timesteps", 28, 10),
     ("eval_loss_disable", False, "sometimes"), ("eval_dataset_pooling", False, True),
-    ("validation_on_startup", False, True), ("validation_disable", False, True),
+    ("validation_disable", False, True),
     ("validation_randomize", False, True), ("validation_seed_source", "gpu", "cpu"),
     ("validation_multigpu", "batch-parallel", "all"), ("validation_torch_compile", False, True),
     ("validation_stitch_input_location", None, "left"), ("validation_guidance_skip_layers", None, [7, 8]),
@@ -340,7 +354,7 @@ def test_simpletuner_option_accepted_off_refused_on(tmp_path, images, key, off, 
 
 
 @pytest.mark.parametrize("setting,value,switch,off,on", [
-    ("noise_offset", 0.1, "offset_noise", False, True), ("huber_c", 0.1, "loss_type", "l2", "huber"),
+    ("noise_offset", 0.1, "offset_noise", False, True),
     ("text_encoder_lr", 1e-5, "train_text_encoder", False, True),
     ("validation_no_cfg_until_timestep", 2, "validation_guidance_real", 1.0, 3.0),
     ("ramtorch_vae", True, "ramtorch", False, True), ("layersync_lambda", 0.2, "layersync_enabled", False, True),
@@ -360,11 +374,22 @@ def test_settings_of_a_pending_switch(tmp_path, images, setting, value, switch, 
     ("pretrained_evaluation_model_name_or_path", "openai/clip-vit-large-patch14-336", "evaluation_clip_model",
      "openai/clip-vit-large-patch14-336", "openai/clip-vit-base-patch32"),
     ("model_card_private", "true", "hub_private", True, False),
+    # the optimizer's betas (SimpleTuner passes them only as a pair; here each sets its own)
+    ("optimizer_beta1", 0.95, "adam_beta1", 0.95, 0.9), ("optimizer_beta2", "0.99", "adam_beta2", 0.99, 0.999),
+    # module names for peft's target_modules, as a JSON list
+    ("peft_lora_target_modules", ["to_q", "to_k"], "lora_target_modules", ["to_q", "to_k"], ["to_v"]),
+    ("framerate", 30, "frame_rate", 30.0, 24.0),  # video models: clips trained on and videos written
 ])
 def test_simpletuner_aliases(tmp_path, images, alias, value, key, expected, other):
-    assert getattr(load_config(write_config(tmp_path, images, **{alias: value})).train, key) == expected
-    text = problems(write_config(tmp_path, images, **{alias: value, key: other}))
+    video = {"model_family": "kandinsky5-video"} if key == "frame_rate" else {}  # frame_rate is a video key
+    assert getattr(load_config(write_config(tmp_path, images, **{alias: value}, **video)).train, key) == expected
+    text = problems(write_config(tmp_path, images, **{alias: value, key: other}, **video))
     assert alias in text and key in text and "keep one" in text
+    # SimpleTuner writes null for "not set": the same as leaving the alias out, whatever the key says
+    same = load_config(write_config(tmp_path, images, **{alias: None, key: other}, **video)).train
+    assert getattr(same, key) == other
+    unset = load_config(write_config(tmp_path, images, **{alias: "null"}, **video)).train  # null as typed
+    assert key not in unset.model_fields_set
 
 
 def test_a_simpletuner_kandinsky5_config_loads(tmp_path, images):
@@ -440,3 +465,22 @@ def test_simpletuner_nulls_and_switched_off_settings(tmp_path, dataset):
     # the LyCORIS file is read when it is used, and then it must exist
     text = problems(write_config(tmp_path / "ly", dataset, lora_type="lycoris", lycoris_config=str(tmp_path / "no.json")))
     assert "lycoris_config" in text
+
+
+def test_simpletuner_loss_and_perturbation_keys(tmp_path, images):
+    """loss_type, huber_* and input_perturbation* as SimpleTuner writes them (config/loss_keys.py): typed on the
+    command line, null for the default, and its float step count; bad values name the key."""
+    path = write_config(tmp_path, images)
+    cfg = load_config(path, parse_overrides(["--loss_type", "smooth_l1", "--huber_schedule", "exponential",
+                                             "--huber_c", "0.2", "--input_perturbation", "0.1",
+                                             "--input_perturbation_steps", "100.0"])).train
+    assert (cfg.loss_type, cfg.huber_schedule, cfg.huber_c) == ("smooth_l1", "exponential", 0.2)
+    assert (cfg.input_perturbation, cfg.input_perturbation_steps) == (0.1, 100)
+    cfg = load_config(write_config(tmp_path, images, loss_type=None, huber_schedule=None, huber_c=None,
+                                   input_perturbation=None, input_perturbation_steps=None)).train
+    assert (cfg.loss_type, cfg.huber_schedule, cfg.huber_c, cfg.input_perturbation, cfg.input_perturbation_steps) == (
+        "l2", "snr", 0.1, 0.0, 0)
+    for key, bad in (("loss_type", "l1"), ("huber_schedule", "linear"), ("huber_c", 0), ("input_perturbation", -0.1),
+                     ("input_perturbation_steps", -5)):
+        text = problems(path, **{key: bad})
+        assert key in text and "not implemented yet" not in text, (key, text)

@@ -207,7 +207,8 @@ def test_term_on_kandinsky5(case, dino):
     transformer = comps.transformer.train()
     cfg = NS(crepa_block_index=0, crepa_encoder=dino, crepa_encoder_image_size=28, seed=0, tread_config=None,
              crepa_adjacent_distance=1, crepa_adjacent_tau=1.0, crepa_normalize_by_frames=True, crepa_lambda=0.5,
-             crepa_cumulative_neighbors=False, crepa_spatial_align=True, crepa_similarity_threshold=None)
+             crepa_cumulative_neighbors=False, crepa_spatial_align=True, crepa_similarity_threshold=None,
+             weight_dtype_name=lambda: "fp32")
     aligner = crepa.attach(NS(crepa_enabled=True, **vars(cfg)), family, comps, torch.device("cpu"))
     torch.manual_seed(0)
     x0 = torch.randn(1, 16, 2, 8, 8) if case.video else torch.randn(1, 16, 8, 8)
@@ -364,3 +365,21 @@ def test_drop_vae_encoder_repa_and_resume_with_new_cache_entries(tmp_path, datas
     assert [e["message"].endswith("at step 2") for e in events_of(out["drop"], "info")
             if e["message"].startswith("resumed from")] == [True]
     assert sorted(losses(out["drop"])) == [1, 2, 3] and losses(out["drop"]) == losses(out["kept"])
+
+
+def test_validation_leaves_the_vae_where_crepa_decodes(tmp_path, dataset, dino):
+    """Validation parks the VAE in CPU memory afterwards, except when CREPA decodes with it every step: then
+    it stays on the accelerator (on a GPU, parking it would move every later CREPA decode to the CPU)."""
+    from difftune.train.loop import sample
+
+    for name, extra in (("plain", {}), ("crepa", on(dino))):
+        run = build_run(load_config(write_config(tmp_path / name, dataset, validation_prompt="a cat",
+                                                 validation_resolution="32x32", validation_num_inference_steps=1,
+                                                 **extra)))
+        # On this CPU-only machine the accelerator is "cpu" too: the park is told apart as the move to the
+        # string "cpu" (moves to the accelerator pass run.accelerator.device, a torch.device)
+        parks, real_to = [], run.comps.vae.to
+        run.comps.vae.to = lambda *a, parks=parks, real_to=real_to, **k: (parks.append(a[:1] == ("cpu",)),
+                                                                          real_to(*a, **k))[1]
+        assert sample(run, "check")
+        assert any(parks) == (name == "plain"), name

@@ -253,16 +253,18 @@ def same(expected: Any, actual: Any) -> bool:
 
 
 def check_keys_arrived(combo: dict[str, Any], path: Path) -> None:
-    """Nothing silently dropped or coerced: every key of the (swapped) block is in the loaded config."""
+    """Nothing silently dropped or coerced: every key of the (swapped) block is in the loaded config (a
+    `{model_family}` placeholder filled in)."""
     run_cfg = load_config(path)
-    config = json.loads(path.read_text(encoding="utf-8"))
+    family = run_cfg.train.model_family
+    config = json.loads(path.read_text(encoding="utf-8").replace("{model_family}", family))
     for key, value in config.items():
         if clean(key) in TrainConfig.model_fields:
             assert same(value, getattr(run_cfg.train, clean(key))), key
     backend = Path(run_cfg.train.data_backend_config)
     loaded = {d.id: d for d in [*run_cfg.datasets.images, *run_cfg.datasets.validation_only.values(),
                                 *run_cfg.datasets.all_text_embeds.values()]}
-    for entry in json.loads(backend.read_text(encoding="utf-8")):
+    for entry in json.loads(backend.read_text(encoding="utf-8").replace("{model_family}", family)):
         if entry.get("disabled"):
             continue
         dataset = loaded[entry["id"]]

@@ -200,20 +200,29 @@ def bench_cache(root: Path) -> dict[str, float]:
 def bench_verification(root: Path) -> dict[str, float]:
     """Reading a cache entry as training does (`cache.read`: one read, safetensors load, CRC-32 over the
     layout and bytes, finiteness) against a plain `load_file`, per entry, for tiny latents and a 1 MiB
-    latent. Interleaved, median over entries and 3 passes; the files are in the page cache."""
+    latent. Interleaved, median over entries and 3 passes; the files are in the page cache. Also the same
+    latents in bf16 written compressed (compress_disk_cache) against plain, with the size saved."""
     results: dict[str, float] = {}
     for name, shape in VERIFY_SHAPES.items():
         cache = TensorCache(root / name, {"bench": name})
-        paths = [cache.put(str(i), {"latents": torch.randn(shape)}) for i in range(VERIFY_ENTRIES)]
-        times: dict[str, list[float]] = {"plain": [], "verified": []}
+        packed = TensorCache(root / f"{name}-packed", {"bench": name}, compress=True)
+        latents = [torch.randn(shape) for _ in range(VERIFY_ENTRIES)]
+        paths = [cache.put(str(i), {"latents": x}) for i, x in enumerate(latents)]
+        bf16 = [cache.put(f"bf16-{i}", {"latents": x.bfloat16()}) for i, x in enumerate(latents)]
+        deflated = [packed.put(f"bf16-{i}", {"latents": x.bfloat16()}) for i, x in enumerate(latents)]
+        times: dict[str, list[float]] = {"plain": [], "verified": [], "bf16": [], "packed": []}
         for _ in range(3):
-            for path in paths:
-                for kind, load in (("plain", load_file), ("verified", read)):
+            for entry in zip(paths, paths, bf16, deflated, strict=True):
+                for (kind, load), path in zip((("plain", load_file), ("verified", read), ("bf16", read),
+                                               ("packed", read)), entry, strict=True):
                     t = time.perf_counter()
                     load(path)
                     times[kind].append(time.perf_counter() - t)
-        plain, verified = statistics.median(times["plain"]), statistics.median(times["verified"])
-        results |= {f"verify_{name}_plain_ms": plain * 1000, f"verify_{name}_ms": verified * 1000}
+        ms = {kind: statistics.median(t) * 1000 for kind, t in times.items()}
+        saved = 1 - sum(p.stat().st_size for p in deflated) / sum(p.stat().st_size for p in bf16)
+        results |= {f"verify_{name}_plain_ms": ms["plain"], f"verify_{name}_ms": ms["verified"],
+                    f"verify_{name}_bf16_ms": ms["bf16"], f"verify_{name}_packed_ms": ms["packed"],
+                    f"verify_{name}_packed_saved": saved}
     return results
 
 
@@ -318,6 +327,10 @@ def rows(r: dict[str, float]) -> list[tuple[str, str, str]]:
            f"cache.read (CRC-32, layout, finite) of a {label} latent entry; plain load_file "
            f"{r[f'verify_{name}_plain_ms']:.3f} ms; median of {VERIFY_ENTRIES} entries x 3")
           for name, label in (("tiny", "16x8x8 f32"), ("1mib", "16x128x128 f32 (1 MiB)"))),
+        *((f"cache entry read, compressed ({label} bf16)", f"{r[f'verify_{name}_packed_ms']:.3f} ms",
+           f"compress_disk_cache: {r[f'verify_{name}_packed_saved']:.0%} less disk; the same entry plain "
+           f"{r[f'verify_{name}_bf16_ms']:.3f} ms; median of {VERIFY_ENTRIES} entries x 3")
+          for name, label in (("tiny", "16x8x8"), ("1mib", "16x128x128"))),
         ("peak RSS", f"{r['peak_rss_mib']:.0f} MiB", "whole benchmark process (ru_maxrss)"),
     ]
 

@@ -5,8 +5,8 @@
   `checkpoint_step_interval`); both spellings with different values is a problem;
 - the `{model_family}` placeholder in any string value (cache folders, output_dir, ...), replaced by the
   family's name at load time. Another `{word}` in a path is a problem (it would name a folder `{word}`);
-- config-level `resolution`, `resolution_type` and `minimum_image_size` are defaults for every image or
-  video dataset that does not set its own;
+- config-level dataset settings (`resolution`, `crop`, `caption_strategy`, ...: config/dataset_default_keys.py)
+  are defaults for every image or video dataset that does not set its own;
 - "did you mean" suggests a known key only when it is the same words, misspelt.
 
 Nothing here imports torch; every function takes plain JSON values (any type: a wrong type is left for
@@ -19,6 +19,7 @@ import difflib
 import re
 from typing import Any
 
+from difftune.config.dataset_default_keys import DATASET_DEFAULT_KEYS
 from difftune.config.pending import coerce
 from difftune.models.registry import FAMILY_FACTS
 
@@ -32,8 +33,15 @@ KEY_ALIASES: dict[str, str] = {
     # the CLIP model (hub id or folder) that scores validation samples for evaluation_type 'clip'
     "pretrained_evaluation_model_name_or_path": "evaluation_clip_model",
     "model_card_private": "hub_private",  # create the hub repository as private
+    # The optimizer's betas. SimpleTuner passes them only when both are set (a lone one is dropped, silently);
+    # here each sets its own beta of every optimizer, and both spellings with different values is a problem.
+    "optimizer_beta1": "adam_beta1",
+    "optimizer_beta2": "adam_beta2",
+    # A list of module names for peft's LoraConfig(target_modules=...), standard LoRA only, as lora_target_modules
+    "peft_lora_target_modules": "lora_target_modules",
+    # Video models: the frames per second of the clips trained on and of the validation videos written
+    "framerate": "frame_rate",
 }
-DATASET_DEFAULT_KEYS = ("resolution", "resolution_type", "minimum_image_size")
 PLACEHOLDERS = ("model_family",)
 # Values that are text, not paths: a `{...}` in them is left alone.
 TEXT_KEYS = frozenset({"validation_prompt", "validation_negative_prompt", "instance_prompt", "tracker_project_name",
@@ -55,6 +63,8 @@ def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str]) -
         if alias not in out:
             continue
         value = out.pop(alias)
+        if coerce(value) is None:  # SimpleTuner writes null for "not set": the same as leaving the alias out
+            continue
         if key in out and coerce(out[key]) != coerce(value):
             problems.append(f"{where_of(alias)}: {alias}: {value!r} disagrees with {key} {out[key]!r} (the same "
                             f"setting, SimpleTuner's name and difftune's); keep one")

@@ -23,7 +23,6 @@ from typing import Any
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "compress_disk_cache": ((False,), "compressed caches are not implemented yet; set compress_disk_cache to false"),
     "crepa_use_backbone_features": (
         (False, None), "CREPA against a deeper block of the transformer (crepa_use_backbone_features); difftune aligns "
         "with a DINOv2 encoder (crepa_encoder): set crepa_use_backbone_features to false",
@@ -71,14 +70,11 @@ PENDING_TRAIN_KEYS |= {
     key: ((default, None), f"{key} (SimpleTuner's own data pipeline; difftune has no such setting){_REMOVE}")
     for key, default in _PIPELINE_KNOBS.items()
 } | {
+    # the other config-level dataset settings are defaults of every dataset (config/dataset_default_keys.py);
+    # a cache folder shared by every dataset would mix their latents, and parquet columns need a parquet block
     key: ((None, ""), _per_dataset(key, where))
-    for key, where in [("caption_strategy", ""), ("instance_prompt", ""), ("maximum_image_size", ""),
-                       ("target_downsample_size", ""), ("crop_style", ""), ("crop_aspect", ""),
-                       ("crop_aspect_buckets", ""), ("cache_dir_vae", ""),
-                       ("parquet_caption_column", "parquet.caption_column"),
+    for key, where in [("cache_dir_vae", ""), ("parquet_caption_column", "parquet.caption_column"),
                        ("parquet_filename_column", "parquet.filename_column")]
-} | {
-    key: ((False,), _per_dataset(key)) for key in ("crop", "prepend_instance_prompt", "only_instance_prompt")
 } | {
     # models difftune does not train
     "prediction_type": ((None, "flow_matching"), "another prediction type; Lumina2 and Kandinsky 5 are "
@@ -139,8 +135,6 @@ PENDING_TRAIN_KEYS |= {
     "variant": ((None,), "hub variants (fp16, ...); the weights are loaded as stored and cast to "
                 "base_model_default_dtype" + _REMOVE),
     "non_ema_revision": ((None,), "hub revisions" + _REMOVE),
-    "vae_dtype": ((None,), "a separate VAE dtype; the VAE takes the weights' dtype (base_model_default_dtype, "
-                  "else mixed_precision)" + _REMOVE),
     "quantization_config": ((None,), "Diffusers quantization configs (quantize_via 'pipeline'); use "
                             "base_model_precision"),
     "quantize_activations": ((False,), "quantized activations; base_model_precision quantizes weights only"
@@ -152,7 +146,6 @@ PENDING_TRAIN_KEYS |= {
     # LoRA
     "lora_init_type": (("default", None), "LoRA initialisations other than peft's default" + _REMOVE),
     "peft_lora_mode": (("standard", None), "SingLoRA; use peft_lora_mode 'standard' or lora_type 'lycoris'"),
-    "peft_lora_target_modules": ((None,), "use lora_target_modules (a JSON list of module-name suffixes)"),
     "slider_lora_target": ((False,), "slider LoRA targets; use lora_target_modules to choose the modules"),
     "init_lokr_norm": ((None,), "LoKr's perturbed-normal initialisation" + _REMOVE),
     "use_dora": ((False,), "DoRA (weight-decomposed LoRA)" + _REMOVE),
@@ -164,22 +157,13 @@ PENDING_TRAIN_KEYS |= {
     "flow_use_beta_schedule": ((False,), "Beta-distributed noise levels; use timestep_sampling ('logit_normal', "
                                "'uniform' or 'mode')"),
     "flow_custom_timesteps": ((None, ""), "a fixed list of training noise levels; use timestep_sampling"),
-    "input_perturbation": ((0, None), "input perturbation; set input_perturbation to 0"),
-    "loss_type": (("l2", None), "Huber and smooth-L1 losses; difftune trains with the mean squared error ('l2')"),
     "masked_loss_probability": ((1.0, None), "masked loss (mask conditioning datasets)" + _REMOVE),
-    "lr_end": ((None,), "a chosen final learning rate; the schedules decay to 0 (polynomial: to 1e-7, diffusers' "
-               "default)" + _REMOVE),
-    "lr_power": ((1, None), "a polynomial power other than 1 (the polynomial schedule decays linearly, "
-                 "diffusers' default); set lr_power to 1 or remove it"),
-    "lr_num_cycles": ((1, None), "several cosine_with_restarts cycles; set lr_num_cycles to 1 or remove it"),
     "lr_scale": ((False,), "scaling learning_rate by batch size and process count; multiply learning_rate "
                  "yourself"),
     "lr_scale_sqrt": ((False,), "scaling learning_rate by batch size and process count; multiply learning_rate "
                       "yourself"),
     "ignore_final_epochs": ((False,), "ignoring num_train_epochs; set num_train_epochs to 0 so that "
                             "max_train_steps alone decides"),
-    "disable_tf32": ((True, None), "turning TF32 matmuls on (SimpleTuner's default); difftune leaves torch's "
-                     "default (TF32 off for matmuls): set disable_tf32 to true or remove it"),
     # same result either way: torch frees gradients (zero_grad(set_to_none=True)); flow-matching noise levels are
     # never segmented (SimpleTuner segments DDPM timesteps only)
     "set_grads_to_none": ((False, True, None), "set_grads_to_none takes true or false"),
@@ -190,8 +174,6 @@ PENDING_TRAIN_KEYS |= {
     # optimizer
     "optimizer_config": ((None, ""), "optimizer settings beyond learning_rate, adam_beta1/adam_beta2, "
                          "adam_weight_decay and adam_epsilon" + _REMOVE),
-    "optimizer_beta1": ((None,), "use adam_beta1 (the first beta of every optimizer difftune builds)"),
-    "optimizer_beta2": ((None,), "use adam_beta2 (the second beta of every optimizer difftune builds)"),
     "optimizer_cpu_offload_method": (("offload", "none", None), "optimizer state offloading" + _REMOVE),
     "optimizer_offload_gradients": ((False,), "offloading gradients to the CPU" + _REMOVE),
     "fuse_optimizer": ((False,), "fused offloaded optimizers" + _REMOVE),
@@ -246,8 +228,6 @@ PENDING_TRAIN_KEYS |= {
                                        "prompt again when its text or the encoder changes" + _REMOVE),
     "tokenizer_max_length": ((None,), "another prompt length; each family encodes prompts at its pipeline's "
                              "length" + _REMOVE),
-    "framerate": ((None,), "use frame_rate (frames per second of validation videos, and of training clips unless "
-                  "a dataset's video block sets its own)"),
     # memory and processes
     "accelerator_cache_clear_interval": ((None, 0), "emptying the accelerator's memory cache every N steps"
                                          + _REMOVE),
@@ -276,16 +256,10 @@ PENDING_TRAIN_KEYS |= {
     "seed_for_each_device": ((True, None), "the same seed on every process; noise is drawn for the global batch "
                              "from one seed and split between the processes" + _REMOVE),
     # validation and evaluation
-    "num_validation_images": ((1, None), "several samples per prompt; each prompt is sampled once per "
-                              "validation_resolution: set it to 1 or remove it"),
-    "validation_epoch_interval": ((None,), "use validation_step_interval"),
-    "eval_epoch_interval": ((None,), "use eval_steps_interval"),
-    "checkpoint_epoch_interval": ((None,), "use checkpoint_step_interval"),
     "eval_timesteps": ((28, None), "validation loss on eval datasets" + _REMOVE),
     # there are no eval datasets, so no validation loss either way
     "eval_loss_disable": ((False, True, None), "eval_loss_disable takes true or false"),
     "eval_dataset_pooling": ((False,), "pooling evaluation charts of several eval datasets" + _REMOVE),
-    "validation_on_startup": ((False,), "sampling the base model before training" + _REMOVE),
     "validation_disable": ((False,), "validation is off when no prompt is set: remove validation_prompt, "
                            "user_prompt_library and validation_prompt_library"),
     "validation_randomize": ((False,), "random validation seeds; samples use validation_seed (else seed)"),
@@ -361,8 +335,6 @@ DEPENDS_ON |= {key: switch for switch, keys in {
     "refiner_training": ["refiner_training_invert_schedule", "refiner_training_strength"],
     "controlnet": ["controlnet_custom_config", "controlnet_model_name_or_path"],
     "flow_use_beta_schedule": ["flow_beta_schedule_alpha", "flow_beta_schedule_beta"],
-    "input_perturbation": ["input_perturbation_steps"],
-    "loss_type": ["huber_schedule", "huber_c"],
     "ramtorch": ["ramtorch_target_modules", "ramtorch_text_encoder", "ramtorch_vae", "ramtorch_controlnet",
                  "ramtorch_transformer_percent", "ramtorch_text_encoder_percent", "ramtorch_disable_sync_hooks",
                  "ramtorch_disable_extensions"],

@@ -12,6 +12,12 @@ encoders are loaded. Where training reads an entry (`read`), the checksum and fi
 verified: damage inside the data (zeroed, random, NaN) is caught there, the file is deleted, and the
 next start re-encodes it. Non-finite tensors are never written. An entry without the checksum (written
 by an older difftune) counts as missing and is re-encoded once: its content cannot be vouched for.
+
+`compress_disk_cache` writes entries compressed (zlib, level 1): the safetensors header stays readable
+as it is, so the start-up check still reads only the header; the tensor bytes behind it are deflated.
+Reading tells the two forms apart by their first bytes, so switching the key on or off re-encodes
+nothing: old entries are read as they are and new ones are written the new way. Measured here: bf16
+latents shrink by about 20%, padded text embeddings by about 70%.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from safetensors.torch import load, save_file
+from safetensors.torch import load, save
 
 CHECKSUM = "difftune.crc32"  # metadata keys of an entry (safetensors metadata is str -> str)
 LAYOUT = "difftune.layout"
+# A compressed entry: MAGIC, the safetensors header's length and the deflated data's length (8 bytes each,
+# little-endian), the header as safetensors writes it, then the deflated tensor bytes.
+MAGIC = b"DTZ1"
+_PREFIX = len(MAGIC) + 16
 
 
 class DamagedEntry(Exception):
@@ -87,7 +97,7 @@ def read(path: Path, expect: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """Load an entry and verify it: checksum, layout, finite values, the `expect`ed tensor names.
     Raises DamagedEntry (never a raw safetensors, JSON or OS error) when it cannot be trained on."""
     try:
-        blob = path.read_bytes()
+        blob = unpack(path.read_bytes())
     except OSError as e:
         raise DamagedEntry(f"unreadable: {e}") from e
     meta = header_metadata(blob)
@@ -110,6 +120,27 @@ def read(path: Path, expect: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def pack(blob: bytes) -> bytes:
+    """A safetensors file -> its compressed entry (the header kept as it is, the data deflated)."""
+    n = int.from_bytes(blob[:8], "little")
+    data = zlib.compress(blob[8 + n :], 1)  # level 1: most of the saving at a third of level 6's time
+    return MAGIC + n.to_bytes(8, "little") + len(data).to_bytes(8, "little") + blob[8 : 8 + n] + data
+
+
+def unpack(blob: bytes) -> bytes:
+    """A compressed entry -> the safetensors file it holds; any other bytes unchanged."""
+    if not blob.startswith(MAGIC):
+        return blob
+    n, size = (int.from_bytes(blob[i : i + 8], "little") for i in (len(MAGIC), len(MAGIC) + 8))
+    if len(blob) != _PREFIX + n + size:
+        raise DamagedEntry(f"compressed entry of {len(blob)} bytes, its header says {_PREFIX + n + size}")
+    try:
+        data = zlib.decompress(blob[_PREFIX + n :])
+    except zlib.error as e:
+        raise DamagedEntry(f"compressed data damaged: {e}") from e
+    return n.to_bytes(8, "little") + blob[_PREFIX : _PREFIX + n] + data
+
+
 def header_metadata(blob: bytes) -> dict[str, str] | None:
     """The `__metadata__` of a safetensors header (first 8 bytes: its length, then JSON), or None."""
     try:
@@ -121,9 +152,11 @@ def header_metadata(blob: bytes) -> dict[str, str] | None:
 
 
 class TensorCache:
-    """A folder of safetensors files, one per key, under `root/<fingerprint>/`."""
+    """A folder of safetensors files, one per key, under `root/<fingerprint>/`; `compress`: write them
+    compressed (compress_disk_cache). Either form is read."""
 
-    def __init__(self, root: Path, identity: dict[str, Any]):
+    def __init__(self, root: Path, identity: dict[str, Any], compress: bool = False):
+        self.compress = compress
         self.folder = Path(root) / fingerprint(identity)
         self.folder.mkdir(parents=True, exist_ok=True)
         meta = self.folder / "fingerprint.json"
@@ -171,7 +204,8 @@ class TensorCache:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
         try:
-            save_file(tensors, tmp, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
+            blob = save(tensors, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
+            Path(tmp).write_bytes(pack(blob) if self.compress else blob)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -195,7 +229,12 @@ def intact(path: Path) -> bool:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
+            start = f.read(len(MAGIC))
+            packed = start == MAGIC
+            if not packed:
+                f.seek(0)
             n = int.from_bytes(f.read(8), "little")
+            deflated = int.from_bytes(f.read(8), "little") if packed else 0
             if n <= 0 or 8 + n > size:
                 return False
             header = json.loads(f.read(n))
@@ -204,7 +243,8 @@ def intact(path: Path) -> bool:
         ends = [v["data_offsets"][1] for v in tensors.values()]
         seen = json.dumps({k: [v["dtype"], list(v["shape"])] for k, v in sorted(tensors.items())},
                           separators=(",", ":"))
-        return size == 8 + n + max(ends, default=0) and CHECKSUM in meta and meta.get(LAYOUT) == seen
+        whole = size == _PREFIX + n + deflated if packed else size == 8 + n + max(ends, default=0)
+        return whole and CHECKSUM in meta and meta.get(LAYOUT) == seen
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
 

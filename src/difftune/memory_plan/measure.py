@@ -23,15 +23,16 @@ attention on bf16 tensors run in fp32 and their results are rounded to bf16. Eve
 dtype, shape and storage of a real bf16 run; only the arithmetic inside those kernels differs.
 
 `peak_live_bytes` measures the peak of storages alive at once inside a call (checked after every operator): the
-VAE's encode and decode, and the whole training step in the tests.
+VAE's encode and decode, and the whole training step in the tests; `encoder_working_set` the CREPA encoder's forward.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -88,15 +89,17 @@ def _to_meta(t: Any) -> Any:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages created inside the mode and alive at once, checked after every operator."""
+    """Peak bytes of storages created inside the mode and alive at once, checked after every operator. `exclude`:
+    tensors whose storages never count (a model's weights: an operator's output can be a view of one, `t()`)."""
 
-    def __init__(self):
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self.ref = StorageWeakRef
         self.live: dict[int, tuple[Any, int]] = {}
         self.current = self.peak = 0
+        self.excluded = {t.untyped_storage()._cdata for t in exclude}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -105,7 +108,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                if storage._cdata not in self.live:
+                if storage._cdata not in self.live and storage._cdata not in self.excluded:
                     self.live[storage._cdata] = (self.ref(storage), storage.nbytes())
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
@@ -361,6 +364,29 @@ def vae_per_pixel(video: bool, say=print) -> dict[str, float]:
                 f"({time.perf_counter() - started:.1f} s)", flush=True)
         out[what] = round(max(rates), 2)
     return out
+
+
+def encoder_working_set(config: Any, dtype: torch.dtype, size: int) -> tuple[int, int]:
+    """(bytes per image, bytes whatever the count) of a CREPA encoder's no-grad forward at size x size pixels
+    (train/crepa.py): the peak of live tensors above its weights. Built by the AutoModel class of `config` at real
+    width with 2 layers (a layer's working set does not depend on the depth: the tests check it against a whole
+    model computed for real), run under ShapesOnly at 1 and 2 images, so that the count's share and the rest (such
+    as the interpolated position table) come apart. The input pixels are not counted (the caller adds them). Seconds
+    on the CPU for the largest DINOv2."""
+    from transformers import AutoModel
+
+    fewer = copy.deepcopy(config)
+    fewer.num_hidden_layers = min(2, config.num_hidden_layers)
+    with no_init():
+        model = AutoModel.from_config(fewer)
+    model.to(dtype).eval()
+    peaks = []
+    for count in (1, 2):
+        x = torch.zeros(count, 3, size, size, dtype=dtype)
+        with torch.no_grad(), LiveBytes(exclude=[*model.parameters(), *model.buffers()]) as meter, ShapesOnly():
+            model(pixel_values=x)
+        peaks.append(meter.peak)
+    return peaks[1] - peaks[0], 2 * peaks[0] - peaks[1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,8 @@ own rule (train/optimizers.py). What the accelerator holds in each phase follows
   with gradient checkpointing, one block recomputed at a time).
 - validation: what training keeps (weights, adapter, optimizer state) plus the VAE and the larger of one block's
   sampling working set (two prompts with guidance) and the VAE decode at validation_resolution.
+- crepa_enabled adds its own lines to training and validation (crepa.py: DINOv2, the resident VAE, the projector,
+  their working sets); with it off nothing here changes.
 """
 
 from __future__ import annotations
@@ -284,6 +286,10 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     training.add("saved activations", saved, act_note)
     if transient:
         training.add("recomputed block (backward)", transient, "gradient checkpointing recomputes one block at a time")
+    if getattr(cfg, "crepa_enabled", False):  # CREPA / REPA: DINOv2, the VAE, the projector (memory_plan/crepa.py)
+        from difftune.memory_plan import crepa
+
+        crepa.add_training(cfg, arch, bucket, tokens, training, notes)
 
     caching = caching_phase(cfg, arch, bucket, transformer)
     validation = validation_phase(cfg, arch, blocks, coefficients, resident / shards + adapter_bytes / shards
@@ -349,8 +355,13 @@ def text_encoder_parts(cfg: Any) -> tuple[tuple[str, int, int], ...]:
                           (cfg.text_encoder_1_precision, cfg.text_encoder_2_precision), _Key(cfg))
 
 
+def vae_dtype_name(cfg: Any) -> str:
+    """The VAE's dtype: vae_dtype when set (models/vae_dtype.py), else the weights'."""
+    return getattr(cfg, "vae_dtype", None) or cfg.weight_dtype_name()
+
+
 def vae_bytes(cfg: Any) -> int:
-    return _vae_bytes(cfg.model_family, cfg.model_source(), cfg.flavour(), cfg.weight_dtype_name(), _Key(cfg))
+    return _vae_bytes(cfg.model_family, cfg.model_source(), cfg.flavour(), vae_dtype_name(cfg), _Key(cfg))
 
 
 def caching_phase(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], transformer: int) -> list[Phase]:
@@ -402,7 +413,14 @@ def validation_phase(cfg: Any, arch: A.Architecture, blocks: A.Blocks, coefficie
                      text: int) -> Phase:
     phase = Phase("validation")
     phase.add("what training keeps (weights, adapter, optimizer, EMA)", kept)
-    phase.add("VAE", vae_bytes(cfg))
+    if getattr(cfg, "crepa_enabled", False):  # the VAE less what crepa_drop_vae_encoder freed; DINOv2, projector
+        from difftune.memory_plan import crepa
+
+        freed = crepa.vae_encoder_freed(cfg)
+        phase.add("VAE", vae_bytes(cfg) - freed, "encoder freed (crepa_drop_vae_encoder)" if freed else "")
+        crepa.add_validation(cfg, arch, phase)
+    else:
+        phase.add("VAE", vae_bytes(cfg))
     sizes = cfg.validation_sizes()
     frames = getattr(cfg, "validation_num_video_frames", None) or (61 if arch.family == "kandinsky5-video" else 0)
     worst = max(sizes, key=lambda s: s[0] * s[1])

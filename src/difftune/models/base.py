@@ -67,8 +67,9 @@ class Family(Protocol):
     def build_tiny(self, folder: Path, flavour: str) -> None:
         """Write a tiny random-init model of a tiny flavour in the hub folder layout (deterministic)."""
 
-    def load(self, source: str, dtype: torch.dtype) -> Components:
-        """Load every component with diffusers/transformers `from_pretrained` (hub id or folder)."""
+    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
+        """Load every component with diffusers/transformers `from_pretrained` (hub id or folder), in `dtype`; the
+        VAE in `vae_dtype` when given (models/vae_dtype.py)."""
 
     def takes_conditioning(self, comps: Components) -> bool:
         """Whether the loaded model is conditioned on an input image (image-to-image: paired input-image

@@ -33,6 +33,7 @@ from difftune.models.flops import Flops, attention, matmul, routed_tokens
 from difftune.models.hub import ComponentError, component_class, is_processor, load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image
+from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
 
 # Self- and cross-attention projections only: not feed-forward, modulation or embedding layers.
@@ -52,7 +53,7 @@ class Kandinsky5ImageFamily:
     def build_tiny(self, folder: Path, flavour: str) -> None:
         build_tiny_kandinsky5_image(folder, i2i=self.facts.needs_conditioning(flavour))
 
-    def load(self, source: str, dtype: torch.dtype) -> Components:
+    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
         transformer = Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype)
         index = model_index(source)
         if transformer.config.visual_cond and not is_processor(component_class(index, "tokenizer")):
@@ -65,7 +66,7 @@ class Kandinsky5ImageFamily:
         return Components(
             source=source,
             transformer=transformer,
-            vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
+            vae=load_vae(AutoencoderKL, source, dtype, vae_dtype),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
             text=self.load_text(source, dtype, index),
         )

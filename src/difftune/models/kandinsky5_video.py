@@ -37,6 +37,7 @@ from difftune.models.hub import model_index
 from difftune.models.kandinsky5_image import Kandinsky5ImageFamily
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny_kandinsky5_video import build_tiny_kandinsky5_video
+from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
 
 # Fixed encode settings (the diffusers defaults, pinned so that a library update cannot change cached latents).
@@ -67,10 +68,10 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
     def build_tiny(self, folder: Path, flavour: str) -> None:
         build_tiny_kandinsky5_video(folder, i2v=self.facts.first_frame(flavour))
 
-    def load(self, source: str, dtype: torch.dtype) -> Components:
+    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
         """Both video pipelines encode prompts from text alone: a plain Qwen tokenizer serves i2v too."""
         index = model_index(source)
-        vae = AutoencoderKLHunyuanVideo.from_pretrained(source, subfolder="vae", torch_dtype=dtype)
+        vae = load_vae(AutoencoderKLHunyuanVideo, source, dtype, vae_dtype)
         configure_vae(vae)
         return Components(
             source=source,

@@ -29,6 +29,7 @@ from difftune.models.flops import Flops, attention, matmul, routed_tokens
 from difftune.models.hub import load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
 from difftune.models.tiny import gemma_tokenizer
+from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
 
 MAX_SEQUENCE_LENGTH = 256  # the pipeline's default; validation pads to it so samples match the stock pipeline
@@ -67,12 +68,12 @@ class Lumina2Family:
         )
         pipe.save_pretrained(folder)
 
-    def load(self, source: str, dtype: torch.dtype) -> Components:
+    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
         index = model_index(source)
         return Components(
             source=source,
             transformer=Lumina2Transformer2DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
-            vae=AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
+            vae=load_vae(AutoencoderKL, source, dtype, vae_dtype),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
             text={  # of the classes model_index.json names, as the stock pipeline loads them
                 "text_encoder": load_component(source, "text_encoder", index, Gemma2Model, dtype),

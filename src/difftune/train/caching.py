@@ -42,7 +42,7 @@ class Cached:
 
 def negative_cache(text_cache: TensorCache) -> TensorCache:
     """Negative prompts may be encoded differently from captions: they get their own folder."""
-    return TensorCache(text_cache.folder / "negative", {"role": "negative"})
+    return TensorCache(text_cache.folder / "negative", {"role": "negative"}, text_cache.compress)
 
 
 def validation_image(run_cfg: RunConfig, found: list[Discovery]) -> Path | None:
@@ -126,7 +126,7 @@ def text_cache_for(run_cfg: RunConfig, ds, identity: dict) -> tuple[TensorCache,
     """The text cache of a dataset (its own text_embeds entry, or the default) and its batch size."""
     entry = run_cfg.datasets.text_embeds_for(ds)
     root = Path(run_cfg.datasets.text_cache_root(ds, run_cfg.train.model_family))
-    return TensorCache(root, identity), (entry.write_batch_size if entry else 32)
+    return TensorCache(root, identity, run_cfg.train.compress_disk_cache), (entry.write_batch_size if entry else 32)
 
 
 def fill_caches(
@@ -188,7 +188,7 @@ def fill_caches(
         first_frame = family.facts.first_frame(cfg.flavour())
         cache = TensorCache(Path(ds.vae_cache_root(cfg.model_family)),
                             {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style,
-                             **({"first_frame": True} if first_frame else {})})
+                             **({"first_frame": True} if first_frame else {})}, cfg.compress_disk_cache)
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         mine = ranks.shard(disc.samples)
         counted: dict[str, int] = {}

@@ -5,9 +5,10 @@ per sample; a video scores the mean over `VIDEO_FRAMES` evenly spaced frames. Ea
 "evaluation" event (the mean, and each sample's score by name), which the trackers and the web UI's
 chart read.
 
-When: with `eval_steps_interval: 0`, the samples of each validation (`after_validation`, called by
-train/validation.py); with N > 0, every N optimizer steps (`evaluate`, one line in the loop), which
-samples the first `num_eval_images` validation requests without writing files.
+When: with `eval_steps_interval: 0` and no `eval_epoch_interval`, the samples of each validation
+(`after_validation`, called by train/validation.py); otherwise every N optimizer steps and/or every N epochs
+(`evaluate`, when train/triggers.py says so), which samples the first `num_eval_images` validation requests
+without writing files.
 
 The CLIP model is loaded once (at the first evaluation, so a run that never evaluates never loads it),
 kept in CPU memory, and visits the accelerator only while it scores: it never joins training memory.
@@ -109,13 +110,10 @@ def score(run: Run, results: list[tuple[SampleRequest, Any]]) -> float | None:
 
 
 def after_validation(run: Run, results: list[tuple[SampleRequest, Any]]) -> None:
-    """With eval_steps_interval 0, each validation's samples are scored."""
-    if run.cfg.evaluation_type == "clip" and run.cfg.eval_steps_interval == 0:
+    """Without a schedule (eval_steps_interval 0, no eval_epoch_interval), each validation's samples are scored."""
+    cfg = run.cfg
+    if cfg.evaluation_type == "clip" and cfg.eval_steps_interval == 0 and not cfg.eval_epoch_interval:
         score(run, results)
-
-
-def due(cfg: Any, step: int) -> bool:
-    return cfg.evaluation_type == "clip" and cfg.eval_steps_interval > 0 and step % cfg.eval_steps_interval == 0
 
 
 def evaluate(run: Run) -> None:

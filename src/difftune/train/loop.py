@@ -14,7 +14,7 @@ import torch
 
 from difftune.data.batches import Batch
 from difftune.data.cache import nonfinite
-from difftune.train import crepa, evaluation, objective, prefetch, rollout
+from difftune.train import crepa, evaluation, objective, prefetch, rollout, triggers
 from difftune.train.checkpoint import (
     clean_partial,
     load_checkpoint,
@@ -27,7 +27,7 @@ from difftune.train.fsdp import gathered, unsharded
 from difftune.train.memory import record_peak_memory
 from difftune.train.optimizers import clip_gradients
 from difftune.train.setup import Run
-from difftune.train.validation import validate
+from difftune.train.validation import BASE_LABEL, validate
 
 
 def micro_step(run: Run, batch: Batch) -> torch.Tensor:
@@ -43,8 +43,10 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     g = run.generator
     noise = torch.randn((size, *x0.shape[1:]), generator=g, device=g.device)[lo : lo + x0.shape[0]]
     sigmas = objective.sample_sigmas(size, shift, g, run.sampling)[lo : lo + x0.shape[0]]
+    # input_perturbation: the input is built from noise + strength * eps; the target below keeps `noise`
+    perturbed = objective.perturbed_noise(noise, objective.perturbation(run.cfg, run.state.step), g, size, lo)
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
-    rolled = rollout.noisy_input(run, batch, x0, noise, sigmas, shift)  # scheduled sampling, when on
+    rolled = rollout.noisy_input(run, batch, x0, noise, sigmas, shift, perturbed)  # scheduled sampling, when on
     with run.accelerator.autocast():
         # image-to-image: the input images' latents; image-to-video: each clip's first frame encoded alone
         conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
@@ -54,7 +56,8 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     first = 1 if run.first_frame else 0  # the sampler never updates the input frame: it is not trained either
     pred, target = pred[:, :, first:], target[:, :, first:]
     weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
-    loss = rollout.loss(run.cfg, pred, target, weights, rolled, first)  # ReflexFlow on rolled-out samples, when on
+    element = objective.pointwise(run.cfg, sigmas)  # loss_type: squared error, pseudo-Huber or smooth L1
+    loss = rollout.loss(run.cfg, pred, target, weights, rolled, first, element)  # ReflexFlow on rolled-out samples
     return crepa.add_term(run, loss, x0)  # crepa_enabled: + alignment
 
 
@@ -125,10 +128,6 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     return total
 
 
-def _due(step: int, interval: int) -> bool:
-    return interval > 0 and step % interval == 0
-
-
 def checkpoint(run: Run, **extra: object) -> None:
     """Process 0 writes; every process waits, so none runs ahead of a checkpoint."""
     with gathered(run, optimizer=True, step=run.state.step):  # FSDP: every process gathers, process 0 writes
@@ -137,9 +136,9 @@ def checkpoint(run: Run, **extra: object) -> None:
     run.ranks.barrier()
 
 
-def sample(run: Run, label: str) -> list[Path]:
+def sample(run: Run, label: str, base: bool = False) -> list[Path]:
     with unsharded(run):  # FSDP: the weights whole, so that process 0 samples alone
-        paths = validate(run, label) if run.ranks.main else []
+        paths = validate(run, label, base) if run.ranks.main else []
     run.ranks.barrier()
     return paths
 
@@ -187,11 +186,14 @@ def _train(run: Run) -> Path:
     run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
                     processes=run.ranks.count, project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
     run.transformer.train()
+    if triggers.base_samples_due(run):  # disable_benchmark false / validation_on_startup, not after a resume
+        sample(run, BASE_LABEL, base=True)
     batches = prefetch.feed(run)  # read ahead in a thread, copied to the device without blocking
     started = time.perf_counter()
     stopped = False
     bad_steps = 0
     first = run.state.step + 1  # this process's first optimizer step (later than 1 after a resume)
+    before = run.state.position  # where the epoch triggers count from (the checkpoint's position after a resume)
     try:
         while run.state.step < run.total_steps and not stopped:
             began = time.perf_counter()
@@ -213,18 +215,19 @@ def _train(run: Run) -> Path:
                               "lower learning_rate, set max_grad_norm, or check the data")
                     raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient; training "
                                          f"stopped. The last checkpoint is intact: {advice}")
-                continue
+                continue  # a skipped step triggers nothing; an epoch it ended triggers at the next step
             if run.ema is not None:
                 run.ema.step(step)
             run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
                             elapsed=time.perf_counter() - started, **speed)
             # Validation before the checkpoint of the same step: a kill while sampling then resumes
             # from the previous checkpoint and samples again, instead of losing these images.
-            if _due(step, cfg.validation_step_interval) and step < run.total_steps:
+            due, before = triggers.due(run, before), run.state.position  # step and epoch intervals
+            if due.validation:
                 sample(run, f"step-{step:06d}")
-            if evaluation.due(cfg, step):  # evaluation_type clip, every eval_steps_interval steps
+            if due.evaluation:  # evaluation_type clip
                 evaluation.evaluate(run)
-            if _due(step, cfg.checkpoint_step_interval) and step < run.total_steps:
+            if due.checkpoint:
                 checkpoint(run)
             stopped = handle_commands(run)
     except KeyboardInterrupt:

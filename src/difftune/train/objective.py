@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -64,9 +65,71 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def flow_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error in float32, averaged over every element; `weights` [B] scale each sample."""
-    error = (prediction.float() - target.float()) ** 2
+def perturbation(cfg: Any, step: int) -> float:
+    """The input perturbation's strength at optimizer step `step` (steps done so far): `input_perturbation`,
+    decaying linearly to 0 over `input_perturbation_steps` when that is set (SimpleTuner's rule)."""
+    strength, steps = cfg.input_perturbation, cfg.input_perturbation_steps
+    if steps <= 0:
+        return strength
+    return strength * (1.0 - step / steps) if step < steps else 0.0
+
+
+def perturbed_noise(noise: torch.Tensor, strength: float, generator: torch.Generator, size: int, lo: int) -> torch.Tensor:
+    """The noise the model's input is built from: `noise + strength * eps`, eps drawn from the run's generator for
+    the global batch of `size` and sliced at `lo` like the noise. The target keeps `noise`, so the model learns to
+    undo the extra error too (exposure bias). Strength 0 draws nothing and returns `noise` itself."""
+    if strength <= 0.0:
+        return noise
+    eps = torch.randn((size, *noise.shape[1:]), generator=generator, device=generator.device)
+    return noise + strength * eps[lo : lo + noise.shape[0]].to(noise.device, noise.dtype)
+
+
+def huber_c(sigmas: torch.Tensor, schedule: str, c: float) -> torch.Tensor:
+    """Each sample's pseudo-Huber threshold [B] at noise levels `sigmas` (config/loss_keys.py says how SimpleTuner's
+    DDPM schedules read on the flow path): 'constant' c, 'exponential' c ** s, 'snr' c + (1 - c)(1 - s)^2."""
+    s = sigmas.float()
+    if schedule == "constant":
+        return torch.full_like(s, c)
+    if schedule == "exponential":
+        return torch.exp(math.log(c) * s)
+    if schedule == "snr":
+        return c + (1.0 - c) * (1.0 - s) ** 2
+    raise ValueError(f"unknown huber_schedule {schedule!r}")
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """The loss of each element in float32: 'l2' (squared error), 'huber' (pseudo-Huber 2c(sqrt(e^2 + c^2) - c))
+    or 'smooth_l1' (the same over c), with `c` [B] per sample. Written as e^2 / (sqrt(e^2 + c^2) + c), the same
+    value without the cancellation of the difference when e is small next to c."""
+
+    kind: str = "l2"
+    c: torch.Tensor | None = None
+
+    def __call__(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.kind == "l2":
+            return (prediction.float() - target.float()) ** 2
+        square = (prediction.float() - target.float()) ** 2
+        c = self.c.to(square.device, torch.float32).view(-1, *([1] * (square.dim() - 1)))
+        soft = square / (torch.sqrt(square + c * c) + c)
+        return 2.0 * c * soft if self.kind == "huber" else 2.0 * soft
+
+
+SQUARED = Pointwise()
+
+
+def pointwise(cfg: Any, sigmas: torch.Tensor) -> Pointwise:
+    """The per-element loss `loss_type` chooses, with each sample's c from `huber_schedule` and `huber_c`."""
+    if cfg.loss_type == "l2":
+        return SQUARED
+    return Pointwise(cfg.loss_type, huber_c(sigmas, cfg.huber_schedule, cfg.huber_c))
+
+
+def flow_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None,
+              element: Pointwise = SQUARED) -> torch.Tensor:
+    """The per-element loss (the squared error unless told), averaged over every element; `weights` [B] scale
+    each sample."""
+    error = element(prediction, target)
     if weights is None:
         return error.mean()
     per_sample = error.reshape(error.shape[0], -1).mean(dim=1)

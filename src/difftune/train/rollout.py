@@ -16,13 +16,15 @@ teacher forcing.
 
 Every draw comes from the run's generator, for the whole global batch and then sliced, like the noise:
 a resumed run rolls out the same samples by the same steps. A chance of 0 draws nothing, so it trains
-exactly as without rollouts. TREAD is off inside rollouts (they run without gradient).
+exactly as without rollouts. TREAD is off inside rollouts (they run without gradient). With
+input_perturbation, every input is built from the perturbed noise, a rollout's start too (as SimpleTuner
+starts its rollouts from its perturbed input noise); the drift is measured from that perturbed x_s.
 
 ReflexFlow (`scheduled_sampling_reflexflow`, arXiv 2512.04904) changes the loss of the rolled-out samples
 only. Its two parts, as difftune computes them (`loss`):
 - frequency compensation: the exposure bias of a sample is its drift d = x~ - x_s (the rollout's latent
-  minus the true noisy latent). Its size per latent position, |d| over the channels, weights the squared
-  error there: w = (1 + alpha |d| / mean|d|) / (1 + alpha), which averages 1 over the sample, so the loss
+  minus the true noisy latent). Its size per latent position, |d| over the channels, weights the error there
+  (squared, or the Huber / smooth-L1 loss `loss_type` chooses: a spatial weight on any per-element loss): w = (1 + alpha |d| / mean|d|) / (1 + alpha), which averages 1 over the sample, so the loss
   keeps its scale and moves towards the places the model drifted most (alpha 0: plain weights).
 - anti-drift: beta1 |pred/|pred| - target/|target||^2 over the whole sample, the direction of the prediction
   pulled onto the velocity that leads from x~ back to x0 (the rolled-out target above).
@@ -82,10 +84,13 @@ def unshift(s: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def noisy_input(run: Any, batch: Any, x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
-                shift: float) -> Rolled:
+                shift: float, input_noise: torch.Tensor | None = None) -> Rolled:
     """The latent to train on: the ground-truth noisy latent, or for rolled-out samples the model's own
-    latent, with the noise that latent implies (see the module's docstring)."""
-    x_t = objective.noisy_input(x0, noise, sigmas)
+    latent, with the noise that latent implies (see the module's docstring). `input_noise`: the noise the
+    inputs are built from when it is not `noise` (input_perturbation): teacher-forced samples keep `noise` for
+    their target, and rollouts start from the perturbed latent, their target leading from where they end."""
+    input_noise = noise if input_noise is None else input_noise
+    x_t = objective.noisy_input(x0, input_noise, sigmas)
     p = chance(run.cfg, run.state.step)
     if p <= 0.0:
         return Rolled(x_t, noise)
@@ -100,7 +105,7 @@ def noisy_input(run: Any, batch: Any, x0: torch.Tensor, noise: torch.Tensor, sig
     u = unshift(sigmas, shift)
     u_from = torch.clamp(u + steps / grid, max=1.0)
     start = objective.shift_sigmas(u_from, shift)
-    x = objective.noisy_input(x0, noise, start)
+    x = objective.noisy_input(x0, input_noise, start)
     k, span = steps.clamp(min=1).to(u.dtype), u_from - u
     for i in range(int(every.max())):
         # sample j takes steps[j] equal steps from u_from down to u; the others stand still
@@ -127,13 +132,14 @@ def _predict(run: Any, batch: Any, x: torch.Tensor, sigmas: torch.Tensor) -> tor
 
 
 def loss(cfg: Any, pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None, rolled: Rolled,
-         first: int = 0) -> torch.Tensor:
+         first: int = 0, element: objective.Pointwise = objective.SQUARED) -> torch.Tensor:
     """The micro-batch's flow loss; with ReflexFlow on, rolled-out samples take its loss (module docstring).
-    `first`: latent frames left out of the loss (the input frame of image-to-video), as in pred and target."""
+    `first`: latent frames left out of the loss (the input frame of image-to-video), as in pred and target.
+    `element`: the per-element loss (loss_type); ReflexFlow's drift map weights it as it weights the squared error."""
     if not cfg.scheduled_sampling_reflexflow or rolled.rolled is None:
-        return objective.flow_loss(pred, target, weights)
+        return objective.flow_loss(pred, target, weights, element)
     pred, target = pred.float(), target.float()
-    error = (pred - target) ** 2
+    error = element(pred, target)
     drift = rolled.drift.to(pred.device).float()
     drift = drift[:, :, first:] if first else drift
     size = drift.norm(dim=1, keepdim=True)  # the drift's size at each latent position

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from diffusers.optimization import get_scheduler
 
 from difftune.adapters.kinds import Adapter, build_adapter
 from difftune.config import RunConfig, TrainConfig
@@ -33,6 +32,7 @@ from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
 from difftune.train.fsdp import Sharded, ram_efficient, shard, transformer_on_meta
+from difftune.train.lr_schedule import build_lr_scheduler
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
@@ -161,7 +161,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     source = resolve_source(cfg)
     events.emit("info", message=f"loading {cfg.model_family} from {source}")
     with transformer_on_meta(cfg, ranks):  # fsdp_cpu_ram_efficient_loading: only process 0 reads its weights
-        comps = family.load(source, DTYPES[cfg.weight_dtype_name()])
+        comps = family.load(source, DTYPES[cfg.weight_dtype_name()], vae_dtype=DTYPES.get(cfg.vae_dtype))
     if family.takes_conditioning(comps) != family.facts.takes_input_image(cfg.flavour()):
         kind = "an image-conditioned (i2i/i2v)" if family.takes_conditioning(comps) else "a text-only"
         raise DataError(
@@ -229,8 +229,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     optimizer = build_optimizer(cfg.optimizer, params + (aligner.parameters() if aligner else []), cfg.learning_rate,
                                 (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_weight_decay, cfg.adam_epsilon)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
-    lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
-                                 num_training_steps=steps)
+    lr_scheduler = build_lr_scheduler(cfg, optimizer, steps)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
     # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
     generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
     tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))

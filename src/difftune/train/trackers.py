@@ -88,7 +88,8 @@ class TrackerForwarder:
 
     def _sample(self, record: dict[str, Any]) -> None:
         path = Path(record["path"])
-        tag = "validation/" + _tag(f"{record.get('prompt') or 'validation'}/{record.get('size', '')}"
+        image = f"/{record['image']}" if record.get("image") else ""  # num_validation_images: one tag per image
+        tag = "validation/" + _tag(f"{record.get('prompt') or 'validation'}/{record.get('size', '')}{image}"
                                    + ("-ema" if record.get("ema") else "")).rstrip("/")
         for tracker in self.accelerator.trackers:
             if path.suffix == ".mp4":

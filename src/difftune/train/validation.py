@@ -1,11 +1,21 @@
 """Validation samples through the family's stock diffusers pipeline, with the adapter as it is now.
-Images are written as PNG; videos as MP4 plus a PNG contact sheet to glance at."""
+Images are written as PNG; videos as MP4 plus a PNG contact sheet to glance at.
+
+Files go to output_dir/validation as `<label>[-<prompt name>]-<W>x<H>[@<frames>][-<i>of<n>][-ema].png`: the label
+says when (`step-000100`, `final-step-000400`, `manual-step-…`, `base-model`), `-<i>of<n>` numbers the
+`num_validation_images` samples of one prompt (seeds validation_seed, +1, …). `base-model` holds the base
+model's samples, taken before the first step with the adapter switched off (`disable_benchmark: false`,
+`validation_on_startup`); with `disable_benchmark: false` each later PNG also gets `<name>-vs-base.png`, the base
+model's sample of the same prompt, size and seed on its left (SimpleTuner's stitched benchmark). Those
+comparison files are written beside the samples only: trackers see the base samples as step 0 of each tag.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,19 +27,54 @@ if TYPE_CHECKING:
     from difftune.train.setup import Run
 
 
-def validate(run: Run, label: str) -> list[Path]:
-    """Sample every validation request with the live weights and/or the EMA weights (ema_validation)."""
+BASE_LABEL = "base-model"  # the base model's samples, before the first step
+
+
+def validate(run: Run, label: str, base: bool = False) -> list[Path]:
+    """Sample every validation request with the live weights and/or the EMA weights (ema_validation); with
+    `base`, the base model's samples (the adapter switched off; no EMA, which equals the live weights then)."""
     if not run.validation:
         return []
-    mode = run.cfg.ema_validation if run.ema is not None else "none"
-    live = [] if mode == "ema_only" else _sample_all(run, label, "")
-    ema = []
+    mode = "none" if base else run.cfg.ema_validation if run.ema is not None else "none"
+    live, ema = [], []
+    if mode != "ema_only":
+        with adapter_off(run) if base else nullcontext():
+            live = _sample_all(run, label, "")
     if mode != "none":
         with run.ema.swap():
             ema = _sample_all(run, label, "-ema")
-    # CLIP evaluation (eval_steps_interval 0) scores the live weights' samples, or the EMA's when only they exist
-    evaluation.after_validation(run, [(request, out) for request, out, _ in live or ema])
+    # CLIP evaluation (no schedule set) scores the live weights' samples, or the EMA's when only they exist; of
+    # num_validation_images per prompt, the first (the request's own seed), so scores compare across settings
+    first = {id(request) for request in run.validation}
+    evaluation.after_validation(run, [(request, out) for request, out, _ in live or ema if id(request) in first])
     return [path for _, _, written in live + ema for path in written]
+
+
+@contextmanager
+def adapter_off(run: Run) -> Iterator[None]:
+    """The base model, whatever the adapter holds (init_lora included): a peft LoRA is disabled
+    (diffusers' `disable_adapters`), a LyCORIS network runs at multiplier 0 (its weight-decomposed variants add
+    their initial difference, zero). A full fine-tune has nothing to switch off: before its first step its weights
+    are the base model's, and later there is no base model left to sample."""
+    network = getattr(run.adapter, "network", None)  # adapters/kinds.py LycorisAdapter
+    model = run.accelerator.unwrap_model(run.transformer)
+    if network is not None:
+        multiplier = network.multiplier
+        network.set_multiplier(0.0)
+        try:
+            yield
+        finally:
+            network.set_multiplier(multiplier)
+    elif getattr(model, "_hf_peft_config_loaded", False):
+        model.disable_adapters()
+        try:
+            yield
+        finally:
+            model.enable_adapters()
+    elif run.state.step == 0:
+        yield
+    else:
+        raise RuntimeError(f"a full fine-tune at step {run.state.step} has no base model left to sample")
 
 
 def sample_requests(run: Run, requests: list[SampleRequest]) -> list[tuple[SampleRequest, Any]]:
@@ -95,41 +140,80 @@ def _sample_all(run: Run, label: str | None, suffix: str, requests: list[SampleR
         return _sample_requests(run, model, vae, label, suffix, run.validation if requests is None else requests)
 
 
+def sample_size(request: SampleRequest) -> str:
+    return f"{request.width}x{request.height}" + (f"@{request.frames}" if request.frames else "")
+
+
+def file_name(label: str, request: SampleRequest, suffix: str = "", index: int = 0, count: int = 1) -> str:
+    """The PNG of one sample (see the module's docstring); `index` of `count` per prompt, zero-padded so that
+    names sort in order."""
+    name = f"-{request.name}" if request.name else ""
+    image = f"-{index + 1:0{len(str(count))}d}of{count}" if count > 1 else ""
+    return f"{label}{name}-{sample_size(request)}{image}{suffix}.png"
+
+
+def _save_png(image: Any, path: Path) -> None:
+    partial = path.with_name(f".{path.name}.tmp")
+    image.save(partial, format="PNG")
+    os.replace(partial, path)  # a kill mid-write never leaves a truncated image under the real name
+
+
+def side_by_side(base: Path, image: Any) -> Any:
+    """The base model's sample (a PNG file) left of `image`, on a white canvas as tall as the taller."""
+    from PIL import Image
+
+    with Image.open(base) as left:
+        left = left.convert("RGB")
+    right = image.convert("RGB")
+    both = Image.new("RGB", (left.width + right.width, max(left.height, right.height)), "white")
+    both.paste(left, (0, 0))
+    both.paste(right, (left.width, 0))
+    return both
+
+
+def _write(run: Run, folder: Path, label: str, request: SampleRequest, result: Any, suffix: str, index: int,
+           count: int) -> list[Path]:
+    """One sample's files and "sample" events; with disable_benchmark false, its comparison with the base model."""
+    path = folder / file_name(label, request, suffix, index, count)
+    written = []
+    if isinstance(result, list):  # a video: the MP4, and its contact sheet under the .png name
+        from difftune.data.video import contact_sheet, write_mp4
+
+        video = path.with_suffix(".mp4")
+        write_mp4(result, video, request.fps)  # atomic
+        written.append(video)
+        result = contact_sheet(result)
+    _save_png(result, path)
+    written.append(path)
+    numbered = {"image": f"{index + 1}of{count}"} if count > 1 else {}  # trackers tag each image apart
+    for item in written:
+        run.events.emit("sample", step=run.state.step, path=str(item), prompt=request.name or "validation",
+                        ema=bool(suffix), size=sample_size(request), seed=request.seed, **numbered)
+    base = folder / file_name(BASE_LABEL, request, "", index, count)
+    if label != BASE_LABEL and not run.cfg.disable_benchmark and base.is_file():
+        _save_png(side_by_side(base, result), path.with_name(f"{path.stem}-vs-base.png"))
+    return written
+
+
 def _sample_requests(run: Run, model: Any, vae: Any, label: str | None, suffix: str,
                      requests: list[SampleRequest]) -> list[Sampled]:
-    """Sample each request; with a `label`, write its files (and "sample" events)."""
+    """Sample each request (num_validation_images times, seed +1 each); with a `label`, write its files (and
+    "sample" events). Without one (an evaluation) each request is sampled once, with its own seed."""
     model.eval()
     out_dir = run.output_dir / "validation"
     out_dir.mkdir(parents=True, exist_ok=True)
+    count = 1 if label is None else run.cfg.num_validation_images
     done = []
     try:
         for request in requests:
-            result = run.family.sample(run.comps, model, request)
-            if label is None:
-                done.append((request, result, []))
-                continue
-            name = f"-{request.name}" if request.name else ""
-            size = f"{request.width}x{request.height}" + (f"@{request.frames}" if request.frames else "")
-            path = out_dir / f"{label}{name}-{size}{suffix}.png"
-            written = []
-            frames = result
-            if isinstance(result, list):  # a video: the MP4, and its contact sheet under the .png name
-                from difftune.data.video import contact_sheet, write_mp4
-
-                video = path.with_suffix(".mp4")
-                write_mp4(result, video, request.fps)  # atomic
-                written.append(video)
-                result = contact_sheet(result)
-            partial = path.with_name(f".{path.name}.tmp")
-            result.save(partial, format="PNG")
-            os.replace(partial, path)  # a kill mid-write never leaves a truncated image under the real name
-            written.append(path)
-            done.append((request, frames, written))
-            for item in written:
-                run.events.emit("sample", step=run.state.step, path=str(item), prompt=request.name or "validation",
-                                ema=bool(suffix), size=size)
+            for index in range(count):
+                one = request if index == 0 else replace(request, seed=request.seed + index)
+                result = run.family.sample(run.comps, model, one)
+                written = [] if label is None else _write(run, out_dir, label, one, result, suffix, index, count)
+                done.append((one, result, written))
     finally:
         model.train()
-        if not run.data.encode:  # the VAE stays on the accelerator when it encodes on the fly
+        # the VAE stays on the accelerator when it encodes on the fly, or when CREPA decodes with it every step
+        if not run.data.encode and run.crepa is None:
             vae.to("cpu")
     return done

@@ -1,0 +1,53 @@
+"""Config-level dataset settings (SimpleTuner's `--resolution`, `--crop`, `--caption_strategy`, ...): each is
+the default of every image or video dataset that does not set its own; the dataset's own value wins.
+
+Mixed into TrainConfig so that the CLI, the wizard and the web UI show them like every key. Unset (None)
+means no default: the dataset's own default applies. `config/load.py` hands the set ones to each dataset
+entry before the entry is validated, so a bad combination (crop_aspect 'closest' without
+crop_aspect_buckets) is reported on the dataset where it lands. Import-light: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from difftune.config.fields import field
+
+_DEFAULT = "Default {} of every dataset that does not set its own"
+
+
+def _about(key: str, more: str = "") -> str:
+    return _DEFAULT.format(key) + (f" ({more})." if more else ".")
+
+
+class DatasetDefaultKeys(BaseModel):
+    resolution: float | None = field(None, _about("resolution"), "data", gt=0, advanced=True)
+    resolution_type: Literal["pixel", "pixel_area", "area"] | None = field(
+        None, _about("resolution_type"), "data", advanced=True
+    )
+    minimum_image_size: float | None = field(
+        None, _about("minimum_image_size", "0: no minimum"), "data", ge=0, advanced=True
+    )
+    maximum_image_size: float | None = field(
+        None, _about("maximum_image_size", "with target_downsample_size"), "data", gt=0, advanced=True
+    )
+    target_downsample_size: float | None = field(
+        None, _about("target_downsample_size", "with maximum_image_size"), "data", gt=0, advanced=True
+    )
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet"] | None = field(
+        None, _about("caption_strategy", "'parquet' also needs each dataset's parquet block"), "data", advanced=True
+    )
+    instance_prompt: str | None = field(None, _about("instance_prompt"), "data", advanced=True)
+    prepend_instance_prompt: bool | None = field(None, _about("prepend_instance_prompt"), "data", advanced=True)
+    only_instance_prompt: bool | None = field(None, _about("only_instance_prompt"), "data", advanced=True)
+    crop: bool | None = field(None, _about("crop"), "data", advanced=True)
+    crop_style: Literal["center", "random", "corner"] | None = field(None, _about("crop_style"), "data", advanced=True)
+    crop_aspect: Literal["square", "preserve", "closest", "random"] | None = field(
+        None, _about("crop_aspect"), "data", advanced=True
+    )
+    crop_aspect_buckets: list[float] | None = field(None, _about("crop_aspect_buckets"), "data", advanced=True)
+
+
+DATASET_DEFAULT_KEYS = tuple(DatasetDefaultKeys.model_fields)

@@ -1,0 +1,75 @@
+"""The learning-rate schedule's settings beyond `lr_scheduler` and `lr_warmup_steps` (`lr_end`, `lr_power`,
+`lr_num_cycles`; the schedules are built in train/lr_schedule.py): the fields, mixed into TrainConfig, and their
+cross-key checks, this mixin's validator. Import-light: no torch.
+
+SimpleTuner's names. What each acts on follows SimpleTuner: `lr_end` is the end of its polynomial schedule and the
+floor (eta_min) of its cosine ones, `lr_power` the polynomial's power, `lr_num_cycles` the hard restarts of
+'cosine_with_restarts'. A setting for a schedule it does nothing for is refused, naming both keys. Defaults that
+differ from SimpleTuner's are said in the descriptions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, field_validator, model_validator
+
+from difftune.config.fields import field
+
+# lr_scheduler values each key acts on
+LR_END_SCHEDULERS = ("polynomial", "cosine", "cosine_with_restarts")
+LR_POWER_SCHEDULERS = ("polynomial",)
+LR_CYCLES_SCHEDULERS = ("cosine_with_restarts",)
+POLYNOMIAL_DEFAULT_END = 1e-7  # diffusers' get_polynomial_decay_schedule_with_warmup default
+
+
+class ScheduleKeys(BaseModel):
+    lr_end: float | None = field(
+        None, "The learning rate the schedule ends at: with lr_scheduler 'polynomial', where the decay lands after "
+        "the last step; with 'cosine' and 'cosine_with_restarts', the floor each cosine falls to (after warm-up the "
+        "rate is lr_end + (learning_rate - lr_end) x the cosine). Below learning_rate. Empty: 1e-7 for 'polynomial' "
+        "(diffusers' default), 0 for the cosines. (SimpleTuner's default is 4e-7.)", "training", ge=0,
+        advanced=True,
+    )
+    lr_power: float = field(
+        1.0, "With lr_scheduler 'polynomial': the power of the decay from learning_rate to lr_end (1: linear; 2: "
+        "stays high longer, then falls faster). Default 1 (diffusers'; SimpleTuner's is 0.8).", "training", gt=0,
+        advanced=True,
+    )
+    lr_num_cycles: int = field(
+        1, "With lr_scheduler 'cosine_with_restarts': how many cosine cycles (each restarting at learning_rate) "
+        "fill the steps after warm-up.", "training", ge=1, advanced=True,
+    )
+
+    @field_validator("lr_power", "lr_num_cycles", mode="before")
+    @classmethod
+    def _schedule_null_is_default(cls, value: Any, info: Any) -> Any:
+        """SimpleTuner configs may write null for these: it means the default."""
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @model_validator(mode="after")
+    def _schedule_checks(self) -> ScheduleKeys:
+        schedule_checks(self)
+        return self
+
+
+def schedule_checks(cfg: Any) -> None:
+    """Raise ValueError for a schedule setting that the chosen lr_scheduler would not use, naming both keys."""
+    name = cfg.lr_scheduler
+    if cfg.lr_end is not None and name not in LR_END_SCHEDULERS:
+        raise ValueError(f"lr_end applies to lr_scheduler {', '.join(map(repr, LR_END_SCHEDULERS))}; lr_scheduler "
+                         f"{name!r} would ignore it: remove lr_end, or use lr_scheduler 'polynomial' (with lr_power "
+                         "1 it decays linearly to lr_end)")
+    if cfg.lr_power != 1 and name not in LR_POWER_SCHEDULERS:
+        raise ValueError(f"lr_power {cfg.lr_power:g} applies to lr_scheduler 'polynomial' only; lr_scheduler {name!r} "
+                         "would ignore it: remove lr_power (or set it to 1), or use lr_scheduler 'polynomial'")
+    if cfg.lr_num_cycles != 1 and name not in LR_CYCLES_SCHEDULERS:
+        raise ValueError(f"lr_num_cycles {cfg.lr_num_cycles} applies to lr_scheduler 'cosine_with_restarts' only; "
+                         f"lr_scheduler {name!r} would ignore it: remove lr_num_cycles (or set it to 1), or use "
+                         "lr_scheduler 'cosine_with_restarts'")
+    if cfg.lr_end is not None and cfg.lr_end >= cfg.learning_rate:
+        raise ValueError(f"lr_end {cfg.lr_end:g} must be below learning_rate {cfg.learning_rate:g} (the schedule "
+                         "decays from learning_rate to lr_end)")
+    if name == "polynomial" and cfg.lr_end is None and POLYNOMIAL_DEFAULT_END >= cfg.learning_rate:
+        raise ValueError(f"lr_scheduler 'polynomial' decays to lr_end, 1e-7 when unset, which is not below "
+                         f"learning_rate {cfg.learning_rate:g}: set lr_end below learning_rate")

@@ -1,0 +1,58 @@
+"""The learning-rate schedule of a run: `build_lr_scheduler(cfg, optimizer, total_steps)`.
+
+Every schedule starts with `lr_warmup_steps` of linear warm-up from 0 to learning_rate (none for 'constant'),
+then, for the T - W steps after warm-up (T: the run's optimizer steps, W: warm-up; p goes from 0 to 1 over them):
+- 'polynomial': diffusers' polynomial decay, lr_end + (learning_rate - lr_end) * (1 - p) ** lr_power, then lr_end
+  (lr_end unset: 1e-7, diffusers' default);
+- 'cosine': diffusers' half cosine, learning_rate * (1 + cos(pi * p)) / 2;
+- 'cosine_with_restarts': diffusers' lr_num_cycles cosines, each restarting at learning_rate:
+  learning_rate * (1 + cos(pi * (lr_num_cycles * p mod 1))) / 2, and 0 after the last step;
+- 'linear', 'constant', 'constant_with_warmup': diffusers' own.
+With lr_end, the cosines fall to lr_end instead of 0: after warm-up the rate is lr_end + (learning_rate - lr_end) x
+the curve above (SimpleTuner's eta_min floor); the warm-up still rises from 0. Without it every schedule is
+exactly diffusers' `get_scheduler`, as before these keys existed.
+
+The rate is a pure function of the step: a checkpoint holds the scheduler's step (train/checkpoint.py saves its
+state_dict), and a resumed run rebuilds the same function from the config, so it continues the same curve.
+config/schedule_keys.py refuses the keys with a schedule that would not use them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
+from torch.optim.lr_scheduler import LambdaLR
+
+from difftune.config.schedule_keys import POLYNOMIAL_DEFAULT_END
+
+
+def build_lr_scheduler(cfg: Any, optimizer: Any, total_steps: int) -> LambdaLR:
+    name, warmup = cfg.lr_scheduler, cfg.lr_warmup_steps
+    if name == "polynomial":
+        end = POLYNOMIAL_DEFAULT_END if cfg.lr_end is None else cfg.lr_end
+        return get_polynomial_decay_schedule_with_warmup(optimizer, warmup, total_steps, lr_end=end,
+                                                         power=cfg.lr_power)
+    if cfg.lr_end is not None and name in ("cosine", "cosine_with_restarts"):
+        cycles = cfg.lr_num_cycles if name == "cosine_with_restarts" else None
+        return LambdaLR(optimizer, floored_cosine(warmup, total_steps, cfg.lr_end / cfg.learning_rate, cycles))
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                         num_cycles=cfg.lr_num_cycles)
+
+
+def floored_cosine(warmup: int, total: int, floor: float, cycles: int | None) -> Callable[[int], float]:
+    """The multiplier of learning_rate at each step: linear warm-up, then a cosine from 1 down to `floor` (a half
+    cosine when `cycles` is None, else `cycles` of them, each restarting at 1), and `floor` after `total` steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        if progress >= 1.0:
+            return floor
+        phase = progress if cycles is None else (cycles * progress) % 1.0
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * phase))
+
+    return factor
