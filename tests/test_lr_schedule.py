@@ -25,9 +25,13 @@ def config(**keys) -> TrainConfig:
 def rates(cfg: TrainConfig, total: int, steps: int | None = None) -> list[float]:
     """The learning rate at steps 0..steps (default: total + 2) of a scheduler built as build_run builds it."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.learning_rate)
-    scheduler = build_lr_scheduler(cfg, optimizer, total)
+    return walk(optimizer, build_lr_scheduler(cfg, optimizer, total), total + 2 if steps is None else steps)
+
+
+def walk(optimizer, scheduler, steps: int) -> list[float]:
+    """The scheduler's rate now and after each of `steps` optimizer steps."""
     out = [scheduler.get_last_lr()[0]]
-    for _ in range(total + 2 if steps is None else steps):
+    for _ in range(steps):
         optimizer.step()
         scheduler.step()
         out.append(scheduler.get_last_lr()[0])
@@ -109,12 +113,7 @@ def test_cosine_with_restarts_cycles():
 def diffusers_rates(name: str, warmup: int, total: int, cycles: int = 1, steps: int | None = None) -> list[float]:
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total, num_cycles=cycles)
-    out = [scheduler.get_last_lr()[0]]
-    for _ in range(total + 2 if steps is None else steps):
-        optimizer.step()
-        scheduler.step()
-        out.append(scheduler.get_last_lr()[0])
-    return out
+    return walk(optimizer, scheduler, total + 2 if steps is None else steps)
 
 
 @pytest.mark.parametrize("name", LR_SCHEDULERS)
