@@ -19,6 +19,7 @@ from difftune.train import objective, rollout
 from difftune.train.loop import micro_step, train
 from difftune.train.setup import build_run
 from test_train import crash_then_resume, losses
+from test_tread import _reflex_cfg, drifted_batch
 
 
 def keys(loss_type="l2", huber_schedule="snr", huber_c=0.1, input_perturbation=0.0, input_perturbation_steps=0):
@@ -136,13 +137,8 @@ def test_rollouts_start_from_the_perturbed_input():
 
 
 def test_reflexflow_weights_the_chosen_element_loss():
-    torch.manual_seed(0)
-    pred, target = torch.randn(3, 4, 2, 6, 6), torch.randn(3, 4, 2, 6, 6)
-    drift = torch.zeros(3, 4, 2, 6, 6)
-    drift[1, :, :, :3] = 0.5  # sample 1 drifted in its top half only
-    rolled = rollout.Rolled(torch.zeros(1), torch.zeros(1), torch.tensor([False, True, False]), drift)
-    cfg = NS(scheduled_sampling_reflexflow=True, scheduled_sampling_reflexflow_alpha=1.0,
-             scheduled_sampling_reflexflow_beta1=3.0, scheduled_sampling_reflexflow_beta2=0.7)
+    pred, target, rolled = drifted_batch()
+    cfg = _reflex_cfg(alpha=1.0, beta1=3.0, beta2=0.7)
     c = torch.tensor([0.1, 0.4, 1.0])
     got = rollout.loss(cfg, pred, target, None, rolled, 0, objective.Pointwise("smooth_l1", c))
     e, cc = (pred - target).double(), c.double().view(-1, 1, 1, 1, 1)

@@ -265,12 +265,17 @@ def _reflex_cfg(on=True, alpha=1.0, beta1=10.0, beta2=1.0):
               scheduled_sampling_reflexflow_beta1=beta1, scheduled_sampling_reflexflow_beta2=beta2)
 
 
-def test_reflexflow_loss_terms():
+def drifted_batch():
+    """Prediction, target and a Rolled of 3 video samples; sample 1 alone rolled out, drifted in its top half."""
     torch.manual_seed(0)
     pred, target = torch.randn(3, 4, 2, 6, 6), torch.randn(3, 4, 2, 6, 6)
     drift = torch.zeros(3, 4, 2, 6, 6)
     drift[1, :, :, :3] = 0.5  # sample 1 drifted in its top half only
-    rolled = rollout.Rolled(torch.zeros(1), torch.zeros(1), torch.tensor([False, True, False]), drift)
+    return pred, target, rollout.Rolled(torch.zeros(1), torch.zeros(1), torch.tensor([False, True, False]), drift)
+
+
+def test_reflexflow_loss_terms():
+    pred, target, rolled = drifted_batch()
     weights = torch.tensor([1.0, 2.0, 0.5])
     plain = objective.flow_loss(pred, target, weights)
     # off, or nothing rolled out: the plain flow loss, bit for bit

@@ -24,8 +24,9 @@ ReflexFlow (`scheduled_sampling_reflexflow`, arXiv 2512.04904) changes the loss 
 only. Its two parts, as difftune computes them (`loss`):
 - frequency compensation: the exposure bias of a sample is its drift d = x~ - x_s (the rollout's latent
   minus the true noisy latent). Its size per latent position, |d| over the channels, weights the error there
-  (squared, or the Huber / smooth-L1 loss `loss_type` chooses: a spatial weight on any per-element loss): w = (1 + alpha |d| / mean|d|) / (1 + alpha), which averages 1 over the sample, so the loss
-  keeps its scale and moves towards the places the model drifted most (alpha 0: plain weights).
+  (squared, or the Huber / smooth-L1 loss `loss_type` chooses: a spatial weight on any per-element loss):
+  w = (1 + alpha |d| / mean|d|) / (1 + alpha), which averages 1 over the sample, so the loss keeps its scale
+  and moves towards the places the model drifted most (alpha 0: plain weights).
 - anti-drift: beta1 |pred/|pred| - target/|target||^2 over the whole sample, the direction of the prediction
   pulled onto the velocity that leads from x~ back to x0 (the rolled-out target above).
 A rolled-out sample's loss is beta2 * weighted error + beta1 * direction term; the others keep the plain
