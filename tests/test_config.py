@@ -36,12 +36,12 @@ def test_wrong_type_names_key(tmp_path, dataset):
 
 
 def test_pending_feature_is_rejected_not_ignored(tmp_path, dataset):
-    text = problems(write_config(tmp_path, dataset, base_model_precision="int4-torchao", use_dora=True))
+    text = problems(write_config(tmp_path, dataset, base_model_precision="int4-torchao", peft_lora_mode="singlora"))
     assert "base_model_precision" in text and "not implemented yet" in text
-    assert "use_dora" in text
+    assert "peft_lora_mode" in text
     assert "optimizer" in problems(write_config(tmp_path, dataset, optimizer="sgd-with-vibes"))
     # The "off" value of a pending key is accepted: it changes nothing.
-    load_config(write_config(tmp_path, dataset, use_dora=False, base_model_precision="no_change"))
+    load_config(write_config(tmp_path, dataset, peft_lora_mode="standard", base_model_precision="no_change"))
 
 
 def test_missing_dataset_folder(tmp_path):

@@ -118,7 +118,9 @@ def diffusers_rates(name: str, warmup: int, total: int, cycles: int = 1, steps: 
 
 @pytest.mark.parametrize("name", LR_SCHEDULERS)
 def test_without_the_keys_each_schedule_is_diffusers_own(name):
-    assert rates(config(lr_scheduler=name, lr_warmup_steps=3), total=12) == diffusers_rates(name, 3, 12)
+    # diffusers' 'constant' drops a warm-up; difftune's warms up (test_constant_with_a_warmup_warms_up)
+    same = "constant_with_warmup" if name == "constant" else name
+    assert rates(config(lr_scheduler=name, lr_warmup_steps=3), total=12) == diffusers_rates(same, 3, 12)
 
 
 @pytest.mark.parametrize("keys", [{"lr_scheduler": "polynomial", "lr_end": 0.05, "lr_power": 2.0},
@@ -163,3 +165,10 @@ def test_training_follows_the_curve_across_a_resume(tmp_path, dataset, monkeypat
     assert [step for step, _ in logged] == [1, 2, 3, 3, 4, 5]  # steps 1-3, then 3-5 again from the step-2 checkpoint
     for step, lr in logged:  # the rate after `step` steps: warm-up over, (1e-3 - 1e-4)·(1 - (step - 1)/4)² + 1e-4
         assert lr == pytest.approx(1e-4 + 9e-4 * (1 - (step - 1) / 4) ** 2, rel=1e-6), step
+
+
+def test_constant_with_a_warmup_warms_up():
+    """diffusers' 'constant' has no warm-up: lr_warmup_steps with it must not be dropped, and without one it stays
+    diffusers' constant."""
+    assert rates(config(lr_scheduler="constant", lr_warmup_steps=4), 10) == [0.0, 0.25, 0.5, 0.75] + [1.0] * 9
+    assert rates(config(lr_scheduler="constant"), 10) == [1.0] * 13

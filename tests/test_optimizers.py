@@ -60,7 +60,7 @@ def roundtrip(obj: object) -> object:
 
 def test_descriptions_are_one_line() -> None:
     assert NAMES == ["adamw", "adamw_bf16", "lion", "optimi-stableadamw", "optimi-adamw", "optimi-lion", "prodigy",
-                     "adamw8bit"]
+                     "adamw8bit", "adamw_schedulefree"]
     for name, text in OPTIMIZERS.items():
         assert text and "\n" not in text, name
 
@@ -185,3 +185,88 @@ def test_simpletuner_aliases_build_the_same_optimizer() -> None:
     import optimi
 
     assert type(build_optimizer("optimi-lion", [p], 1e-3, (0.9, 0.99), 0.0, 1e-8)) is optimi.Lion
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_keywords_match_the_installed_library(name: str) -> None:
+    """KEYWORDS (what optimizer_config is checked against, without importing anything) is each constructor's
+    signature after `params`, defaults included."""
+    import inspect
+
+    from difftune.train.optimizers import KEYWORDS, REQUIRED, optimizer_class
+
+    signature = inspect.signature(optimizer_class(name).__init__).parameters.values()
+    actual = {p.name: REQUIRED if p.default is inspect.Parameter.empty else p.default
+              for p in signature if p.name not in ("self", "params")}
+    assert KEYWORDS[name] == actual
+
+
+@pytest.mark.parametrize(("name", "settings", "check"), [
+    ("adamw", {"amsgrad": True}, lambda opt: opt.param_groups[0]["amsgrad"] is True),
+    ("prodigy", {"d_coef": 2}, lambda opt: opt.param_groups[0]["d_coef"] == 2),
+    ("adamw_bf16", {"kahan_sum": False}, lambda opt: opt.param_groups[0]["kahan_sum"] is False),
+    ("adamw_schedulefree", {"r": 0.5, "weight_lr_power": 1.0},
+     lambda opt: (opt.param_groups[0]["r"], opt.param_groups[0]["weight_lr_power"]) == (0.5, 1.0)),
+])
+def test_settings_reach_the_constructor(name, settings, check) -> None:
+    model = toy_model()
+    plain = build(name, model)
+    assert not check(plain)  # the default differs from the setting
+    opt = build_optimizer(name, list(model.parameters()), lr_of(name), BETAS, 1e-2, 1e-8, settings=settings)
+    assert check(opt)
+    assert opt.param_groups[0]["lr"] == lr_of(name)  # difftune's own arguments stay
+
+
+def test_amsgrad_changes_the_steps() -> None:
+    x, y = toy_data()
+    runs = []
+    for settings in (None, {"amsgrad": True}):
+        model = toy_model()
+        opt = build_optimizer("adamw", list(model.parameters()), 1e-2, BETAS, 1e-2, 1e-8, settings=settings)
+        runs.append([train_step(model, opt, x, y) for _ in range(10)])
+    assert runs[0][:2] == runs[1][:2] and runs[0] != runs[1]  # AMSGrad keeps the largest second moment
+
+
+@pytest.mark.parametrize(("name", "key", "value", "message"), [
+    ("adamw", "d_coef", 2.0, r"torch.optim.AdamW \(optimizer 'adamw'\) has no setting 'd_coef'; its settings: "
+     r"amsgrad, maximize"),
+    ("lion", "eps", 1e-6, "has no setting 'eps'"),  # Lion has no epsilon: not 'use adam_epsilon'
+    ("adamw", "lr", 0.1, "lr is set by learning_rate"),
+    ("prodigy", "betas", 0.9, "betas is set by adam_beta1 and adam_beta2"),
+    ("adamw", "weight_decay", 0.0, "use that key instead"),
+    ("adamw_schedulefree", "warmup_steps", 10, "warmup_steps is set by lr_warmup_steps"),
+    ("adamw", "amsgrad", 1, "amsgrad takes true or false, got 1"),
+    ("prodigy", "d_coef", "big", "d_coef takes a number"),
+    ("prodigy", "slice_p", 1.5, "slice_p takes a whole number"),
+    ("adamw8bit", "optim_bits", 32, "always keeps 8-bit state"),
+    ("optimi-adamw", "gradient_release", True, "optimizer_release_gradients"),
+])
+def test_setting_problems(name, key, value, message) -> None:
+    import re
+
+    from difftune.train.optimizers import setting_problem
+
+    assert re.search(message, setting_problem(name, key, value))
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=f"optimizer_config {key}="):
+        build_optimizer(name, [p], 1.0, BETAS, 0.0, 1e-8, settings={key: value})
+
+
+def test_schedulefree_starts_in_train_mode_and_switches() -> None:
+    """The parameters train at y; eval() puts the average x in them; train() goes back."""
+    from difftune.train.optimizers import schedule_free
+
+    model = toy_model()
+    opt = build(name="adamw_schedulefree", model=model)
+    assert schedule_free(opt) and opt.param_groups[0]["train_mode"]
+    assert not schedule_free(build("adamw", toy_model()))
+    x, y = toy_data()
+    for _ in range(3):
+        train_step(model, opt, x, y)
+    trained = weights(model)
+    opt.eval()
+    averaged = weights(model)
+    assert all(not torch.equal(a, b) for a, b in zip(averaged, trained, strict=True))
+    opt.train()
+    for a, b in zip(weights(model), trained, strict=True):
+        torch.testing.assert_close(a, b)  # the same y, up to rounding

@@ -69,6 +69,22 @@ the same name:
 | `{time_embeddings.in_layer,time_embeddings.out_layer,text_embeddings.in_layer,pooled_text_embeddings.in_layer,visual_embeddings.in_layer,out_layer.modulation.out_layer,out_layer.out_layer}` |
 
 A module outside these tables raises `ValueError` rather than writing a key ComfyUI would skip.
+
+DoRA (`use_dora`). peft keeps one magnitude per output row, `m` ([out], key `<module>.lora_magnitude_vector`), and
+computes `W' = m / |W + s·B·A| · (W + s·B·A)` with row norms. ComfyUI reads `<stem>.dora_scale` beside the LoRA
+(`comfy/lora.py` `load_lora`) and, when it is present, `LoRAAdapter.calculate_weight` hands the merged weight to
+`weight_decompose` (`comfy/weight_adapter/base.py`, as of 2026). That function picks the axis by shape: a dora_scale
+whose first dimension is W's output size is per output row, otherwise per input column (LyCORIS's old layout, [1, in],
+normalised over the output axis, which peft's magnitudes cannot be expressed in). On the output axis it computes
+`W' = (W + s·B·A) · dora_scale / (|W| + eps)`: the norm of the *base* weight W, not of W + s·B·A as LyCORIS and peft
+do (reported as a bug, Comfy-Org/ComfyUI PR #15458, open); eps is `finfo(float32).eps`, since ComfyUI patches fp32
+copies of the weights. It also divides a 1-D dora_scale [out] by the [out, 1] norms, which broadcasts to [out, out]
+(issue #12938, PR #13011, open). So difftune writes `dora_scale` as [out, 1] fp32 with
+`dora_scale = m · (|W| + eps) / |W + s·B·A|`, which makes ComfyUI's output-axis patch equal peft's W' exactly; it
+needs the base weights, so the export is made while the model is at hand (`LoraAdapter.save`, `base_weight`), and
+`convert_file` refuses a DoRA file. Should ComfyUI adopt PR #15458, `dora_scale` must become `m` itself. For
+Lumina2's fused qkv the three projections' rows are stacked like their LoRAs; a projection the LoRA does not adapt gets
+`|W| + eps`, which leaves its rows unchanged.
 """
 
 from __future__ import annotations
@@ -89,6 +105,11 @@ COMFY_PREFIX = "diffusion_model."
 DIFFUSERS_PREFIX = "transformer."
 # diffusers' `LORA_ADAPTER_METADATA_KEY` (diffusers/loaders/lora_base.py); its JSON has keys "transformer.<field>".
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
+# DoRA: peft's magnitude key (after get_peft_model_state_dict), and the epsilon ComfyUI adds to the row norms: it
+# patches weights in fp32 (model_patcher: the weight is copied to torch.float32 before calculate_weight).
+MAGNITUDE_SUFFIX = ".lora_magnitude_vector"
+COMFY_NORM_EPS = torch.finfo(torch.float32).eps
+BaseWeight = Callable[[str], torch.Tensor]  # diffusers module name -> the base model's weight [out, in]
 
 # --- Lumina2 -----------------------------------------------------------------------------------------------------
 # ComfyUI names from Comfy-Org/ComfyUI comfy/ldm/lumina/model.py (NextDiT, JointTransformerBlock, JointAttention,
@@ -156,49 +177,103 @@ def lora_pairs(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state_dict.items():
         name = key[len(DIFFUSERS_PREFIX):] if key.startswith(DIFFUSERS_PREFIX) else key
+        if name.endswith(MAGNITUDE_SUFFIX):
+            continue  # DoRA's magnitudes: see `dora_magnitudes`
         for part in ("lora_A", "lora_B"):
             suffix = f".{part}.weight"
             if name.endswith(suffix):
                 pairs.setdefault(name[: -len(suffix)], {})[part] = value
                 break
         else:
-            raise ValueError(f"unsupported LoRA key {key!r}: only plain LoRA (lora_A/lora_B weights) converts")
+            raise ValueError(f"unsupported LoRA key {key!r}: only LoRA (lora_A/lora_B weights) and DoRA "
+                             "(lora_magnitude_vector) convert")
     incomplete = sorted(n for n, p in pairs.items() if len(p) != 2)
     if incomplete:
         raise ValueError(f"LoRA modules without both lora_A and lora_B: {incomplete}")
     return {n: (p["lora_A"], p["lora_B"]) for n, p in sorted(pairs.items())}
 
 
+def dora_magnitudes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{diffusers module: DoRA magnitude (one per output row)} from a peft state dict; empty for a plain LoRA."""
+    out = {}
+    for key, value in state_dict.items():
+        name = key[len(DIFFUSERS_PREFIX):] if key.startswith(DIFFUSERS_PREFIX) else key
+        if name.endswith(MAGNITUDE_SUFFIX):
+            out[name[: -len(MAGNITUDE_SUFFIX)]] = value
+    return out
+
+
+def dora_scale(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+               magnitude: torch.Tensor | None) -> torch.Tensor:
+    """ComfyUI's `dora_scale` ([out, 1], fp32) that makes its output-axis DoRA patch (see the module's docstring)
+    give peft's W' = m / |W + s·B·A| · (W + s·B·A); rows without a magnitude (a projection of a fused layer that
+    the LoRA does not adapt) get the factor 1."""
+    base = base.float()
+    divisor = torch.linalg.norm(base, dim=1) + COMFY_NORM_EPS
+    if magnitude is None:
+        return divisor.unsqueeze(1)
+    merged = base + scale * (b.float() @ a.float())
+    return (magnitude.float() * divisor / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+
+
 def _convert(
     state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int,
     module_of: Callable[[str], tuple[str, int | None]], kv_dim: int | None = None,
+    base_weight: BaseWeight | None = None,
 ) -> dict[str, torch.Tensor]:
     scale = float(alpha) / int(rank)
-    singles: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    fused: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for name, (a, b) in lora_pairs(state_dict).items():
+    magnitudes = dora_magnitudes(state_dict)
+    pairs = lora_pairs(state_dict)
+    if magnitudes:
+        if base_weight is None:
+            raise ValueError("a DoRA LoRA (lora_magnitude_vector) converts only with the base model's weights "
+                             "(base_weight): ComfyUI's dora_scale depends on them")
+        unpaired = sorted(set(pairs) ^ set(magnitudes))
+        if unpaired:
+            raise ValueError(f"DoRA modules without both a LoRA and a magnitude: {unpaired}")
+    singles: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
+    fused: dict[str, dict[int, tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for name, (a, b) in pairs.items():
         if a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(f"{name}: LoRA rank {a.shape[0]} differs from rank={rank} (rank_pattern is not supported)")
         target, slot = module_of(name)
         if slot is None:
-            singles[target] = (a, b)
+            singles[target] = (name, a, b)
         else:
-            fused.setdefault(target, {})[slot] = (a, b)
+            fused.setdefault(target, {})[slot] = (name, a, b)
 
     out: dict[str, torch.Tensor] = {}
 
-    def write(target: str, down: torch.Tensor, up: torch.Tensor) -> None:
+    def write(target: str, down: torch.Tensor, up: torch.Tensor, dora: torch.Tensor | None) -> None:
         stem = COMFY_PREFIX + target
         out[f"{stem}.lora_up.weight"] = up.contiguous()
         out[f"{stem}.lora_down.weight"] = down.contiguous()
         # ComfyUI scales by alpha / lora_down.shape[0]: store the alpha that gives peft's scale for this down matrix.
         out[f"{stem}.alpha"] = torch.tensor(scale * down.shape[0], dtype=torch.float32)
+        if dora is not None:
+            out[f"{stem}.dora_scale"] = dora.contiguous()
 
-    for target, (a, b) in singles.items():
-        write(target, a, b)
+    def dora_of(name: str, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+        assert base_weight is not None
+        return dora_scale(base_weight(name), a, b, scale, magnitudes.get(name) if a is not None else None)
+
+    for target, (name, a, b) in singles.items():
+        write(target, a, b, dora_of(name, a, b) if magnitudes else None)
     for target, pieces in fused.items():
-        write(target, *_fuse_qkv(target, pieces, kv_dim))
+        down, up = _fuse_qkv(target, {slot: (a, b) for slot, (_, a, b) in pieces.items()}, kv_dim)
+        dora = None
+        if magnitudes:  # the fused layer's rows are q, k, v in turn: their dora_scale rows are stacked alike
+            names = _qkv_names(next(iter(pieces.values()))[0])
+            dora = torch.cat([dora_of(names[s], *pieces[s][1:]) if s in pieces else dora_of(names[s])
+                              for s in range(3)])
+        write(target, down, up, dora)
     return dict(sorted(out.items()))
+
+
+def _qkv_names(name: str) -> list[str]:
+    """The diffusers to_q, to_k, to_v modules of the block that `name` (one of them) belongs to."""
+    prefix = name[: name.rindex("attn.")]
+    return [prefix + suffix for suffix in sorted(_LUMINA2_QKV, key=_LUMINA2_QKV.__getitem__)]
 
 
 def _fuse_qkv(
@@ -230,16 +305,18 @@ def _fuse_qkv(
 
 
 def lumina2_to_comfyui(
-    state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int, *, kv_dim: int | None = None
+    state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int, *, kv_dim: int | None = None,
+    base_weight: BaseWeight | None = None,
 ) -> dict[str, torch.Tensor]:
     """A difftune Lumina2 LoRA (peft/diffusers keys) as ComfyUI NextDiT keys; to_q/to_k/to_v fuse into attention.qkv.
-    `kv_dim` (n_kv_heads * head_dim) is only needed when a block adapts to_q alone."""
-    return _convert(state_dict, alpha, rank, lumina2_module, kv_dim)
+    `kv_dim` (n_kv_heads * head_dim) is only needed when a block adapts to_q alone; `base_weight` only for DoRA."""
+    return _convert(state_dict, alpha, rank, lumina2_module, kv_dim, base_weight)
 
 
-def kandinsky5_to_comfyui(state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int) -> dict[str, torch.Tensor]:
+def kandinsky5_to_comfyui(state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int, *,
+                          base_weight: BaseWeight | None = None) -> dict[str, torch.Tensor]:
     """A difftune Kandinsky 5 LoRA (peft/diffusers keys) as ComfyUI Kandinsky5 keys (same module names)."""
-    return _convert(state_dict, alpha, rank, kandinsky5_module)
+    return _convert(state_dict, alpha, rank, kandinsky5_module, base_weight=base_weight)
 
 
 # By the family fact `comfyui_layout` (models/registry.py): Kandinsky 5 image and video share one.
@@ -249,13 +326,15 @@ TO_COMFYUI: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
 }
 
 
-def to_comfyui(family: str, state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int) -> dict[str, torch.Tensor]:
-    """Convert for a difftune family (`lumina2`, `kandinsky5-image`, `kandinsky5-video`)."""
+def to_comfyui(family: str, state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int, *,
+               base_weight: BaseWeight | None = None) -> dict[str, torch.Tensor]:
+    """Convert for a difftune family (`lumina2`, `kandinsky5-image`, `kandinsky5-video`); `base_weight(diffusers
+    module name)` gives the base model's weight, needed for a DoRA LoRA only."""
     facts = FAMILY_FACTS.get(family)
     if facts is None or facts.comfyui_layout not in TO_COMFYUI:
         known = sorted(name for name, f in FAMILY_FACTS.items() if f.comfyui_layout in TO_COMFYUI)
         raise ValueError(f"no ComfyUI conversion for family {family!r}; known: {known}")
-    return TO_COMFYUI[facts.comfyui_layout](state_dict, alpha, rank)
+    return TO_COMFYUI[facts.comfyui_layout](state_dict, alpha, rank, base_weight=base_weight)
 
 
 def read_diffusers_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], float, int]:
@@ -274,17 +353,20 @@ def read_diffusers_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], floa
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"{path}: {key} is not supported by the ComfyUI conversion")
-    if config.get("use_rslora") or config.get("use_dora"):
-        raise ValueError(f"{path}: rsLoRA/DoRA adapters are not supported by the ComfyUI conversion")
+    if config.get("use_rslora"):
+        raise ValueError(f"{path}: rsLoRA adapters are not supported by the ComfyUI conversion")
+    if config.get("use_dora"):
+        raise ValueError(f"{path}: a DoRA adapter converts only with the base model's weights (ComfyUI's dora_scale "
+                         "depends on them): train with lora_format 'comfyui', or call to_comfyui with base_weight")
     return load_file(str(path)), float(config["lora_alpha"]), int(config["r"])
 
 
 def save_comfyui(
     path: str | Path, family: str, state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int,
-    metadata: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None, base_weight: BaseWeight | None = None,
 ) -> Path:
     """Convert and write a ComfyUI LoRA file (safetensors); returns its path."""
-    tensors = to_comfyui(family, state_dict, alpha, rank)
+    tensors = to_comfyui(family, state_dict, alpha, rank, base_weight=base_weight)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "difftune_family": family, "lora_alpha": str(alpha), "lora_rank": str(rank)}

@@ -16,7 +16,9 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from difftune.adapters.dora import dense_weight, start_magnitudes
 from difftune.config import TrainConfig
+from difftune.config.lora_keys import LORA_INIT_WEIGHTS
 from difftune.models.base import Family
 from difftune.train.checkpointing import enable_checkpointing
 
@@ -34,7 +36,8 @@ class Adapter(Protocol):
 
 
 class LoraAdapter:
-    """peft LoRA on the family's attention projections (or `lora_target_modules`)."""
+    """peft LoRA on the family's attention projections (or `lora_target_modules`); DoRA with `use_dora`
+    (adapters/dora.py), its init from `lora_init_type` (config/lora_keys.py)."""
 
     def __init__(self, cfg: TrainConfig, family: Family, transformer: Any):
         self.cfg, self.family, self.transformer = cfg, family, transformer
@@ -42,18 +45,21 @@ class LoraAdapter:
         targets = cfg.lora_target_modules or family.lora_target_modules
         transformer.add_adapter(LoraConfig(
             r=cfg.lora_rank, lora_alpha=cfg.effective_lora_alpha(), lora_dropout=cfg.lora_dropout,
-            init_lora_weights=True, target_modules=targets if isinstance(targets, str) else list(targets),
+            init_lora_weights=LORA_INIT_WEIGHTS[cfg.lora_init_type], use_dora=cfg.use_dora,
+            target_modules=targets if isinstance(targets, str) else list(targets),
         ))
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"lora_target_modules {targets!r} matched no module of the transformer")
-        for p in self.params:  # adapters train in fp32 even when the base is bf16
+        for p in self.params:  # adapters train in fp32 even when the base is bf16 (DoRA's magnitudes too)
             p.data = p.data.float()
-        if cfg.init_lora:
-            self.load_lora_file(Path(cfg.init_lora))
+        magnitudes_loaded = self.load_lora_file(Path(cfg.init_lora)) if cfg.init_lora else False
+        if cfg.use_dora and not magnitudes_loaded:
+            start_magnitudes(transformer)  # adapters/dora.py: fp32, and from an init_lora's B·A
 
-    def load_lora_file(self, path: Path) -> None:
-        """Start from an existing LoRA in the diffusers layout (what `save` writes)."""
+    def load_lora_file(self, path: Path) -> bool:
+        """Start from an existing LoRA in the diffusers layout (what `save` writes); returns whether it held
+        DoRA magnitudes."""
         state = load_file(path if path.is_file() else path / "pytorch_lora_weights.safetensors")
         state = {k.removeprefix("transformer."): v for k, v in state.items()}
         result = set_peft_model_state_dict(self.transformer, state)
@@ -61,6 +67,7 @@ class LoraAdapter:
         if unexpected:
             raise ValueError(f"init_lora {path}: {len(unexpected)} tensors match no LoRA module here "
                              f"(first: {unexpected[0]}); was it trained with other targets or another model?")
+        return any("lora_magnitude_vector" in k for k in state)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.params
@@ -79,8 +86,10 @@ class LoraAdapter:
             from difftune.adapters.comfyui import save_comfyui
 
             prefixed = {f"transformer.{k}": v for k, v in state.items()}
+            # DoRA: ComfyUI's dora_scale depends on the base weights (adapters/comfyui.py)
+            base = (lambda name: dense_weight(self.transformer.get_submodule(name))) if self.cfg.use_dora else None
             return save_comfyui(folder / "comfyui_lora.safetensors", self.cfg.model_family, prefixed,
-                                config.lora_alpha, config.r)
+                                config.lora_alpha, config.r, base_weight=base)
         return path
 
 

@@ -45,7 +45,9 @@ KEY_ALIASES: dict[str, str] = {
 PLACEHOLDERS = ("model_family",)
 # Values that are text, not paths: a `{...}` in them is left alone.
 TEXT_KEYS = frozenset({"validation_prompt", "validation_negative_prompt", "instance_prompt", "tracker_project_name",
-                       "tracker_run_name"})
+                       "tracker_run_name",
+                       # commands whose {placeholders} train/scripts.py fills when it runs them
+                       "post_checkpoint_script", "post_upload_script"})
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -56,10 +58,12 @@ def family_name(value: Any) -> Any:
     return value
 
 
-def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str]) -> dict[str, Any]:
-    """Rename alias keys to difftune's; `where_of(key)` says where a key was written."""
+def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str],
+                      aliases: dict[str, str] = KEY_ALIASES) -> dict[str, Any]:
+    """Rename alias keys to difftune's; `where_of(key)` says where a key was written. `aliases`: the config's
+    (KEY_ALIASES), or a dataset entry's (config/regularisation_keys.DATASET_KEY_ALIASES)."""
     out = dict(raw)
-    for alias, key in KEY_ALIASES.items():
+    for alias, key in aliases.items():
         if alias not in out:
             continue
         value = out.pop(alias)

@@ -88,7 +88,8 @@ def safe_id(value: str) -> str:
 
 
 class ImageDataset(BaseModel):
-    """A folder of images (or, with dataset_type 'video', of clips) with captions."""
+    """A folder of images (or, with dataset_type 'video', of clips) with captions. dataset_type 'eval': held-out
+    images (or clips, with a video block) that are never trained on: train/eval_loss.py measures the loss on them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -99,8 +100,10 @@ class ImageDataset(BaseModel):
 
     id: str = field(..., "Unique name of the dataset (used in reports and cache paths).", "data", min_length=1)
     type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
-    dataset_type: Literal["image", "video"] = field(
-        "image", "Kind of entry: 'image', or 'video' (.mp4, .mov, .webm, .mkv; see the video block).", "data"
+    dataset_type: Literal["image", "video", "eval"] = field(
+        "image", "Kind of entry: 'image', or 'video' (.mp4, .mov, .webm, .mkv; see the video block), or 'eval': "
+        "held-out images (clips, with a video block) never trained on, cached like the others, on which the "
+        "evaluation loss is measured (eval_timesteps; eval_loss_disable turns it off).", "data"
     )
     instance_data_dir: str = field(..., "Folder of images or clips; sub-folders are searched too.", "data")
     video: VideoOptions | None = field(
@@ -181,12 +184,26 @@ class ImageDataset(BaseModel):
         None, "Id of a 'conditioning' dataset whose images pair with these by file name (image-to-image).",
         "data",
     )
+    is_regularisation_data: bool = field(
+        False, "Regularisation (prior preservation) data, e.g. generic photos of the subject's class: with a LoRA "
+        "or LyCORIS adapter its samples are trained towards the base model's own prediction (the adapter switched "
+        "off, same noisy input, no gradient) instead of towards their image, so the adapter learns to leave such "
+        "prompts as the base model draws them. Also spelt is_regularization_data. Refused for a full fine-tune, "
+        "where SimpleTuner trains it as ordinary data (no frozen base model is left to ask): remove it there.",
+        "data", advanced=True,
+    )
     disabled: bool = field(False, "Leave this dataset out.", "data")
+
+    @field_validator("is_regularisation_data", mode="before")
+    @classmethod
+    def _regularisation_null(cls, v: object) -> object:
+        return False if v is None else v  # SimpleTuner writes null for "not set"
 
     @model_validator(mode="after")
     def _consistent(self) -> ImageDataset:
-        if self.video is not None and self.dataset_type != "video":
-            raise ValueError("the video block applies to dataset_type 'video'; set dataset_type or remove it")
+        if self.video is not None and self.dataset_type not in ("video", "eval"):
+            raise ValueError("the video block applies to dataset_type 'video' (or 'eval': held-out clips); set "
+                             "dataset_type or remove it")
         if self.dataset_type == "video" and self.video is None:
             self.video = VideoOptions()
         if self.dataset_type == "video" and self.conditioning_data is not None:
@@ -252,20 +269,27 @@ class ConditioningDataset(BaseModel):
 
 DatasetEntry = ImageDataset | TextEmbedsDataset | ConditioningDataset
 DATASET_MODELS: dict[str, type[BaseModel]] = {
-    "image": ImageDataset, "video": ImageDataset, "text_embeds": TextEmbedsDataset, "conditioning": ConditioningDataset,
+    "image": ImageDataset, "video": ImageDataset, "eval": ImageDataset, "text_embeds": TextEmbedsDataset,
+    "conditioning": ConditioningDataset,
 }
 
 
 class DatasetPlan(BaseModel):
     """The validated dataset list: the enabled image and video datasets and the text-embeds cache to use.
-    `validation_only`: image datasets an image-to-video run uses only as validation input images."""
+    `validation_only`: image datasets an image-to-video run uses only as validation input images. `evaluation`: the
+    dataset_type 'eval' entries (held out: cached, never trained on; train/eval_loss.py)."""
 
     images: list[ImageDataset]
+    evaluation: list[ImageDataset] = []
     validation_only: dict[str, ImageDataset] = {}
     text_embeds: TextEmbedsDataset | None  # the default entry
     conditioning: dict[str, ConditioningDataset] = {}
     all_text_embeds: dict[str, TextEmbedsDataset] = {}
     notes: list[str] = []  # what the loader chose for the user (the default text cache), printed by check
+
+    def discovered(self) -> list[ImageDataset]:
+        """Every dataset discovered and cached at start-up: the trained ones first, then the eval ones."""
+        return [*self.images, *self.evaluation]
 
     def text_embeds_for(self, dataset: ImageDataset) -> TextEmbedsDataset | None:
         if dataset.text_embeds is not None:  # a name of no entry: load_datasets reported it; None here

@@ -31,6 +31,7 @@ from difftune.config.datasets import (
     ImageDataset,
     TextEmbedsDataset,
 )
+from difftune.config.eval_keys import check_eval_datasets
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.pending import (
     PENDING_DATASET_KEYS,
@@ -38,6 +39,11 @@ from difftune.config.pending import (
     PENDING_VALUES,
     is_pending,
     pending_problem,
+)
+from difftune.config.regularisation_keys import (
+    DATASET_KEY_ALIASES,
+    NOT_ON_OTHER_ENTRIES,
+    regularisation_problems,
 )
 from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
@@ -166,6 +172,7 @@ def load_datasets(
         problems.append(f"{path}: the dataset list must be a JSON list of entries, got {type(raw).__name__}")
         return None
     images: list[ImageDataset] = []
+    held_out: list[ImageDataset] = []  # dataset_type 'eval': cached, never trained on (train/eval_loss.py)
     embeds: list[TextEmbedsDataset] = []
     conditioning: dict[str, ConditioningDataset] = {}
     seen: set[str] = set()
@@ -175,23 +182,24 @@ def load_datasets(
             problems.append(f"{path}: entry {index} must be an object")
             continue
         where = _entry_where(path, entry, index)
-        entry = clean_keys(entry, where, problems)
+        entry = apply_key_aliases(clean_keys(entry, where, problems), lambda key, w=where: w, problems, DATASET_KEY_ALIASES)
         entry = substitute_all(entry, family, lambda key, w=where: w, problems)
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):
-            problems.append(f"{where}: dataset_type: {kind!r} must be one of 'image', 'video', 'conditioning' or "
-                            "'text_embeds' (a string)")
+            problems.append(f"{where}: dataset_type: {kind!r} must be one of 'image', 'video', 'eval', 'conditioning' "
+                            "or 'text_embeds' (a string)")
             continue
         if (message := PENDING_VALUES.get(("dataset_type", kind))) is not None:
             problems.append(f"{where}: dataset_type: {message}")
             continue
         if kind not in DATASET_MODELS:
-            problems.append(f"{where}: dataset_type {kind!r} is unknown; use 'image', 'video', 'conditioning' or 'text_embeds'")
+            problems.append(f"{where}: dataset_type {kind!r} is unknown; use 'image', 'video', 'eval', 'conditioning' "
+                            "or 'text_embeds'")
             continue
         model = DATASET_MODELS[kind]
         if model is ImageDataset:
             entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS}, **entry}
-        kept = _split_known(where, entry, model, PENDING_DATASET_KEYS, problems)
+        kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
         if item is None:
             continue
@@ -210,13 +218,13 @@ def load_datasets(
             problems.append(f"{where}: {key}: {str(blocker)!r} is a file, so the cache folder {cache!r} cannot be "
                             "made; choose another folder")
         if isinstance(item, ImageDataset):
-            images.append(item)
+            (held_out if item.dataset_type == "eval" else images).append(item)
         elif isinstance(item, ConditioningDataset):
             conditioning[item.id] = item
         else:
             embeds.append(item)
     named_embeds = {e.id: e for e in embeds}
-    for ds in images:
+    for ds in images + held_out:
         if ds.text_embeds is not None and ds.text_embeds not in named_embeds:
             problems.append(f"{path}: dataset {ds.id!r}: text_embeds {ds.text_embeds!r} names no enabled "
                             "text_embeds entry; add it or fix the name")
@@ -243,8 +251,8 @@ def load_datasets(
         if (blocker := _is_file_in_the_way(Path(folder))) is not None:
             problems.append(f"{path}: the default text cache {folder!r} cannot be made ({str(blocker)!r} is a "
                             "file); add a text_embeds entry with another cache_dir")
-    return DatasetPlan(images=images, text_embeds=chosen, conditioning=conditioning, all_text_embeds=named_embeds,
-                       notes=notes)
+    return DatasetPlan(images=images, evaluation=held_out, text_embeds=chosen, conditioning=conditioning,
+                       all_text_embeds=named_embeds, notes=notes)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
@@ -395,7 +403,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         check_media(train, plan, Path(train.data_backend_config), problems)
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
-        problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.images)]
+        check_eval_datasets(train, plan, Path(train.data_backend_config), where_of, problems)  # dataset_type 'eval'
+        problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.discovered())]
+        problems += [f"{train.data_backend_config}: {p}" for p in regularisation_problems(train, plan)]
     if problems or train is None or plan is None:
         raise ConfigError(list(dict.fromkeys(problems)))
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)

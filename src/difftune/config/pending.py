@@ -11,7 +11,7 @@ Three kinds of entries:
   (`crepa_teacher_block_index` without `crepa_use_backbone_features`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys can be
   matched by prefix (`PREFIX_DEPENDS_ON`).
-- `PENDING_VALUES`: one value of a key difftune has (`optimizer: adamw_schedulefree`, `type: huggingface`).
+- `PENDING_VALUES`: one value of a key difftune has (`quantize_via: pipeline`, `type: huggingface`).
 
 Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
 number, boolean or null they spell before they are compared with the off values.
@@ -31,10 +31,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "vae_cache_clear_each_epoch": ((False,), "vae_cache_clear_each_epoch is not implemented yet"),
-    "is_regularisation_data": ((False, None), "regularisation datasets are not implemented yet; remove the entry "
-                                              "or set is_regularisation_data to false"),
-    "is_regularization_data": ((False, None), "regularisation datasets are not implemented yet; remove the entry "
-                                              "or set is_regularization_data to false"),
 }
 
 # A setting that only acts when its switch is on: any value while the switch is off.
@@ -144,26 +140,17 @@ PENDING_TRAIN_KEYS |= {
     "sla_config": ((None,), "SLA attention (attention_mechanism 'sla' is refused too)" + _REMOVE),
     "i_know_what_i_am_doing": ((False, None), "difftune has no safety limits to unlock" + _REMOVE),
     # LoRA
-    "lora_init_type": (("default", None), "LoRA initialisations other than peft's default" + _REMOVE),
     "peft_lora_mode": (("standard", None), "SingLoRA; use peft_lora_mode 'standard' or lora_type 'lycoris'"),
     "slider_lora_target": ((False,), "slider LoRA targets; use lora_target_modules to choose the modules"),
     "init_lokr_norm": ((None,), "LoKr's perturbed-normal initialisation" + _REMOVE),
-    "use_dora": ((False,), "DoRA (weight-decomposed LoRA)" + _REMOVE),
     # text encoders: their embeddings are cached, so they never train
     "train_text_encoder": ((False,), "training the text encoder; difftune trains the transformer and caches the "
                            "text embeddings: set train_text_encoder to false"),
     # noise levels, loss, learning rate
-    "flow_use_uniform_schedule": ((False,), "use timestep_sampling: 'uniform'"),
-    "flow_use_beta_schedule": ((False,), "Beta-distributed noise levels; use timestep_sampling ('logit_normal', "
-                               "'uniform' or 'mode')"),
-    "flow_custom_timesteps": ((None, ""), "a fixed list of training noise levels; use timestep_sampling"),
+    # flow_custom_timesteps draws from its list at random (SimpleTuner's 'fixed-list'; config/extra_train_keys.py)
+    "flow_timesteps_mode": (("fixed-list", None), "'round-robin' (flow_custom_timesteps taken in turn); the list is "
+                            "drawn from at random ('fixed-list'): set flow_timesteps_mode to 'fixed-list' or remove it"),
     "masked_loss_probability": ((1.0, None), "masked loss (mask conditioning datasets)" + _REMOVE),
-    "lr_scale": ((False,), "scaling learning_rate by batch size and process count; multiply learning_rate "
-                 "yourself"),
-    "lr_scale_sqrt": ((False,), "scaling learning_rate by batch size and process count; multiply learning_rate "
-                      "yourself"),
-    "ignore_final_epochs": ((False,), "ignoring num_train_epochs; set num_train_epochs to 0 so that "
-                            "max_train_steps alone decides"),
     # same result either way: torch frees gradients (zero_grad(set_to_none=True)); flow-matching noise levels are
     # never segmented (SimpleTuner segments DDPM timesteps only)
     "set_grads_to_none": ((False, True, None), "set_grads_to_none takes true or false"),
@@ -172,8 +159,6 @@ PENDING_TRAIN_KEYS |= {
                                        "gradient_checkpointing recomputes them ('torch'): set it to 'torch' or "
                                        "remove it"),
     # optimizer
-    "optimizer_config": ((None, ""), "optimizer settings beyond learning_rate, adam_beta1/adam_beta2, "
-                         "adam_weight_decay and adam_epsilon" + _REMOVE),
     "optimizer_cpu_offload_method": (("offload", "none", None), "optimizer state offloading" + _REMOVE),
     "optimizer_offload_gradients": ((False,), "offloading gradients to the CPU" + _REMOVE),
     "fuse_optimizer": ((False,), "fused offloaded optimizers" + _REMOVE),
@@ -256,13 +241,8 @@ PENDING_TRAIN_KEYS |= {
     "seed_for_each_device": ((True, None), "the same seed on every process; noise is drawn for the global batch "
                              "from one seed and split between the processes" + _REMOVE),
     # validation and evaluation
-    "eval_timesteps": ((28, None), "validation loss on eval datasets" + _REMOVE),
-    # there are no eval datasets, so no validation loss either way
-    "eval_loss_disable": ((False, True, None), "eval_loss_disable takes true or false"),
-    "eval_dataset_pooling": ((False,), "pooling evaluation charts of several eval datasets" + _REMOVE),
     "validation_disable": ((False,), "validation is off when no prompt is set: remove validation_prompt, "
                            "user_prompt_library and validation_prompt_library"),
-    "validation_randomize": ((False,), "random validation seeds; samples use validation_seed (else seed)"),
     "validation_seed_source": (("gpu", None), "drawing validation noise on the CPU; it is drawn on the "
                                "accelerator (SimpleTuner's 'gpu'): set it to 'gpu' or remove it"),
     # validation samples on process 0 (SimpleTuner's 'single-gpu'); the samples are the same either way
@@ -272,7 +252,6 @@ PENDING_TRAIN_KEYS |= {
     "validation_stitch_input_location": ((None,), "stitching the input image beside image-to-image samples; "
                                          "each sample is saved alone" + _REMOVE),
     "validation_guidance_skip_layers": ((None,), "skip-layer guidance" + _REMOVE),
-    "validation_lycoris_strength": ((1.0, None), "sampling LyCORIS at another strength" + _REMOVE),
     "validation_noise_scheduler": ((None,), "another validation scheduler; samples use the pipeline's own "
                                    "flow-matching scheduler" + _REMOVE),
     "validation_method": (("simpletuner-local", None), "external validation scripts" + _REMOVE),
@@ -280,8 +259,6 @@ PENDING_TRAIN_KEYS |= {
     "validation_adapter_config": ((None,), "validating with extra LoRAs loaded" + _REMOVE),
     "validation_preview": ((False,), "streaming previews of validation samples" + _REMOVE),
     # checkpoints, trackers, publishing
-    "checkpointing_rolling_steps": ((0, None), "rolling checkpoints; use checkpoint_step_interval with "
-                                    "checkpoints_total_limit"),
     # checkpoints are always written into a temporary folder and renamed into place
     "checkpointing_use_tempdir": ((False, True, None), "checkpointing_use_tempdir takes true or false"),
     "logging_dir": ((None,), "a TensorBoard folder of your choice; the logs go under output_dir/tensorboard"
@@ -289,8 +266,6 @@ PENDING_TRAIN_KEYS |= {
     "tracker_image_layout": (("gallery", None), "the 'table' layout of validation images" + _REMOVE),
     "custom_tracker": ((None,), "custom tracker modules; use report_to 'wandb' or 'tensorboard'"),
     "webhook_config": ((None,), "webhooks; every event is written to events.jsonl in output_dir" + _REMOVE),
-    "post_upload_script": ((None,), "running a script after each upload" + _REMOVE),
-    "post_checkpoint_script": ((None,), "running a script after each checkpoint" + _REMOVE),
     "publishing_config": ((None,), "publishing to other stores than the Hugging Face hub" + _REMOVE),
     # uploads always run in the background (the run waits for the last one); the result is the same
     "push_to_hub_background": ((False, True, None), "push_to_hub_background takes true or false"),
@@ -334,7 +309,6 @@ DEPENDS_ON |= {key: switch for switch, keys in {
     "hidream_use_load_balancing_loss": ["hidream_load_balancing_loss_weight"],
     "refiner_training": ["refiner_training_invert_schedule", "refiner_training_strength"],
     "controlnet": ["controlnet_custom_config", "controlnet_model_name_or_path"],
-    "flow_use_beta_schedule": ["flow_beta_schedule_alpha", "flow_beta_schedule_beta"],
     "ramtorch": ["ramtorch_target_modules", "ramtorch_text_encoder", "ramtorch_vae", "ramtorch_controlnet",
                  "ramtorch_transformer_percent", "ramtorch_text_encoder_percent", "ramtorch_disable_sync_hooks",
                  "ramtorch_disable_extensions"],
@@ -346,7 +320,6 @@ DEPENDS_ON |= {key: switch for switch, keys in {
     "validation_method": ["validation_external_script", "validation_external_background"],
     "validation_adapter_path": ["validation_adapter_name", "validation_adapter_strength", "validation_adapter_mode"],
     "validation_preview": ["validation_preview_steps"],
-    "checkpointing_rolling_steps": ["checkpoints_rolling_total_limit"],
     "webhook_config": ["webhook_reporting_interval"],
     "distillation_method": ["distillation_config"],
     "layersync_enabled": ["layersync_student_block", "layersync_teacher_block", "layersync_lambda"],
@@ -354,9 +327,6 @@ DEPENDS_ON |= {key: switch for switch, keys in {
 
 # (key, value) -> message, for keys difftune has, whose other values work
 PENDING_VALUES: dict[tuple[str, str], str] = {
-    ("optimizer", "adamw_schedulefree"): (
-        "not implemented yet: optimizer 'adamw_schedulefree' (schedule-free AdamW needs its train/eval mode "
-        "switched around validation and checkpoints); use 'adamw' or 'adamw_bf16' with an lr_scheduler"),
     ("base_model_precision", "int4-torchao"): (
         "not implemented yet: base_model_precision 'int4-torchao' (torchao's int4 weight-only layout needs its "
         "CUDA kernels (tile_packed_to_4d) or the separate mslk package, and could not be tested here); use "

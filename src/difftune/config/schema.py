@@ -17,9 +17,14 @@ from difftune.config.compat import family_name
 from difftune.config.crepa_keys import CrepaKeys
 from difftune.config.cross_checks import cross_checks
 from difftune.config.dataset_default_keys import DatasetDefaultKeys
+from difftune.config.eval_keys import EvalKeys
 from difftune.config.experimental import TreadConfig, tread_from_text
+from difftune.config.extra_output_keys import ExtraOutputKeys
+from difftune.config.extra_train_keys import ExtraTrainKeys
 from difftune.config.fields import field
+from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
+from difftune.config.optimizer_keys import OptimizerKeys
 from difftune.config.precision_keys import PrecisionKeys
 from difftune.config.rollout_keys import RolloutKeys
 from difftune.config.schedule_keys import ScheduleKeys
@@ -38,7 +43,9 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 
 
 class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKeys,  # config/*_keys.py
-                  ValidationTriggerKeys, ScheduleKeys, PrecisionKeys):  # config/validation_triggers.py
+                  ValidationTriggerKeys, ScheduleKeys, PrecisionKeys,  # config/validation_triggers.py
+                  ExtraTrainKeys, ExtraOutputKeys, LoraKeys,  # config/extra_*_keys.py, lora_keys.py
+                  OptimizerKeys, EvalKeys):  # config/optimizer_keys.py, eval_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -143,12 +150,16 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     gradient_accumulation_steps: int = field(1, "Micro-batches per optimizer step.", "training", gt=0)
     learning_rate: float = field(1e-4, "Peak learning rate. LoRA: 1e-4 (5e-5 if artifacts).", "training", gt=0)
     lr_scheduler: Literal[LR_SCHEDULERS] = field(  # type: ignore[valid-type]
-        "constant", "Learning-rate schedule, after lr_warmup_steps of linear warm-up (none for 'constant'): "
+        "constant", "Learning-rate schedule, after lr_warmup_steps of linear warm-up: "
         "'constant', 'constant_with_warmup', 'linear' (to 0), 'cosine' (to lr_end, else 0), 'cosine_with_restarts' "
         "(lr_num_cycles cosines, each down to lr_end, else 0) or 'polynomial' (to lr_end with power lr_power).",
         "training",
     )
-    lr_warmup_steps: int = field(0, "Steps of linear warmup from 0 to learning_rate.", "training", ge=0)
+    lr_warmup_steps: int = field(
+        0, "Steps of linear warmup from 0 to learning_rate. With optimizer 'adamw_schedulefree': the schedulefree "
+        "library's warm-up, learning_rate x (k + 1) / lr_warmup_steps at step k, with lr_scheduler 'constant' too.",
+        "training", ge=0,
+    )
     max_train_steps: int = field(
         0, "Stop after this many optimizer steps (0: use num_train_epochs). With both, the first reached stops.",
         "training", ge=0,
@@ -388,8 +399,9 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "event, sent to the trackers and charted in the web UI.", "validation",
     )
     eval_steps_interval: int = field(
-        0, "CLIP evaluation every N optimizer steps (it samples the first num_eval_images validation prompts). "
-        "0: score the samples of each validation (unless eval_epoch_interval sets a schedule).", "validation", ge=0,
+        0, "CLIP evaluation every N optimizer steps (it samples the first num_eval_images validation prompts), and "
+        "the evaluation loss of eval datasets. 0: score the samples of each validation, and measure the evaluation "
+        "loss at each validation trigger (unless eval_epoch_interval sets a schedule).", "validation", ge=0,
     )
     num_eval_images: int | None = field(
         None, "How many validation samples each evaluation scores (the first ones). Empty: all of them.",

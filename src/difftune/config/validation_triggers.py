@@ -43,8 +43,9 @@ class ValidationTriggerKeys(BaseModel):
         "after that step. Empty or 0: off.", "validation", ge=0,
     )
     eval_epoch_interval: float | None = field(
-        None, "With evaluation_type 'clip': also evaluate every N epochs; fractions evaluate within an epoch (0.5: "
-        "at each half). Evaluated after the optimizer step that reaches the point. Empty or 0: off.",
+        None, "With evaluation_type 'clip' or an eval dataset: also evaluate (CLIP scores, evaluation loss) every N "
+        "epochs; fractions evaluate within an epoch (0.5: at each half). Evaluated after the optimizer step that "
+        "reaches the point. Empty or 0: off.",
         "validation", ge=0, advanced=True,
     )
     checkpoint_epoch_interval: int | None = field(
@@ -80,6 +81,5 @@ def trigger_checks(cfg: Any) -> None:
         fix = "set disable_benchmark to true" if key == "disable_benchmark" else f"remove {key}"
         raise ValueError(f"{asked[0]} samples the validation prompts, but none is set: set validation_prompt (or "
                          f"user_prompt_library, or validation_prompt_library), or {fix}")
-    if cfg.eval_epoch_interval and cfg.evaluation_type != "clip":
-        raise ValueError("eval_epoch_interval schedules CLIP evaluations; set evaluation_type to 'clip', or remove "
-                         "eval_epoch_interval")
+    # eval_epoch_interval without evaluation_type 'clip' may schedule the evaluation loss of eval datasets, which
+    # this mixin cannot see: config/eval_keys.check_eval_datasets checks it against the dataset list

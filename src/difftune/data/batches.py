@@ -41,11 +41,15 @@ class Batch:
     # The sampler's state just after this batch was drawn: where a resume continues once it is consumed
     # (batches are read ahead, so the sampler itself may be further on: train/prefetch.py).
     position: dict | None = None
+    # [B] bool: which samples are regularisation data (is_regularisation_data, train/regularisation.py); None
+    # when none is. A batch holds one dataset, so today it is all or nothing.
+    regularisation: torch.Tensor | None = None
 
     def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         text = {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in self.text.items()}
         cond = None if self.conditioning is None else move(self.conditioning)
-        return replace(self, latents=move(self.latents), text=text, conditioning=cond)
+        regularisation = None if self.regularisation is None else move(self.regularisation)
+        return replace(self, latents=move(self.latents), text=text, conditioning=cond, regularisation=regularisation)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         """The batch on `device` (the same object when it is there already)."""
@@ -68,9 +72,11 @@ class TrainingData:
         collate_text: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
         caption_dropout: float = 0.0, seed: int = 0, encode: Encoder | None = None,
         on_skip: Callable[[str], None] | None = None, rank: int = 0, ranks: int = 1, first_frame: bool = False,
+        regularisation: frozenset[str] = frozenset(),
     ):
         """`text_caches`: dataset id -> its text cache. `encode`: the VAE, for on-the-fly items.
-        With `ranks` processes the sampler yields global batches and this process takes slice `rank`."""
+        With `ranks` processes the sampler yields global batches and this process takes slice `rank`.
+        `regularisation`: ids of the datasets marked is_regularisation_data (their samples are flagged)."""
         self.items = items
         self.text_caches = text_caches
         self.sampler = sampler
@@ -81,6 +87,7 @@ class TrainingData:
         self.on_skip = on_skip
         self.rank, self.ranks = rank, ranks
         self.first_frame = first_frame  # image-to-video: the first frame encoded alone is the conditioning
+        self.regularisation = regularisation
         self.dropped: set[int] = set()  # items left out for the rest of the run (damaged cache entries)
 
     def _skip(self, index: int, message: str) -> None:
@@ -176,7 +183,7 @@ class TrainingData:
             if not mine:
                 continue
             kept, latents, cond = self._latents([(i, self.items[i]) for i in mine])
-            rows, texts, captions, paths = [], [], [], []
+            rows, texts, captions, paths, marks = [], [], [], [], []
             for row, i in enumerate(mine[k] for k in kept):
                 c = self.items[i]
                 pick, dropped = draws[i]
@@ -192,9 +199,10 @@ class TrainingData:
                 rows.append(row)
                 captions.append("" if dropped else c.sample.captions[pick])
                 paths.append(c.sample.path)
+                marks.append(c.sample.dataset_id in self.regularisation)
             if not rows:
                 continue
             if len(rows) < len(kept):
                 latents, cond = latents[rows], (None if cond is None else cond[rows])
             yield Batch(latents, self.collate_text(texts), captions, cond, offset, len(indices), paths,
-                        self.sampler.state_dict())
+                        self.sampler.state_dict(), torch.tensor(marks) if any(marks) else None)

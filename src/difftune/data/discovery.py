@@ -66,6 +66,7 @@ class Discovery:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     notes: list[tuple[Path, str]] = field(default_factory=list)  # used, but worth telling the user
     probed: int = 0  # files whose header was read this time (the rest came from the metadata file)
+    held_out: bool = False  # an eval dataset's (dataset_type 'eval'): measured, never trained on
 
 
 class MetadataCache:

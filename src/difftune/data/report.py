@@ -25,12 +25,16 @@ class DataReport:
         for d in self.found:
             used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.group) not in self.pruned)
             total = len(d.samples) + len(d.skipped)
-            out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}")
+            kind = "  (eval: measured, never trained on)" if d.held_out else ""
+            out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}{kind}")
         if self.data is not None:
             buckets = Counter(item.sample.group for item in self.data.items)
             sizes = ", ".join(f"{bucket_name(*g)}: {n}" for g, n in sorted(buckets.items()))
             out.append(f"  buckets (with repeats): {sizes}")
             out.append(f"  batches per epoch: {self.data.sampler.batches_per_epoch()}")
+            if self.data.regularisation:  # is_regularisation_data (train/regularisation.py)
+                out.append(f"  regularisation data: {', '.join(sorted(self.data.regularisation))} (trained towards the "
+                           "base model's prediction, the adapter switched off)")
         for (dataset, group), n in sorted(self.pruned.items()):
             out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
                        "(set disable_bucket_pruning to keep them)")

@@ -143,7 +143,8 @@ def optimizer_bytes(name: str, sizes: list[int], itemsize: int) -> int:
     per = {"adamw": 2 * total * itemsize, "adamw_bf16": 2 * total * itemsize + kahan,
            "optimi-adamw": 2 * total * itemsize + kahan, "optimi-stableadamw": 2 * total * itemsize + kahan,
            "lion": total * itemsize, "optimi-lion": total * itemsize + kahan,
-           "prodigy": 4 * total * itemsize}  # Prodigy: exp_avg, exp_avg_sq, s and the initial weights p0
+           "prodigy": 4 * total * itemsize,  # Prodigy: exp_avg, exp_avg_sq, s and the initial weights p0
+           "adamw_schedulefree": 2 * total * itemsize}  # z and exp_avg_sq (samples keep a copy of y in CPU memory)
     return per[name]
 
 
@@ -229,8 +230,9 @@ def activation_bytes(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: i
 
 
 def largest_bucket(found: list[Any] | None, cfg: Any) -> tuple[int, ...]:
-    """The largest (width, height[, frames]) group of the discovered samples; the validation size without data."""
-    groups = [s.group for d in (found or []) for s in d.samples]
+    """The largest (width, height[, frames]) group of the trained samples; the validation size without data. Eval
+    datasets (held out) are left out: they are measured without gradients, far below a training step's peak."""
+    groups = [s.group for d in (found or []) if not d.held_out for s in d.samples]
     if not groups:
         w, h = max(cfg.validation_sizes(), key=lambda s: s[0] * s[1])
         if FAMILY_FACTS[cfg.model_family].video:  # clips of the validation length (the schema's default: 61)

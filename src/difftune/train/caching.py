@@ -137,7 +137,7 @@ def fill_caches(
     cache: a second pass finds everything present (only entries that failed are tried again)."""
     ranks = ranks or Ranks()
     cfg = run_cfg.train
-    datasets = run_cfg.datasets.images
+    datasets = run_cfg.datasets.discovered()  # the trained ones first (validation prompts share the first's cache)
     identity = family.identity(comps)
     text_identity = text_cache_identity(identity["text"], cfg.text_encoder_precisions())
     text_caches: dict[str, TensorCache] = {}

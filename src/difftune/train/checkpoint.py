@@ -1,6 +1,7 @@
 """Resumable checkpoints, written atomically.
 
-A checkpoint is a folder `output_dir/checkpoints/checkpoint-NNNNNNN/` holding the trainable weights,
+A checkpoint is a folder `output_dir/checkpoints/checkpoint-NNNNNNN/` (a rolling one, `checkpointing_rolling_steps`:
+`checkpoint-NNNNNNN-rolling/`, its own series, pruned apart) holding the trainable weights,
 the optimizer and LR-scheduler states, the sampler position and the RNG states, plus the LoRA in the
 pipeline's format for direct use. It is written under a temporary name and renamed into place, so a
 folder with the final name is always complete; leftovers of a killed save are ignored and removed.
@@ -23,12 +24,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from difftune.train.fsdp import load_optimizer, save_optimizer
+from difftune.train.optimizers import train_mode
 
 if TYPE_CHECKING:
     from difftune.train.setup import Run
 
 PREFIX = "checkpoint-"
+ROLLING = "-rolling"  # the suffix of the rolling series (checkpointing_rolling_steps)
 STATE_FILE = "training_state.json"
+
+
+def is_rolling(path: Path) -> bool:
+    return path.name.endswith(ROLLING)
+
+
+def order(path: Path) -> tuple[int, bool]:
+    """Sort key of a checkpoint folder: its step, and of the same step the regular one after the rolling one
+    (so that 'latest' takes the regular, which is kept longer)."""
+    return int(path.name[len(PREFIX):].removesuffix(ROLLING)), not is_rolling(path)
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -65,10 +78,11 @@ def swap_in(new: Path, final: Path, aside: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def save_checkpoint(run: Run) -> Path:
+def save_checkpoint(run: Run, rolling: bool = False) -> Path:
+    """Write the run's state as a checkpoint of the regular series, or of the rolling one, then prune that series."""
     root = checkpoints_dir(run.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{run.state.step:07d}"
+    final = root / f"{PREFIX}{run.state.step:07d}{ROLLING if rolling else ''}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -97,17 +111,18 @@ def save_checkpoint(run: Run) -> Path:
         swap_in(tmp, final, root / f".replaced-{final.name}-{os.getpid()}")
     else:
         os.replace(tmp, final)
-    prune_checkpoints(run.output_dir, run.cfg.checkpoints_total_limit)
+    keep = run.cfg.checkpoints_rolling_total_limit if rolling else run.cfg.checkpoints_total_limit
+    prune_checkpoints(run.output_dir, keep, rolling)
     return final
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
-    """Delete all but the newest `keep` complete checkpoints (called after a new one is in place)."""
+def prune_checkpoints(output_dir: Path, keep: int | None, rolling: bool = False) -> None:
+    """Delete all but the newest `keep` complete checkpoints of one series, regular or rolling (called after a new
+    one is in place); the other series is never touched."""
     if keep is None:
         return
     root = checkpoints_dir(output_dir)
-    done = sorted((p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()),
-                  key=lambda p: int(p.name[len(PREFIX):]))
+    done = [p for p in complete(output_dir) if is_rolling(p) == rolling]
     for old in done[:-keep]:
         trash = root / f".old-{old.name}-{os.getpid()}"
         os.replace(old, trash)  # renamed first: a kill mid-delete never leaves a half checkpoint named as whole
@@ -138,7 +153,7 @@ def complete(output_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(done, key=order)
 
 
 def find_latest(output_dir: Path) -> Path | None:
@@ -179,7 +194,7 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def resolve_resume(output_dir: Path, value: str, warn=None) -> Path | None:
-    """'latest' -> newest intact checkpoint (None if there is none yet), passing over any whose weights
+    """'latest' -> newest intact checkpoint of either series (None if there is none yet), passing over any whose weights
     are not finite with a `warn`ing; a path -> that checkpoint, which must be intact."""
     if value == "latest":
         for path in reversed(complete(output_dir)):
@@ -231,6 +246,7 @@ def load_checkpoint(run: Run, path: Path) -> None:
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     if getattr(run, "crepa", None) is not None:
         run.crepa.load(path)
+    train_mode(run.optimizer)  # schedule-free: saved in eval mode; recompute the training weights (all loaded now)
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     if run.ema is not None:

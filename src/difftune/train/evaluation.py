@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from difftune.train.fsdp import unsharded
+from difftune.train.optimizers import eval_weights
 
 if TYPE_CHECKING:
     from difftune.models.base import SampleRequest
@@ -120,7 +121,7 @@ def evaluate(run: Run) -> None:
     """Sample the requests an evaluation scores (no files written) and score them; process 0 alone."""
     from difftune.train.validation import sample_requests
 
-    with unsharded(run):  # FSDP: the weights whole, so that process 0 samples alone
+    with eval_weights(run), unsharded(run):  # schedule-free: its averaged weights; FSDP: the weights whole
         if run.ranks.main:
             requests = scored(run.validation, run.cfg.num_eval_images)
             score(run, sample_requests(run, requests))

@@ -60,8 +60,8 @@ class Events:
                 shown["MFU"] = f"{100 * data['mfu']:.1f}%"
             self._bar(data["step"]).set_postfix(shown, refresh=False)
             self.bar.update(data["step"] - self.bar.n)
-        elif kind in ("info", "warning", "error"):
-            self.write(("" if kind == "info" else kind.upper() + ": ") + data["message"])
+        elif kind in ("info", "warning", "error", "eval_loss"):  # eval_loss: train/eval_loss.py
+            self.write(("" if kind in ("info", "eval_loss") else kind.upper() + ": ") + data["message"])
 
     def _bar(self, step: int) -> tqdm:
         if self.bar is None:

@@ -35,6 +35,13 @@ def result_patterns(output_dir: Path, samples: list[Path]) -> list[str]:
     return patterns + [p.as_posix() for p in samples]
 
 
+def remote_url(repo: str, path_in_repo: str | None) -> str:
+    """The hub page of an uploaded folder: the repository, or its folder under it."""
+    from huggingface_hub import constants
+
+    return f"{constants.ENDPOINT}/{repo}" + (f"/tree/main/{path_in_repo}" if path_in_repo else "")
+
+
 class HubUploader:
     name = "hub upload"
 
@@ -54,7 +61,8 @@ class HubUploader:
         if kind == "checkpoint" and self.cfg.push_checkpoints_to_hub:
             folder = Path(record["path"])
             self.jobs.put((f"checkpoint {folder.name}", dict(folder_path=str(folder),
-                                                             path_in_repo=f"checkpoints/{folder.name}")))
+                                                             path_in_repo=f"checkpoints/{folder.name}"),
+                           record.get("step")))
         elif kind in ("done", "stopped") and record.get("adapter"):
             out = self.run.output_dir
             samples = [Path(p).resolve().relative_to(out.resolve()) for p in record.get("samples", [])
@@ -62,16 +70,15 @@ class HubUploader:
             card = model_card(self.run_cfg, self.run, [s for s in samples if s.suffix == ".png"])
             (out / "README.md").write_text(card, encoding="utf-8")
             self.jobs.put((f"result at step {record.get('step')}",
-                           dict(folder_path=str(out), allow_patterns=result_patterns(out, samples))))
+                           dict(folder_path=str(out), allow_patterns=result_patterns(out, samples)), record.get("step")))
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            what, kwargs = job
-            self._upload(what, kwargs)
+            self._upload(*job)
             self.jobs.task_done()
         self.jobs.task_done()
 
-    def _upload(self, what: str, kwargs: dict[str, Any]) -> None:
+    def _upload(self, what: str, kwargs: dict[str, Any], step: int | None = None) -> None:
         emit = self.run.events.emit
         for attempt in range(1, ATTEMPTS + 1):
             try:
@@ -79,7 +86,9 @@ class HubUploader:
                     self.api.create_repo(self.repo, private=self.cfg.hub_private, exist_ok=True)
                     self.repo_ready = True
                 self.api.upload_folder(repo_id=self.repo, commit_message=f"difftune: {what}", **kwargs)
-                emit("hub_upload", quiet=True, what=what, repo=self.repo, attempts=attempt)
+                # local/remote/step: what post_upload_script (train/scripts.py) is given
+                emit("hub_upload", quiet=True, what=what, repo=self.repo, attempts=attempt, step=step,
+                     local=kwargs["folder_path"], remote=remote_url(self.repo, kwargs.get("path_in_repo")))
                 emit("info", message=f"uploaded {what} to the hub repository {self.repo}")
                 return
             except Exception as e:  # noqa: BLE001 - the network's failures are many; each is retried, then reported

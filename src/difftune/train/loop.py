@@ -14,7 +14,16 @@ import torch
 
 from difftune.data.batches import Batch
 from difftune.data.cache import nonfinite
-from difftune.train import crepa, evaluation, objective, prefetch, rollout, triggers
+from difftune.train import (
+    crepa,
+    eval_loss,
+    evaluation,
+    objective,
+    prefetch,
+    regularisation,
+    rollout,
+    triggers,
+)
 from difftune.train.checkpoint import (
     clean_partial,
     load_checkpoint,
@@ -25,7 +34,7 @@ from difftune.train.checkpoint import (
 from difftune.train.commands import poll_commands
 from difftune.train.fsdp import gathered, unsharded
 from difftune.train.memory import record_peak_memory
-from difftune.train.optimizers import clip_gradients
+from difftune.train.optimizers import clip_gradients, eval_weights
 from difftune.train.setup import Run
 from difftune.train.validation import BASE_LABEL, validate
 
@@ -47,12 +56,12 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     perturbed = objective.perturbed_noise(noise, objective.perturbation(run.cfg, run.state.step), g, size, lo)
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
     rolled = rollout.noisy_input(run, batch, x0, noise, sigmas, shift, perturbed)  # scheduled sampling, when on
+    target = regularisation.target(run, batch, x0, rolled, sigmas)  # regularisation data: the base model's prediction
     with run.accelerator.autocast():
         # image-to-image: the input images' latents; image-to-video: each clip's first frame encoded alone
         conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
         pred = run.family.predict(run.transformer, rolled.x.to(device, dtype), sigmas.to(device), batch.text,
                                   conditioning)
-    target = objective.velocity_target(x0, rolled.noise).to(device)
     first = 1 if run.first_frame else 0  # the sampler never updates the input frame: it is not trained either
     pred, target = pred[:, :, first:], target[:, :, first:]
     weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
@@ -128,16 +137,21 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     return total
 
 
-def checkpoint(run: Run, **extra: object) -> None:
-    """Process 0 writes; every process waits, so none runs ahead of a checkpoint."""
-    with gathered(run, optimizer=True, step=run.state.step):  # FSDP: every process gathers, process 0 writes
+def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
+    """Process 0 writes (into the rolling series with `rolling`); every process waits, so none runs ahead of a
+    checkpoint."""
+    # schedule-free: its averaged weights and eval-mode state are saved (eval_weights); FSDP: every process
+    # gathers, process 0 writes
+    with eval_weights(run, for_checkpoint=True), gathered(run, optimizer=True, step=run.state.step):
         if run.ranks.main:
-            run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run)), **extra)
+            run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run, rolling)),
+                            **({"rolling": True} if rolling else {}), **extra)
     run.ranks.barrier()
 
 
 def sample(run: Run, label: str, base: bool = False) -> list[Path]:
-    with unsharded(run):  # FSDP: the weights whole, so that process 0 samples alone
+    # schedule-free: sampled with its averaged weights; FSDP: the weights whole, so that process 0 samples alone
+    with eval_weights(run), unsharded(run):
         paths = validate(run, label, base) if run.ranks.main else []
     run.ranks.barrier()
     return paths
@@ -227,8 +241,10 @@ def _train(run: Run) -> Path:
                 sample(run, f"step-{step:06d}")
             if due.evaluation:  # evaluation_type clip
                 evaluation.evaluate(run)
-            if due.checkpoint:
-                checkpoint(run)
+            if due.eval_loss:  # dataset_type 'eval': the loss on held-out data
+                eval_loss.evaluate(run)
+            if due.checkpoint or due.rolling_checkpoint:
+                checkpoint(run, rolling=due.rolling_checkpoint)  # checkpointing_rolling_steps: its own series
             stopped = handle_commands(run)
     except KeyboardInterrupt:
         checkpoint(run, reason="interrupted")
@@ -236,7 +252,7 @@ def _train(run: Run) -> Path:
     finally:
         batches.close()
     checkpoint(run)
-    with gathered(run):
+    with eval_weights(run), gathered(run):  # schedule-free: the averaged weights are the result
         adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
     if run.ema is not None and run.ranks.main:
         with run.ema.swap():

@@ -13,6 +13,8 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
+from difftune.train import noise_levels
+
 
 def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
     """The time-shift of SD3/Flux: s' = shift*s / (1 + (shift-1)*s). shift > 1 moves mass to noise."""
@@ -22,12 +24,24 @@ def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class TimestepSampling:
     """How training noise levels are drawn: 'logit_normal' (SD3's default), 'uniform' or 'mode'
-    (the SD3 paper's mode sampling with heavy tails), before the shift."""
+    (the SD3 paper's mode sampling with heavy tails), 'beta' (Beta(beta_alpha, beta_beta)), each before the shift;
+    or 'list': one of `levels` each, unshifted (train/noise_levels.py draws the last two)."""
 
     distribution: str = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
+    beta_alpha: float = 2.0
+    beta_beta: float = 2.0
+    levels: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, cfg: Any) -> TimestepSampling:
+        """A run's sampling: flow_custom_timesteps, else flow_use_beta_schedule, else timestep_sampling."""
+        levels = cfg.custom_sigmas()
+        kind = "list" if levels else "beta" if cfg.flow_use_beta_schedule else cfg.timestep_sampling
+        return cls(kind, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, cfg.flow_beta_schedule_alpha,
+                   cfg.flow_beta_schedule_beta, tuple(levels or ()))
 
 
 def resolution_shift(scheduler_config: dict, image_tokens: int) -> float:
@@ -43,7 +57,12 @@ def resolution_shift(scheduler_config: dict, image_tokens: int) -> float:
 
 def sample_sigmas(batch: int, shift: float, generator: torch.Generator,
                   sampling: TimestepSampling = TimestepSampling()) -> torch.Tensor:
-    """Noise levels [B] in (0, 1), drawn from the run's generator (on its device), then shifted."""
+    """Noise levels [B] in (0, 1), drawn from the run's generator (on its device), then shifted (a fixed list
+    is not: flow_custom_timesteps are the levels that train)."""
+    if sampling.distribution == "list":
+        return noise_levels.list_draws(batch, sampling.levels, generator)
+    if sampling.distribution == "beta":
+        return shift_sigmas(noise_levels.beta_draws(batch, sampling.beta_alpha, sampling.beta_beta, generator), shift)
     u = compute_density_for_timestep_sampling(
         sampling.distribution, batch, sampling.logit_mean, sampling.logit_std, sampling.mode_scale,
         device=generator.device, generator=generator,

@@ -1,9 +1,9 @@
 """The optimizers a run can train with: `build_optimizer(name, params, ...)`.
 
 Import-light on purpose: this module imports neither torch nor any optimizer library at import time,
-so `config/schema.py` can read `OPTIMIZERS` (name -> one-line description) and still fail a bad config
-in milliseconds. Each library is imported only when its optimizer is built (bitsandbytes alone takes
-seconds to import).
+so `config/schema.py` can read `OPTIMIZERS` (name -> one-line description) and `setting_problem` (the
+checks of `optimizer_config`) and still fail a bad config in milliseconds. Each library is imported only
+when its optimizer is built (bitsandbytes alone takes seconds to import).
 
 Every name takes the same five settings (learning_rate, betas, weight_decay, eps), which map onto the
 libraries as follows:
@@ -31,9 +31,31 @@ libraries as follows:
 - `adamw8bit`: `bitsandbytes.optim.AdamW8bit`. Both moments are stored in 8 bits with block-wise
   quantisation for every tensor of at least 4096 elements; smaller tensors keep 32-bit state
   (bitsandbytes' `min_8bit_size`). bitsandbytes 0.50 runs it on the CPU as well as on CUDA.
+- `adamw_schedulefree`: `schedulefree.AdamWScheduleFree` (Facebook's schedule_free package; Defazio et al.,
+  "The Road Less Scheduled"). Besides AdamW's second moment it keeps z, the plain gradient-step sequence; the
+  weights it evaluates are x, a running average of the z's, and the weights the model trains at (where the
+  gradients are taken) are y = (1 - beta1) z + beta1 x. There is no first moment: beta1 (adam_beta1) sets that
+  interpolation. Weight decay is decoupled and taken at y. Its state is z and the second moment (AdamW's size).
+  The averaging does what a decaying learning-rate schedule does, so the rate stays constant: lr_scheduler must
+  be 'constant' or 'constant_with_warmup' (config/optimizer_keys.py), and lr_warmup_steps warms up with the
+  library's own formula (lr x (k + 1) / W at step k < W), applied by the LR scheduler so that the logged rate is
+  the real one; it gives the same numbers as the library's `warmup_steps` (tested). The optimizer starts in
+  train mode (the parameters hold y); `eval_weights(run)` puts x into them for validation, CLIP evaluation,
+  checkpoints and the saved adapter. `use_ema` averages y, the weights after each step (switching to x at every
+  step would copy every weight each step). SimpleTuner's `adamw_schedulefree` is its own subclass with Kahan
+  summation (AdamWScheduleFreeKahan) with betas (0.9, 0.999), weight_decay 1e-2 and eps 1e-8 (difftune's
+  adam_* defaults are the same), lr_warmup_steps as its warm-up, and no LR scheduler (any lr_scheduler is
+  ignored; here a decaying one is an error). difftune uses the upstream class, without Kahan summation: on
+  bf16 weights (a bf16 full fine-tune) updates below bf16's resolution round away, as with `adamw`.
 
 SimpleTuner's names for the same implementations are accepted as aliases (`OPTIMIZER_ALIASES`):
 `torch-adamw` is `adamw`, `bnb-adamw8bit` is `adamw8bit`.
+
+`optimizer_config` (config/optimizer_keys.py) passes more constructor arguments: `build_optimizer(...,
+settings=)` adds them over difftune's own (they win), and `setting_problem` says at config time why one cannot
+be passed: a keyword the class does not take (`KEYWORDS` lists each class's keywords and defaults;
+tests/test_optimizers.py checks them against the installed libraries), one that difftune's keys set (lr,
+betas, weight_decay, eps; schedule-free's warmup_steps), a value of the wrong type, or one of the few refused.
 
 `clip_gradients` applies `max_grad_norm` by norm or by value (`grad_clip_method`).
 
@@ -50,8 +72,8 @@ import importlib
 import io
 import math
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -72,6 +94,10 @@ OPTIMIZERS: dict[str, str] = {
     "learning_rate to 1.0.",
     "adamw8bit": "8-bit AdamW (bitsandbytes): optimizer state quantised to 8 bits, about 75% less state "
     "memory than AdamW; tensors under 4096 elements keep 32-bit state.",
+    "adamw_schedulefree": "Schedule-free AdamW (schedulefree): averages its iterates instead of decaying the "
+    "learning rate, so lr_scheduler must be 'constant' or 'constant_with_warmup' (lr_warmup_steps still warms "
+    "up); samples, checkpoints and the saved adapter use the averaged weights. Start from 1-10x AdamW's "
+    "learning_rate (the library's advice). No Kahan summation (use 'adamw_bf16' for a bf16 full fine-tune).",
 }
 
 # SimpleTuner's names -> ours (the same library and class)
@@ -80,23 +106,34 @@ OPTIMIZER_ALIASES: dict[str, str] = {"torch-adamw": "adamw", "bnb-adamw8bit": "a
 # Device types each name is known to run on. Others are probed (one real step on a small tensor).
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda")
 
+REQUIRED = "<required>"  # a constructor argument without a default (in KEYWORDS)
+
+# optimizer_config keywords that difftune's own keys set, and the key to use instead
+CLASHES: dict[str, str] = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2",
+                           "weight_decay": "adam_weight_decay", "eps": "adam_epsilon"}
+
 
 @dataclass(frozen=True)
 class _Spec:
     package: str  # the pip distribution that provides it ("" for torch itself)
     module: str
-    build: Callable[..., Any]
+    cls: str  # the class: an attribute path inside `module`
+    # difftune's constructor arguments from (params, lr, betas, weight_decay, eps)
+    settings: Callable[..., dict[str, Any]]
+    keywords: dict[str, Any]  # the constructor's arguments after `params`, with their defaults
+    clashes: dict[str, str] = field(default_factory=dict)  # more keywords that a difftune key sets
+    refused: dict[str, str] = field(default_factory=dict)  # keywords optimizer_config may not set, and why
 
 
-def _adamw(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
-    return mod.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+def _adam_settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
+    return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps}
 
 
-def _optimi(cls: str, kahan_sum: bool | None) -> Callable[..., Any]:
-    def build(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
-        return getattr(mod, cls)(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps,
-                                 kahan_sum=kahan_sum, **_no_triton_off_cuda(params))
-    return build
+def _optimi_settings(kahan_sum: bool | None) -> Callable[..., dict[str, Any]]:
+    def settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
+        return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "kahan_sum": kahan_sum,
+                **_no_triton_off_cuda(params)}
+    return settings
 
 
 def _no_triton_off_cuda(params: list) -> dict[str, bool]:
@@ -107,37 +144,61 @@ def _no_triton_off_cuda(params: list) -> dict[str, bool]:
     return {} if tensors and all(t.is_cuda for t in tensors) else {"triton": False}
 
 
-def _lion(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
-    return mod.Lion(params, lr=lr, betas=betas, weight_decay=weight_decay)
+def _lion_settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
+    return {"lr": lr, "betas": betas, "weight_decay": weight_decay}
 
 
-def _prodigy(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
+def _prodigy_settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
     if lr < 0.1:
         warnings.warn(
             f"prodigy estimates the step size itself and learning_rate multiplies it: 1.0 is usual, "
             f"got {lr:g}, which makes training about {1 / lr:.0f}x slower. It is used as given.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints "Using decoupled weight decay"
-        return mod.Prodigy(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decouple=True)
+    return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "decouple": True}
 
 
-def _adamw8bit(mod: Any, params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> Any:
-    return mod.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
-
+# The constructors' keywords after `params` and their defaults, as the pinned libraries have them.
+_TORCH_ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}
+_OPTIMI_TAIL = {"decouple_lr": False, "max_lr": None, "kahan_sum": None, "foreach": None, "triton": None,
+                "gradient_release": False}
+_OPTIMI_ADAMW = {"lr": REQUIRED, "betas": (0.9, 0.99), "weight_decay": 1e-2, "eps": 1e-6, **_OPTIMI_TAIL}
+_OPTIMI_LION = {"lr": REQUIRED, "betas": (0.9, 0.99), "weight_decay": 0, **_OPTIMI_TAIL}
+_OPTIMI_REFUSED = {"gradient_release": "releasing gradients during the backward pass needs the training loop's "
+                   "hooks (SimpleTuner's optimizer_release_gradients), which difftune does not have"}
+_LION = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0, "use_triton": False, "decoupled_weight_decay": False}
+_PRODIGY = {"lr": 1.0, "betas": (0.9, 0.999), "beta3": None, "eps": 1e-8, "weight_decay": 0, "decouple": True,
+            "use_bias_correction": False, "safeguard_warmup": False, "d0": 1e-6, "d_coef": 1.0,
+            "growth_rate": math.inf, "fsdp_in_use": False, "slice_p": 1}
+_BNB_ADAMW8BIT = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
+                  "optim_bits": 32, "args": None, "min_8bit_size": 4096, "is_paged": False}
+_SCHEDULEFREE = {"lr": 0.0025, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "warmup_steps": 0, "r": 0.0,
+                 "weight_lr_power": 2.0, "foreach": True}
 
 _SPECS: dict[str, _Spec] = {
-    "adamw": _Spec("", "torch", _adamw),
-    "adamw_bf16": _Spec("torch-optimi", "optimi", _optimi("AdamW", kahan_sum=True)),
-    "lion": _Spec("lion-pytorch", "lion_pytorch", _lion),
-    "optimi-stableadamw": _Spec("torch-optimi", "optimi", _optimi("StableAdamW", kahan_sum=None)),
-    "optimi-adamw": _Spec("torch-optimi", "optimi", _optimi("AdamW", kahan_sum=None)),
-    "optimi-lion": _Spec("torch-optimi", "optimi", _lion),  # the same signature as lion-pytorch's
-    "prodigy": _Spec("prodigyopt", "prodigyopt", _prodigy),
-    "adamw8bit": _Spec("bitsandbytes", "bitsandbytes", _adamw8bit),
+    "adamw": _Spec("", "torch", "optim.AdamW", _adam_settings, _TORCH_ADAMW),
+    "adamw_bf16": _Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(True), _OPTIMI_ADAMW,
+                        refused=_OPTIMI_REFUSED),
+    "lion": _Spec("lion-pytorch", "lion_pytorch", "Lion", _lion_settings, _LION),
+    "optimi-stableadamw": _Spec("torch-optimi", "optimi", "StableAdamW", _optimi_settings(None), _OPTIMI_ADAMW,
+                                refused=_OPTIMI_REFUSED),
+    "optimi-adamw": _Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(None), _OPTIMI_ADAMW,
+                          refused=_OPTIMI_REFUSED),
+    "optimi-lion": _Spec("torch-optimi", "optimi", "Lion", _lion_settings, _OPTIMI_LION, refused=_OPTIMI_REFUSED),
+    "prodigy": _Spec("prodigyopt", "prodigyopt", "Prodigy", _prodigy_settings, _PRODIGY),
+    "adamw8bit": _Spec("bitsandbytes", "bitsandbytes", "optim.AdamW8bit", _adam_settings, _BNB_ADAMW8BIT, refused={
+        "amsgrad": "bitsandbytes' AdamW8bit has no AMSGrad; use optimizer 'adamw' with amsgrad=true",
+        "optim_bits": "AdamW8bit always keeps 8-bit state (it takes only its placeholder optim_bits=32); use "
+                      "optimizer 'adamw' for 32-bit state",
+        "args": "args is bitsandbytes' internal settings object"}),
+    # warm-up: lr_warmup_steps, through the LR scheduler (train/lr_schedule.py), with the library's own formula
+    "adamw_schedulefree": _Spec("schedulefree", "schedulefree", "AdamWScheduleFree", _adam_settings, _SCHEDULEFREE,
+                                clashes={"warmup_steps": "lr_warmup_steps"}),
 }
 assert set(_SPECS) == set(OPTIMIZERS)
+KEYWORDS: dict[str, dict[str, Any]] = {name: spec.keywords for name, spec in _SPECS.items()}
 
 
 def _check_name(name: str) -> _Spec:
@@ -145,6 +206,39 @@ def _check_name(name: str) -> _Spec:
     if name not in _SPECS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     return _SPECS[name]
+
+
+def class_name(name: str) -> str:
+    """The class `name` builds, as written in Python ('torch.optim.AdamW')."""
+    spec = _check_name(name)
+    return f"{spec.module}.{spec.cls}"
+
+
+def optimizer_class(name: str) -> type:
+    """The class `name` builds (imports its library)."""
+    return functools.reduce(getattr, _check_name(name).cls.split("."), _import(name))
+
+
+def setting_problem(name: str, key: str, value: Any) -> str | None:
+    """Why optimizer_config's `key=value` cannot be passed to optimizer `name`'s constructor, or None (import-light:
+    from KEYWORDS, no library is imported)."""
+    spec = _check_name(name)
+    settable = [k for k in spec.keywords if k not in CLASHES and k not in spec.clashes and k not in spec.refused]
+    if key not in spec.keywords:
+        return (f"{class_name(name)} (optimizer {name!r}) has no setting {key!r}; its settings: "
+                f"{', '.join(settable)}")
+    if key in CLASHES or key in spec.clashes:
+        return f"{key} is set by {CLASHES.get(key) or spec.clashes[key]}: use that key instead"
+    if key in spec.refused:
+        return spec.refused[key]
+    default = spec.keywords[key]
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"{key} takes true or false, got {value!r}"
+    if isinstance(default, int | float) and (isinstance(value, bool) or not isinstance(value, int | float)):
+        return f"{key} takes a number, got {value!r}"
+    if isinstance(default, int) and not isinstance(value, int):
+        return f"{key} takes a whole number, got {value!r}"
+    return None
 
 
 def _import(name: str) -> Any:
@@ -158,6 +252,18 @@ def _import(name: str) -> Any:
         ) from e
 
 
+def _construct(name: str, params: list, lr: float, betas: tuple, weight_decay: float, eps: float,
+               settings: dict[str, Any] | None = None) -> Any:
+    spec = _check_name(name)
+    cls = optimizer_class(name)
+    kwargs = spec.settings(params, lr, tuple(betas), weight_decay, eps) | (settings or {})
+    with contextlib.redirect_stdout(io.StringIO()):  # prodigy prints "Using decoupled weight decay"
+        optimizer = cls(params, **kwargs)
+    if schedule_free(optimizer):
+        optimizer.train()  # schedule-free optimizers start in eval mode; training steps need train mode
+    return optimizer
+
+
 def build_optimizer(
     name: str,
     params: Iterable[torch.nn.Parameter],
@@ -165,23 +271,29 @@ def build_optimizer(
     betas: tuple[float, float],
     weight_decay: float,
     eps: float,
+    settings: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer `name` (a key of OPTIMIZERS) over `params`, with one parameter group.
+    """The optimizer `name` (a key of OPTIMIZERS) over `params`, with one parameter group. `settings` (from
+    optimizer_config) are more constructor arguments; they replace difftune's own of the same name.
 
-    Raises ValueError for an unknown name or no parameters, ImportError when the library is missing,
-    and RuntimeError when the parameters live on a device the optimizer cannot run on.
+    Raises ValueError for an unknown name, no parameters or a setting `setting_problem` refuses, ImportError
+    when the library is missing, and RuntimeError when the parameters live on a device the optimizer cannot
+    run on.
     """
     name = OPTIMIZER_ALIASES.get(name, name)
-    spec = _check_name(name)
+    _check_name(name)
     params = list(params)
     if not params:
         raise ValueError("build_optimizer: no parameters to optimize")
-    mod = _import(name)
+    for key, value in (settings or {}).items():
+        if problem := setting_problem(name, key, value):
+            raise ValueError(f"optimizer_config {key}={value}: {problem}")
+    _import(name)
     for device in sorted({str(p.device) for p in params}):
         reason = _probe(name, device) if device.split(":")[0] not in _KNOWN_DEVICE_TYPES else None
         if reason:
             raise RuntimeError(f"optimizer {name!r} cannot run on {device}: {reason}")
-    return spec.build(mod, params, lr, tuple(betas), weight_decay, eps)
+    return _construct(name, params, lr, betas, weight_decay, eps, settings)
 
 
 @functools.cache
@@ -190,11 +302,10 @@ def _probe(name: str, device: str) -> str | None:
     try:
         import torch
 
-        mod = _import(name)
         # 4096 elements: the smallest tensor bitsandbytes gives 8-bit state, so its 8-bit kernel runs.
         p = torch.nn.Parameter(torch.zeros(64, 64, device=device))
         p.grad = torch.ones_like(p)
-        _SPECS[name].build(mod, [p], 1.0, (0.9, 0.999), 0.0, 1e-8).step()
+        _construct(name, [p], 1.0, (0.9, 0.999), 0.0, 1e-8).step()
         if not bool(torch.isfinite(p).all()) or bool((p == 0).all()):
             return "a test step gave no update"
     except Exception as e:  # any failure means "not usable here"; the reason is reported
@@ -219,6 +330,59 @@ def optimizer_support(device: str | torch.device | None = None) -> dict[str, str
 def supported_optimizers(device: str | torch.device | None = None) -> list[str]:
     """The names of OPTIMIZERS that work on `device` (default: the current accelerator, else the CPU)."""
     return [name for name, reason in optimizer_support(device).items() if reason is None]
+
+
+# --- schedule-free optimizers: train mode (the weights are y) and eval mode (the weights are x)
+
+
+def schedule_free(optimizer: Any) -> bool:
+    """Whether `optimizer` (or accelerate's wrapper of it) has a train and an eval mode (schedulefree's)."""
+    groups = getattr(optimizer, "param_groups", None)
+    return bool(groups) and "train_mode" in groups[0]
+
+
+def _local(p: Any) -> Any:
+    """The tensor that holds `p`'s values on this process (an FSDP2 shard's local part)."""
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+@contextlib.contextmanager
+def eval_weights(run: Any, for_checkpoint: bool = False) -> Iterator[None]:
+    """With a schedule-free optimizer, the parameters hold its averaged weights x inside the block (every other
+    optimizer: nothing changes). Every process enters (FSDP: each switches its own shards; x, y and z are taken
+    element by element), before the weights are gathered (`unsharded`, `gathered`).
+
+    On exit the optimizer is back in train mode, and the training weights y are the ones it left: a copy kept
+    on the CPU meanwhile is put back, so a run that samples gives the same losses as one that does not. With
+    `for_checkpoint` no copy is kept: y is recomputed from x and z, (1 - beta1) z + beta1 x, which is what a run
+    resumed from the checkpoint (holding x and the eval-mode optimizer state) computes too (`train_mode` after
+    loading), so both continue from the same weights. That recomputation rounds: a run with checkpoints differs
+    from one without in the last bits (fp32) or by up to one bf16 step (bf16 weights) at each checkpoint."""
+    optimizer = run.optimizer
+    if not schedule_free(optimizer):
+        yield
+        return
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    with torch.no_grad():
+        kept = None if for_checkpoint else [_local(p).to("cpu", copy=True) for p in params]
+        optimizer.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            optimizer.train()
+            if kept is not None:  # train() recomputes y from x and z, which rounds: the kept copy is exact
+                for p, saved in zip(params, kept, strict=True):
+                    _local(p).copy_(saved)
+
+
+def train_mode(optimizer: Any) -> None:
+    """After loading a checkpoint's state into a schedule-free optimizer (saved in eval mode, beside the averaged
+    weights): train mode, the training weights recomputed from them (see `eval_weights`)."""
+    if schedule_free(optimizer):
+        optimizer.train()
 
 
 def clip_gradients(accelerator: Any, params: list, max_grad_norm: float | None, method: str = "norm") -> Any:

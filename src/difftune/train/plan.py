@@ -35,7 +35,7 @@ def size_rule(ds: ImageDataset, pixel_multiple: int) -> SizeRule:
 
 def size_rules(run_cfg: RunConfig) -> list[SizeRule]:
     multiple = FAMILY_FACTS[run_cfg.train.model_family].pixel_multiple
-    return [size_rule(ds, multiple) for ds in run_cfg.datasets.images]
+    return [size_rule(ds, multiple) for ds in run_cfg.datasets.discovered()]  # eval datasets too
 
 
 def caption_table(ds: ImageDataset) -> CaptionTable | None:
@@ -91,8 +91,10 @@ def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
 def discover_all(run_cfg: RunConfig, write_metadata: bool = True) -> list[Discovery]:
     found = [
         limit(discover(dataset_spec(run_cfg, ds, rule, write_metadata)), ds.max_num_samples)
-        for ds, rule in zip(run_cfg.datasets.images, size_rules(run_cfg), strict=True)
+        for ds, rule in zip(run_cfg.datasets.discovered(), size_rules(run_cfg), strict=True)
     ]
+    for d, ds in zip(found, run_cfg.datasets.discovered(), strict=True):
+        d.held_out = ds.dataset_type == "eval"
     empty = [d.dataset_id for d in found if not d.samples]
     if empty:
         report = DataReport(found, [], {})

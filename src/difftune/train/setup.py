@@ -25,14 +25,14 @@ from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.flops import Flops
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
-from difftune.train import attention, crepa, hub, throughput, trackers, tread
+from difftune.train import attention, crepa, eval_loss, hub, scripts, throughput, trackers, tread
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events
 from difftune.train.fsdp import Sharded, ram_efficient, shard, transformer_on_meta
-from difftune.train.lr_schedule import build_lr_scheduler
+from difftune.train.lr_schedule import build_lr_scheduler, learning_rate
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
@@ -75,6 +75,7 @@ class Run:
     streamer: BlockStreamer | None = None  # block streaming (train/offload.py), when on
     fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
     evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded at the first evaluation
+    eval_set: Any = None  # the eval datasets' batches (train/eval_loss.py), when the run has some
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
     # TFLOP/s, tokens/s, MFU and peak memory of each step (train/throughput.py); loop.optimizer_step adds batches
     throughput: Throughput = field(default_factory=lambda: Throughput(lambda *_: Flops(), full=False))
@@ -100,11 +101,13 @@ def build_data(
     if lost:
         raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no image that could be decoded; "
                         "see the warnings above for each file")
+    repeats = {ds.id: ds.repeats for ds in datasets}
     counts: dict[tuple[str, tuple[int, ...]], int] = {}
     for c in cached.samples:
+        if c.sample.dataset_id not in repeats:  # an eval dataset's (train/eval_loss.py): never trained on
+            continue
         key = (c.sample.dataset_id, c.sample.group)
         counts[key] = counts.get(key, 0) + 1
-    repeats = {ds.id: ds.repeats for ds in datasets}
     pruned = {k: n for k, n in counts.items()
               if n * (1 + repeats[k[0]]) < global_batch and not cfg.disable_bucket_pruning}
     items: list[CachedSample] = []
@@ -126,6 +129,7 @@ def build_data(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
         rank=ranks.index, ranks=ranks.count, first_frame=family.facts.first_frame(cfg.flavour()),
+        regularisation=frozenset(ds.id for ds in datasets if ds.is_regularisation_data),
     )
     return data, pruned
 
@@ -133,6 +137,8 @@ def build_data(
 def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
     by_steps = cfg.max_train_steps or math.inf
     by_epochs = math.ceil(cfg.num_train_epochs * batches_per_epoch / cfg.gradient_accumulation_steps) or math.inf
+    if cfg.ignore_final_epochs:  # max_train_steps alone ends the run (the config makes sure it is set)
+        by_epochs = math.inf
     return int(min(by_steps, by_epochs))
 
 
@@ -142,6 +148,7 @@ class Prepared:
     comps: Components
     data: TrainingData
     validation: list[SampleRequest]
+    eval_set: Any = None  # dataset_type 'eval' (train/eval_loss.py)
 
 
 def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks: Ranks | None = None) -> Prepared:
@@ -187,10 +194,11 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     apply_torch_options(cfg, comps.vae)  # after caching: cached latents never depend on tiling
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
     data, pruned = build_data(run_cfg, family, cached, events, encode, ranks)
+    eval_set = eval_loss.prepare(run_cfg, family, cached, encode, events)  # held out: never in `data`
     report = DataReport(found, cached.failed, pruned, data).render()
     events.write(report)
     events.emit("data_report", quiet=True, text=report)
-    return Prepared(family, comps, data, cached.validation)
+    return Prepared(family, comps, data, cached.validation, eval_set)
 
 
 def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
@@ -222,14 +230,16 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     params = adapter.parameters()
     streamer = stream_blocks(cfg, family.facts.block_stacks, comps.transformer, params, accelerator.device,
                              events.emit)  # enable_group_offload, musubi_blocks_to_swap: blocks visit in turn
-    if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer == "adamw":
-        events.emit("warning", message="full fine-tune of bf16/fp16 weights with optimizer 'adamw' loses small "
-                                       "updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
+    if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer in ("adamw", "adamw_schedulefree"):
+        events.emit("warning", message=f"full fine-tune of bf16/fp16 weights with optimizer '{cfg.optimizer}' loses "
+                                       "small updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
     aligner = crepa.attach(cfg, family, comps, accelerator.device)  # crepa_enabled: its projector trains too
-    optimizer = build_optimizer(cfg.optimizer, params + (aligner.parameters() if aligner else []), cfg.learning_rate,
-                                (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_weight_decay, cfg.adam_epsilon)
+    rate = learning_rate(cfg, ranks.count, events.emit)  # lr_scale, lr_scale_sqrt: the rate that trains
+    optimizer = build_optimizer(cfg.optimizer, params + (aligner.parameters() if aligner else []), rate,
+                                (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_weight_decay, cfg.adam_epsilon,
+                                cfg.optimizer_settings())  # optimizer_config
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
-    lr_scheduler = build_lr_scheduler(cfg, optimizer, steps)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
+    lr_scheduler = build_lr_scheduler(cfg, optimizer, steps, rate)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
     # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
     generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
     tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))
@@ -247,13 +257,14 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         optimizer=optimizer, lr_scheduler=lr_scheduler, data=data,
         validation=prepared.validation, events=events, output_dir=output_dir,
         total_steps=steps, generator=generator, ema=ema,
-        sampling=TimestepSampling(cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale),
+        sampling=TimestepSampling.of(cfg),  # timestep_sampling, flow_use_beta_schedule, flow_custom_timesteps
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
-        streamer=streamer, fsdp=sharded, crepa=aligner,
+        streamer=streamer, fsdp=sharded, crepa=aligner, eval_set=prepared.eval_set,
     )
     if aligner is not None:
         aligner.prepare(accelerator, ranks.count)
     run.throughput = throughput.build(cfg, family, comps.transformer, tread.check(cfg.tread_config, family,
                                       comps.transformer), run.first_frame, accelerator.device, events.emit)
+    scripts.attach(run)  # post_checkpoint_script, post_upload_script: before the uploader (closed after it)
     hub.attach(run_cfg, run)  # push_to_hub: checkpoint and final uploads, in the background
     return run

@@ -4,7 +4,7 @@
 event streams are silent), so the loop never calls a tracker. Every value is taken from an event the
 loop already writes: "step" (loss, learning rate, step time), "memory" (peak memory by phase), "sample"
 (validation images; videos as the MP4 where the tracker plays video, W&B, and as the contact sheet
-image everywhere), "evaluation" (CLIP scores).
+image everywhere), "evaluation" (CLIP scores), "eval_loss" (the loss on eval datasets).
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class TrackerForwarder:
         elif kind == "evaluation":
             values = {f"eval/{record['metric']}": record["value"]}
             values |= {f"eval/{record['metric']}/{_tag(name)}": v for name, v in record.get("scores", {}).items()}
+            self.accelerator.log(values, step=self.step)
+        elif kind == "eval_loss":  # train/eval_loss.py: the pooled loss, and each eval dataset's unless pooled
+            values = {"eval/loss": record["loss"]}
+            values |= {f"eval/loss/{_tag(name)}": v for name, v in record.get("datasets", {}).items()}
             self.accelerator.log(values, step=self.step)
         elif kind == "sample":
             self._sample(record)

@@ -18,6 +18,10 @@ at least it. So:
   so an epoch trigger never fires twice across a resume (the checkpoint of a step is written after its
   validation: a kill while sampling resumes before that step and samples it again).
 The last step triggers no validation or checkpoint of its own: the end of training writes both.
+Rolling checkpoints (`checkpointing_rolling_steps`) fire every N steps into their own series; a step due for a
+regular checkpoint too writes only the regular one.
+The evaluation loss of eval datasets (train/eval_loss.py) follows eval_steps_interval / eval_epoch_interval when
+either is set; otherwise it fires where validation does, and after the last step too (the final weights).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Due:
     validation: bool = False
     evaluation: bool = False
     checkpoint: bool = False
+    rolling_checkpoint: bool = False  # checkpointing_rolling_steps (never with `checkpoint`)
+    eval_loss: bool = False  # the evaluation loss of eval datasets (train/eval_loss.py)
 
 
 def batches_done(position: dict | None, per_epoch: int) -> int:
@@ -69,11 +75,19 @@ def due(run: Run, before: dict | None) -> Due:
         return step_reached(step, step_interval) or epoch_reached(before, after, per_epoch, epoch_interval)
 
     clip = cfg.evaluation_type == "clip"
+    checkpoint = reached(cfg.checkpoint_step_interval, cfg.checkpoint_epoch_interval) and step < run.total_steps
+    # the evaluation loss: on SimpleTuner's eval schedule when set, else where validation fires and after the last step
+    eval_scheduled = bool(cfg.eval_steps_interval or cfg.eval_epoch_interval)
     return Due(
         validation=reached(cfg.validation_step_interval, cfg.validation_epoch_interval) and step < run.total_steps,
         # eval_steps_interval 0 means "score each validation's samples" (train/evaluation.py), not a schedule
         evaluation=clip and reached(cfg.eval_steps_interval, cfg.eval_epoch_interval),
-        checkpoint=reached(cfg.checkpoint_step_interval, cfg.checkpoint_epoch_interval) and step < run.total_steps,
+        checkpoint=checkpoint,
+        rolling_checkpoint=(not checkpoint and step_reached(step, cfg.checkpointing_rolling_steps)
+                            and step < run.total_steps),
+        eval_loss=getattr(run, "eval_set", None) is not None and (
+            reached(cfg.eval_steps_interval, cfg.eval_epoch_interval) if eval_scheduled else
+            reached(cfg.validation_step_interval, cfg.validation_epoch_interval) or step == run.total_steps),
     )
 
 

@@ -8,13 +8,18 @@ model's samples, taken before the first step with the adapter switched off (`dis
 `validation_on_startup`); with `disable_benchmark: false` each later PNG also gets `<name>-vs-base.png`, the base
 model's sample of the same prompt, size and seed on its left (SimpleTuner's stitched benchmark). Those
 comparison files are written beside the samples only: trackers see the base samples as step 0 of each tag.
+
+`validation_randomize` gives each validation fresh random seeds (the same for its live and EMA samples; each
+"sample" event says its seed) and writes no `-vs-base` comparisons; `validation_lycoris_strength` is a LyCORIS
+network's multiplier while sampling the trained weights, put back for training afterwards.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,18 +41,42 @@ def validate(run: Run, label: str, base: bool = False) -> list[Path]:
     if not run.validation:
         return []
     mode = "none" if base else run.cfg.ema_validation if run.ema is not None else "none"
+    requests = randomized(run.validation) if run.cfg.validation_randomize else run.validation
     live, ema = [], []
     if mode != "ema_only":
-        with adapter_off(run) if base else nullcontext():
-            live = _sample_all(run, label, "")
+        with adapter_off(run) if base else lycoris_strength(run):
+            live = _sample_all(run, label, "", requests)
     if mode != "none":
-        with run.ema.swap():
-            ema = _sample_all(run, label, "-ema")
+        with run.ema.swap(), lycoris_strength(run):
+            ema = _sample_all(run, label, "-ema", requests)
     # CLIP evaluation (no schedule set) scores the live weights' samples, or the EMA's when only they exist; of
     # num_validation_images per prompt, the first (the request's own seed), so scores compare across settings
-    first = {id(request) for request in run.validation}
+    first = {id(request) for request in requests}
     evaluation.after_validation(run, [(request, out) for request, out, _ in live or ema if id(request) in first])
     return [path for _, _, written in live + ema for path in written]
+
+
+def randomized(requests: list[SampleRequest]) -> list[SampleRequest]:
+    """validation_randomize: the requests with fresh seeds from the operating system (not the run's seeded
+    generators, which would repeat them run after run); the "sample" events say each one."""
+    return [replace(request, seed=secrets.randbits(31)) for request in requests]
+
+
+@contextmanager
+def lycoris_strength(run: Run) -> Iterator[None]:
+    """validation_lycoris_strength: a LyCORIS network's multiplier while the trained weights sample, the training
+    multiplier back afterwards (so training continues bit for bit). Nothing to do when unset or not LyCORIS."""
+    network = getattr(run.adapter, "network", None)  # adapters/kinds.py LycorisAdapter
+    strength = run.cfg.validation_lycoris_strength
+    if network is None or strength is None:
+        yield
+        return
+    multiplier = network.multiplier
+    network.set_multiplier(strength)
+    try:
+        yield
+    finally:
+        network.set_multiplier(multiplier)
 
 
 @contextmanager
@@ -79,7 +108,8 @@ def adapter_off(run: Run) -> Iterator[None]:
 
 def sample_requests(run: Run, requests: list[SampleRequest]) -> list[tuple[SampleRequest, Any]]:
     """Sample `requests` with the live weights, writing nothing: (request, image or list of frames) pairs."""
-    return [(request, out) for request, out, _ in _sample_all(run, None, "", requests)]
+    with lycoris_strength(run):
+        return [(request, out) for request, out, _ in _sample_all(run, None, "", requests)]
 
 
 @contextmanager
@@ -190,7 +220,8 @@ def _write(run: Run, folder: Path, label: str, request: SampleRequest, result: A
         run.events.emit("sample", step=run.state.step, path=str(item), prompt=request.name or "validation",
                         ema=bool(suffix), size=sample_size(request), seed=request.seed, **numbered)
     base = folder / file_name(BASE_LABEL, request, "", index, count)
-    if label != BASE_LABEL and not run.cfg.disable_benchmark and base.is_file():
+    # validation_randomize: the base sample had another seed, a comparison would mislead
+    if label != BASE_LABEL and not run.cfg.disable_benchmark and not run.cfg.validation_randomize and base.is_file():
         _save_png(side_by_side(base, result), path.with_name(f"{path.stem}-vs-base.png"))
     return written
 

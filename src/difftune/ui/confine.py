@@ -26,6 +26,7 @@ from typing import Any
 
 from difftune.config.compat import family_name, substitute_all
 from difftune.config.datasets import DatasetPlan, ImageDataset
+from difftune.config.extra_output_keys import SCRIPT_KEYS
 from difftune.config.load import clean_keys
 from difftune.config.schema import TrainConfig
 from difftune.models.registry import FAMILY_FACTS
@@ -152,10 +153,14 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
         values = {f["name"]: getattr(train, f["name"]) for f in specs}
         _walk(roots, values, specs, config_where, "", problems, refused, read_here=False)
         family = train.model_family
+        # a user command could touch anything: the page never starts a run that runs one
+        problems += [f"{config_where}: {key}: the web UI does not start runs that run commands (they could act "
+                     "outside the roots); remove it, or start this run with `difftune train`"
+                     for key in SCRIPT_KEYS if getattr(train, key)]
     if plan is None:
         return problems
     kinds = dataset_fields()
-    entries = {id(e): e for e in [*plan.images, *plan.validation_only.values(), *plan.conditioning.values(),
+    entries = {id(e): e for e in [*plan.discovered(), *plan.validation_only.values(), *plan.conditioning.values(),
                                   *plan.all_text_embeds.values(), *([plan.text_embeds] if plan.text_embeds else [])]}
     for ds in entries.values():
         where = f"{data_where}: dataset {ds.id!r}"

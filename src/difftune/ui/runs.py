@@ -216,6 +216,8 @@ class Run:
             out["losses"].append([steps[-1]["step"], steps[-1]["loss"]])
         out["evaluations"] = [[e["step"], e["value"]] for e in events  # CLIP scores (train/evaluation.py)
                               if e["event"] == "evaluation" and isinstance(e.get("value"), int | float)]
+        out["eval_losses"] = [[e["step"], e["loss"]] for e in events  # held-out loss (train/eval_loss.py)
+                              if e["event"] == "eval_loss" and isinstance(e.get("loss"), int | float)]
         out["checkpoints"] = [{"step": e.get("step"), "path": self.relative(e.get("path"))}
                               for e in events if e["event"] == "checkpoint"]
         done = next((e for e in events if e["event"] in ("done", "stopped") and e.get("adapter")), None)

@@ -452,6 +452,7 @@ function runSkeleton(run) {
       h("pre", { id: "run-traceback", hidden: true }), h("div", { class: "hint" }, "Last lines of its log:"), h("pre", { id: "run-log" })),
     h("div", { class: "card" }, h("h3", {}, "Loss"), svgEl("svg", { class: "curve", id: "run-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
     h("div", { class: "card", id: "run-eval-card", hidden: true }, h("h3", {}, "CLIP score"), svgEl("svg", { class: "curve", id: "run-eval-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
+    h("div", { class: "card", id: "run-evalloss-card", hidden: true }, h("h3", {}, "Evaluation loss (held-out data)"), svgEl("svg", { class: "curve", id: "run-evalloss-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
     h("div", { class: "card" }, h("h3", {}, "Validation samples"), h("div", { class: "gallery", id: "run-samples" }, h("p", { class: "hint" }, "None yet."))),
     h("div", { class: "card" }, h("h3", {}, "Outputs"), h("ul", { id: "run-outputs" })),
     h("details", { class: "card" }, h("summary", {}, "Messages and log"), h("pre", { id: "run-messages" }), h("pre", { id: "run-log-all" })));
@@ -499,6 +500,8 @@ function renderRun(run) {
   drawCurve(run.losses || []);
   $("#run-eval-card").hidden = !(run.evaluations || []).length; // evaluation_type clip
   drawCurve(run.evaluations || [], "#run-eval-curve");
+  $("#run-evalloss-card").hidden = !(run.eval_losses || []).length; // dataset_type eval
+  drawCurve(run.eval_losses || [], "#run-evalloss-curve");
   const key = (run.samples || []).map((s) => s.path).join("|");
   if (key !== S.galleryKey) {
     S.galleryKey = key;

@@ -1,0 +1,84 @@
+"""The optimizer's settings beyond `optimizer` and the adam_* keys: `optimizer_config` (SimpleTuner's string of
+extra constructor arguments), and the rules of `optimizer: adamw_schedulefree` with the LR schedule. The fields are
+mixed into TrainConfig; the checks are this mixin's validator. Import-light: no torch, no optimizer library
+(train/optimizers.py's `KEYWORDS` lists every constructor's keywords).
+
+`optimizer_config` is SimpleTuner's format, "key=value,key2=value2": the string is split at commas, each part at
+its first '='. A value reads as true/false, none/null, an integer, a float (0.1, 1e-3, inf), else as text.
+SimpleTuner reads some values differently (it keeps "1e5" and "-1" as text) and drops keywords the class does not
+take with a warning; here a keyword the chosen optimizer's class does not take, a value of the wrong type, or a
+keyword that a difftune key sets (lr, betas, weight_decay, eps; warmup_steps for adamw_schedulefree) is a config
+error naming optimizer_config, the keyword and what to do. SimpleTuner also drops optimizer_beta1/2 when
+optimizer_config is set; here adam_beta1/2 (and their aliases) always set the betas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, field_validator, model_validator
+
+from difftune.config.fields import field
+from difftune.config.pending import coerce
+from difftune.train.optimizers import setting_problem
+
+SCHEDULE_FREE = "adamw_schedulefree"
+CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")  # the lr_scheduler values schedule-free takes
+
+
+class OptimizerKeys(BaseModel):
+    optimizer_config: str | None = field(
+        None, "More settings of the optimizer's constructor, SimpleTuner's format: 'key=value,key2=value2' (for "
+        "example 'amsgrad=true' for adamw, 'd_coef=2' for prodigy). Values read as true/false, none, numbers or "
+        "text; they replace difftune's own of the same name. A keyword the optimizer does not take is an error "
+        "(SimpleTuner drops it with a warning), and so is one a difftune key sets: learning_rate (lr), adam_beta1/"
+        "adam_beta2 (betas), adam_weight_decay (weight_decay), adam_epsilon (eps), lr_warmup_steps (schedule-free's "
+        "warmup_steps).", "training", advanced=True,
+    )
+
+    @field_validator("optimizer_config")
+    @classmethod
+    def _optimizer_config_syntax(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        parse_optimizer_config(value)  # raises on bad syntax; the keywords are checked with the optimizer below
+        return value
+
+    @model_validator(mode="after")
+    def _optimizer_checks(self) -> OptimizerKeys:
+        optimizer_checks(self)
+        return self
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """optimizer_config as constructor arguments (empty when unset)."""
+        return parse_optimizer_config(self.optimizer_config or "")
+
+
+def parse_optimizer_config(text: str) -> dict[str, Any]:
+    """'key=value,key2=value2' -> {key: value}, each value read as true/false, none/null, a number, else text."""
+    settings: dict[str, Any] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue  # a trailing comma
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"optimizer_config: {part.strip()!r} is not key=value; write the settings as "
+                             "'key=value,key2=value2' (for example 'amsgrad=true')")
+        if key in settings:
+            raise ValueError(f"optimizer_config sets {key} twice; keep one")
+        settings[key] = coerce(value)
+    return settings
+
+
+def optimizer_checks(cfg: Any) -> None:
+    """Raise ValueError for an optimizer_config keyword the optimizer cannot take, or a decaying lr_scheduler with
+    adamw_schedulefree."""
+    for key, value in cfg.optimizer_settings().items():
+        if problem := setting_problem(cfg.optimizer, key, value):
+            raise ValueError(f"optimizer_config {key}={value}: {problem}")
+    if cfg.optimizer == SCHEDULE_FREE and cfg.lr_scheduler not in CONSTANT_SCHEDULES:
+        raise ValueError(
+            f"optimizer 'adamw_schedulefree' takes the place of a decaying learning rate (it averages its weights "
+            f"instead), so lr_scheduler {cfg.lr_scheduler!r} does not combine with it: set lr_scheduler to "
+            "'constant' (lr_warmup_steps still warms up), or choose another optimizer (SimpleTuner ignores "
+            "lr_scheduler with it)")
