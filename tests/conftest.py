@@ -41,7 +41,8 @@ def dino(tmp_path_factory) -> str:
 
 
 def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
-    """config.json + multidatabackend.json under root/config; returns the config path."""
+    """config.json + multidatabackend.json under root/config; returns the config path. `dataset`: keys of the
+    training entry; `extra_datasets`: more entries of the dataset list; the rest: config keys."""
     (root / "config").mkdir(parents=True, exist_ok=True)
     datasets = [
         {"id": "train", "type": "local", "dataset_type": "image", "instance_data_dir": str(dataset_dir),
@@ -51,6 +52,7 @@ def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
          "cache_dir": str(root / "cache" / "text")},
     ]
     datasets[0].update(overrides.pop("dataset", {}))
+    datasets[1:1] = overrides.pop("extra_datasets", [])  # more entries, after the training one
     conditioning_dir = overrides.pop("conditioning_dir", None)
     if conditioning_dir is not None:
         datasets.append({"id": "inputs", "type": "local", "dataset_type": "conditioning",
@@ -66,6 +68,15 @@ def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
     path = root / "config" / "config.json"
     path.write_text(json.dumps(config))
     return path
+
+
+def config_problems(path: Path, **overrides) -> str:
+    """The problems `load_config` reports for a config that must be refused, one per line."""
+    from difftune.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return "\n".join(info.value.problems)
 
 
 @pytest.fixture

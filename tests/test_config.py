@@ -2,17 +2,10 @@
 
 import json
 
-import pytest
-
+from conftest import config_problems as problems
 from conftest import write_config
 from difftune.cli import main
-from difftune.config import ConfigError, load_config
-
-
-def problems(path, **overrides):
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return "\n".join(info.value.problems)
+from difftune.config import load_config
 
 
 def test_valid_config_and_coercion(tmp_path, dataset):

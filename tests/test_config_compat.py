@@ -5,17 +5,12 @@ import math
 
 import pytest
 
+from conftest import config_problems as problems
 from conftest import write_config
 from difftune.cli import parse_overrides
 from difftune.config import ConfigError, load_config
 from difftune.config.compat import suggest
 from difftune.config.schema import TrainConfig
-
-
-def problems(path, **overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return "\n".join(info.value.problems)
 
 
 @pytest.mark.parametrize("given,family", [("kandinsky5_image", "kandinsky5-image"),

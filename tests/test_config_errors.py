@@ -5,17 +5,12 @@ import json
 
 import pytest
 
+from conftest import config_problems as problems
 from conftest import write_config
 from difftune.cli import main
 from difftune.config import ConfigError, load_config
 from difftune.config.datasets import ImageDataset, TextEmbedsDataset
 from difftune.config.schema import TrainConfig
-
-
-def problems(path, **overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return "\n".join(info.value.problems)
 
 
 @pytest.fixture

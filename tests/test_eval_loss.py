@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from conftest import config_problems as problems
 from conftest import write_config
-from difftune.config import ConfigError, load_config
+from difftune.config import load_config
 from difftune.config.eval_keys import EVAL_SEED
 from difftune.demo import make_dataset
 from difftune.train import eval_loss, objective
@@ -27,12 +28,8 @@ def eval_entry(folder, root, ident="held", **extra):
 
 
 def with_eval(root, images, entries, **config):
-    """write_config's training dataset plus the eval `entries` (before the text-embeds entry)."""
-    path = write_config(root, images, **config)
-    backend = root / "config" / "multidatabackend.json"
-    listed = json.loads(backend.read_text())
-    backend.write_text(json.dumps([listed[0], *entries, *listed[1:]]))
-    return path
+    """write_config's training dataset plus the eval `entries`."""
+    return write_config(root, images, extra_datasets=entries, **config)
 
 
 @pytest.fixture
@@ -41,11 +38,6 @@ def held(tmp_path):
     make_dataset(folder, count=2, seed=9)
     return folder
 
-
-def problems(path) -> str:
-    with pytest.raises(ConfigError) as e:
-        load_config(path)
-    return "\n".join(e.value.problems)
 
 
 def events(output_dir, kind):

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from conftest import config_problems as problems
 from conftest import write_config
-from difftune.config import ConfigError, load_config
+from difftune.config import load_config
 from difftune.demo import make_dataset
 from difftune.train import loop, objective, regularisation
 from difftune.train.loop import train
@@ -26,13 +27,8 @@ def reg_entry(folder, root, **extra):
 
 
 def with_reg(root, subject, entry, **config):
-    """write_config's subject dataset plus the regularisation entry `entry` (before the text-embeds entry)."""
-    path = write_config(root, subject, **config)
-    backend = root / "config" / "multidatabackend.json"
-    entries = json.loads(backend.read_text())
-    entries.insert(1, entry)
-    backend.write_text(json.dumps(entries))
-    return path
+    """write_config's subject dataset plus the regularisation entry `entry`."""
+    return write_config(root, subject, extra_datasets=[entry], **config)
 
 
 @pytest.fixture
@@ -41,11 +37,6 @@ def reg_images(tmp_path):
     make_dataset(folder, count=2, seed=5)
     return folder
 
-
-def problems(path) -> str:
-    with pytest.raises(ConfigError) as e:
-        load_config(path)
-    return "\n".join(e.value.problems)
 
 
 # --- config -------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import config_problems as problems
 from conftest import write_config
-from difftune.config import ConfigError, load_config
+from difftune.config import load_config
 from difftune.train import evaluation, loop
 from difftune.train.loop import train
 from difftune.train.optimizers import build_optimizer, eval_weights, train_mode
@@ -23,11 +24,6 @@ BETAS = (0.9, 0.999)
 SAMPLE = dict(validation_prompt="a red circle", validation_resolution="32x32", validation_num_inference_steps=1,
               validation_disable_unconditional=True)
 
-
-def problems(path, **overrides) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return "\n".join(info.value.problems)
 
 
 # --- config
