@@ -148,7 +148,8 @@ def plain_losses(tmp_path_factory, tiny_home):
 
 @pytest.mark.parametrize("keys", [{"flow_use_beta_schedule": True, "flow_beta_schedule_alpha": 0.7,
                                    "flow_beta_schedule_beta": 1.5},
-                                  {"flow_custom_timesteps": "900,600,300"}])
+                                  {"flow_custom_timesteps": "900,600,300"},
+                                  {"flow_custom_timesteps": "900,600,300", "flow_timesteps_mode": "round-robin"}])
 def test_schedules_resume_exactly(tmp_path, plain_losses, monkeypatch, keys):
     """Dies after step 3, resumes from the step-2 checkpoint: the same losses as an uninterrupted run, which differ
     from the default schedule's (the key acts)."""
@@ -199,7 +200,8 @@ def test_simpletuner_spellings_are_accepted(tmp_path, dataset):
     ({"flow_custom_timesteps": "500,1001"}, ["flow_custom_timesteps holds 1001"]),
     ({"flow_custom_timesteps": "a,b"}, ["flow_custom_timesteps"]),
     ({"flow_use_beta_schedule": True, "flow_beta_schedule_alpha": 0}, ["flow_beta_schedule_alpha"]),
-    ({"flow_timesteps_mode": "round-robin"}, ["not implemented yet", "fixed-list"]),
+    ({"flow_timesteps_mode": "round-robin"}, ["flow_timesteps_mode 'round-robin'", "set flow_custom_timesteps"]),
+    ({"flow_custom_timesteps": "500", "flow_timesteps_mode": "cyclic"}, ["flow_timesteps_mode"]),
 ])
 def test_misuse_is_a_config_error(tmp_path, dataset, keys, named):
     text = problems(tmp_path, dataset, **keys)

@@ -252,6 +252,8 @@ def test_simpletuner_spellings_are_accepted(tmp_path, dataset):
     ({**SAMPLES, "validation_lycoris_strength": -1}, ["validation_lycoris_strength"]),
     ({"checkpoints_rolling_total_limit": 3}, ["checkpoints_rolling_total_limit", "set checkpointing_rolling_steps"]),
     ({"checkpointing_rolling_steps": 2, "checkpoints_rolling_total_limit": 0}, ["checkpoints_rolling_total_limit"]),
+    ({"checkpointing_rolling_steps": 4, "checkpoint_step_interval": 2}, ["checkpointing_rolling_steps 4",
+                                                                        "no rolling checkpoint would be written"]),
     ({"post_checkpoint_script": "copy {local_path}"}, ["post_checkpoint_script", "{local_path}",
                                                        "{local_checkpoint_path}"]),
     ({"post_upload_script": "notify '{remote_checkpoint_path}"}, ["post_upload_script", "quotes"]),

@@ -24,8 +24,8 @@ def test_nonfinite_data_is_blamed_on_the_data(tmp_path, dataset):
     real = run.data._latents
 
     def poisoned(chosen):  # a damaged entry that got past every check: the loop must still name it
-        kept, latents, cond = real(chosen)
-        return kept, latents * float("nan"), cond
+        kept, latents, *rest = real(chosen)  # the input images' latents and loss masks, as they are
+        return kept, latents * float("nan"), *rest
 
     run.data._latents = poisoned
     with pytest.raises(NonFiniteError) as err:

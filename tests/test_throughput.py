@@ -238,6 +238,60 @@ def test_fields_from_real_batches(tiny_run):
     meter.step_fields(1.0)  # the loop's next step starts from zero
 
 
+def test_regularisation_adds_the_teachers_forward(tiny_run):
+    """A micro-batch of regularisation data counts the base model's no-grad forward too (the teacher's pass in
+    train/regularisation.py): ours against torch's count of the loop's micro_step, and exactly one forward more than
+    the same micro-batch without regularisation data."""
+    from dataclasses import replace
+
+    run = tiny_run
+    plain = next(iter(run.data))
+    reg = replace(plain, regularisation=torch.ones(plain.latents.shape[0], dtype=torch.bool))
+    shape, text = tuple(plain.latents.shape), int(plain.text["prompt_embeds"].shape[1])
+    without, _ = run.throughput.micro_batch(shape, text)
+    ours, _ = run.throughput.micro_batch(shape, text, teacher=True)
+    forward = run.family.forward_flops(run.comps.transformer.config, shape, text).forward
+    assert ours == pytest.approx(without + forward, rel=1e-9)
+    torchs = counted(lambda: micro_step(run, reg).backward())
+    assert close(ours, torchs, 0.05)
+    assert not close(without, torchs, 0.05)  # the teacher's pass is visible in torch's count
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("n_in,n_out", [(64, 32), (48, 96)])
+def test_dora_products_against_torch(n_in, n_out):
+    """dora_flops against torch's count: a peft DoRA layer's forward (and backward) less the same LoRA layer's."""
+    from peft import get_peft_model
+
+    counts, models = {}, {}
+    for use_dora in (False, True):
+        torch.manual_seed(0)
+        model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(n_in, n_out)),
+                               LoraConfig(r=4, lora_alpha=4, target_modules=["0"], use_dora=use_dora))
+        x = torch.randn(10, n_in)
+        counts[use_dora] = counted(lambda m=model, x=x: m(x).square().sum().backward())
+        models[use_dora] = model
+    assert throughput.dora_flops(models[True]) == counts[True] - counts[False] == 2 * 4 * n_in * (n_in + n_out)
+    assert throughput.dora_flops(models[False]) == 0
+
+
+def test_dora_count_of_a_run(tmp_path_factory, tiny_home):
+    """use_dora: each micro-batch's count adds the products of the run's DoRA layers; a plain LoRA run has none."""
+    root = tmp_path_factory.mktemp("throughput-dora")
+    make_dataset(root / "images", count=2)
+    run = build_run(load_config(write_config(root, root / "images", max_train_steps=1, train_batch_size=2,
+                                             use_dora=True, validation_step_interval=0, checkpoint_step_interval=0)))
+    batch = next(iter(run.data))
+    shape, text = tuple(batch.latents.shape), int(batch.text["prompt_embeds"].shape[1])
+    dora = throughput.dora_flops(run.comps.transformer)
+    assert dora > 0 and run.throughput.per_forward == dora
+    f = run.family.forward_flops(run.comps.transformer.config, shape, text)
+    plain = f.step(False, lora_forward(f, adapter_shapes(run.comps.transformer)))
+    assert run.throughput.micro_batch(shape, text)[0] == pytest.approx(plain + dora, rel=1e-9)
+    torchs = counted(lambda: micro_step(run, batch).backward())
+    assert close(run.throughput.micro_batch(shape, text)[0], torchs, 0.05)
+
+
 def test_step_events_carry_the_fields(tiny_run):
     """The loop logs what the lead's `run.throughput.add(batch)` in optimizer_step counted."""
     train(tiny_run)

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import write_config
 from difftune.config import load_config
+from difftune.demo import make_dataset
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extras: pip install -e '.[test]'")
 
@@ -102,7 +103,17 @@ def test_new_config_from_first_question_to_files_that_pass_check(tmp_path, datas
 
 
 def test_edit_an_existing_config_keeps_what_was_not_asked(tmp_path, dataset):
-    path = write_config(tmp_path, dataset, seed=1234, lora_rank=4, max_train_steps=4)
+    """With DoRA, an eval dataset and a regularisation dataset listed before the trained one (keys the wizard does
+    not ask): the questions are about the trained dataset, and everything else is kept."""
+    held = {"id": "held", "type": "local", "dataset_type": "eval", "instance_data_dir": str(dataset),
+            "caption_strategy": "textfile", "resolution": 64, "cache_dir_vae": str(tmp_path / "cache" / "held")}
+    path = write_config(tmp_path, dataset, seed=1234, lora_rank=4, max_train_steps=4, use_dora=True,
+                        extra_datasets=[held])
+    entries = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    reg = entries[0] | {"id": "reg", "instance_data_dir": str(tmp_path / "reg"), "is_regularisation_data": True,
+                        "cache_dir_vae": str(tmp_path / "cache" / "reg")}
+    make_dataset(tmp_path / "reg", count=2, seed=5)
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps([reg, *entries]))
     before = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
     answers = {"max_train_steps": ["30"], "learning_rate": ["2e-4"], "gradient_checkpointing": ["y"]}
     code, asked = drive(tmp_path, [str(path)], answers, gpu="80", use_offer="n",
@@ -112,7 +123,7 @@ def test_edit_an_existing_config_keeps_what_was_not_asked(tmp_path, dataset):
     assert "lora_rank [4]" in transcript and f"instance_data_dir [{dataset}]" in transcript  # current values
     assert "gradient_checkpointing" in asked.split()  # asked one by one after refusing the offer
     config = json.loads(path.read_text())
-    assert config["seed"] == 1234 and config["lora_rank"] == 4  # kept
+    assert config["seed"] == 1234 and config["lora_rank"] == 4 and config["use_dora"] is True  # kept
     assert config["max_train_steps"] == 30 and config["learning_rate"] == 2e-4
     assert config["gradient_checkpointing"] is True
     after = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())

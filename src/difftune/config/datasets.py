@@ -207,8 +207,9 @@ class ImageDataset(BaseModel):
         if self.dataset_type == "video" and self.video is None:
             self.video = VideoOptions()
         if self.dataset_type == "video" and self.conditioning_data is not None:
-            raise ValueError("conditioning_data pairs images; image-to-video flavours take each clip's first "
-                             "frame as the input image by themselves: remove conditioning_data")
+            raise ValueError("conditioning_data pairs images (input images or loss masks) with images; image-to-video "
+                             "flavours take each clip's first frame as the input image by themselves, and loss masks "
+                             "are for image datasets only: remove conditioning_data")
         if (self.maximum_image_size is None) != (self.target_downsample_size is None):
             raise ValueError("maximum_image_size and target_downsample_size go together: set both or neither")
         needs_prompt = self.caption_strategy == "instanceprompt" or self.prepend_instance_prompt or self.only_instance_prompt
@@ -264,6 +265,15 @@ class ConditioningDataset(BaseModel):
     type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
     dataset_type: Literal["conditioning"] = field("conditioning", "Kind of entry.", "data")
     instance_data_dir: str = field(..., "Folder of conditioning images, named like the training images.", "data")
+    conditioning_type: Literal["reference_strict", "mask"] = field(
+        "reference_strict", "'reference_strict': input images of image-to-image flavours, pixel-aligned with their "
+        "targets. 'mask': loss masks (train/masked_loss.py): white is trained, black ignored, grey weighs in between "
+        "(the red channel, 0..255 -> 0..1); each mask gets its image's resize and crop, is averaged over each latent "
+        "cell, and multiplies the per-element loss, which is still averaged over every element (not over the mask's "
+        "area), as in SimpleTuner. A mask of another size than its image is stretched to the image's size first. "
+        "An image without a mask of the same name is left out and reported. Images only (not video datasets), and "
+        "not with an image-to-image flavour (a dataset names one conditioning dataset).", "data",
+    )
     disabled: bool = field(False, "Leave this dataset out.", "data")
 
 
@@ -303,6 +313,11 @@ class DatasetPlan(BaseModel):
         return entry.cache_dir if entry else f"cache/text/{family}"
 
     def conditioning_dir(self, dataset: ImageDataset) -> str | None:
-        if dataset.conditioning_data is None:
-            return None
-        return self.conditioning[dataset.conditioning_data].instance_data_dir
+        """The folder of a dataset's input images (image-to-image), or None (a mask dataset is no input)."""
+        entry = self.conditioning.get(dataset.conditioning_data) if dataset.conditioning_data else None
+        return entry.instance_data_dir if entry is not None and entry.conditioning_type != "mask" else None
+
+    def mask_dir(self, dataset: ImageDataset) -> str | None:
+        """The folder of a dataset's loss masks (conditioning_type 'mask'), or None."""
+        entry = self.conditioning.get(dataset.conditioning_data) if dataset.conditioning_data else None
+        return entry.instance_data_dir if entry is not None and entry.conditioning_type == "mask" else None

@@ -79,7 +79,7 @@ def check_eval_datasets(train: Any, plan: Any, path: Path, where_of: Callable[[s
         if facts.needs_conditioning(flavour) and ds.conditioning_data is None:
             problems.append(f"{where}: flavour {flavour!r} is evaluated on image pairs; set conditioning_data to the "
                             "id of a dataset_type 'conditioning' entry holding this dataset's input images")
-        elif not facts.needs_conditioning(flavour) and ds.conditioning_data is not None:
+        elif not facts.needs_conditioning(flavour) and ds.conditioning_data is not None and plan.mask_dir(ds) is None:
             problems.append(f"{where}: conditioning_data is only used by image-to-image flavours; remove it")
     if plan.evaluation and train.eval_loss_disable:
         names = ", ".join(repr(ds.id) for ds in plan.evaluation)

@@ -128,6 +128,12 @@ def extra_output_checks(cfg: Any) -> None:
     if cfg.checkpoints_rolling_total_limit != 1 and not cfg.checkpointing_rolling_steps:
         raise ValueError("checkpoints_rolling_total_limit prunes the rolling checkpoints, which are off: set "
                          "checkpointing_rolling_steps, or remove checkpoints_rolling_total_limit")
+    rolling, regular = cfg.checkpointing_rolling_steps, cfg.checkpoint_step_interval
+    if rolling and regular and rolling % regular == 0:  # a step due for both writes only the regular checkpoint
+        raise ValueError(f"checkpointing_rolling_steps {rolling} is a multiple of checkpoint_step_interval {regular}, "
+                         "so every rolling step is also a regular checkpoint step and no rolling checkpoint would be "
+                         "written: make checkpointing_rolling_steps smaller than checkpoint_step_interval (and not a "
+                         "multiple of it), or remove it")
     known = set(SCRIPT_PLACEHOLDERS) | {key for key in type(cfg).model_fields if key.startswith("validation_")}
     for key in SCRIPT_KEYS:
         command = getattr(cfg, key)

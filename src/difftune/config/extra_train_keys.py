@@ -12,7 +12,7 @@ says so.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator, model_validator
 
@@ -62,6 +62,20 @@ class ExtraTrainKeys(BaseModel):
         "flow_schedule_auto_shift, timestep_sampling and the Beta or uniform schedules are refused beside it.",
         "training", advanced=True,
     )
+    flow_timesteps_mode: Literal["fixed-list", "round-robin"] = field(
+        "fixed-list", "How flow_custom_timesteps are taken: 'fixed-list' draws one of them uniformly per sample; "
+        "'round-robin' takes them in turn, in the list's order, sample after sample of the global batch (the first "
+        "sample of the run takes the first level). The place in the cycle is computed from the optimizer step, the "
+        "micro-batch and the sample's place in the global batch, so a resumed run continues the cycle exactly and "
+        "several processes take their slices of it, as they do of the other draws (SimpleTuner keeps a cursor, "
+        "re-initialised from the global step on resume, with a per-rank offset). Needs flow_custom_timesteps.",
+        "training", advanced=True,
+    )
+
+    @field_validator("flow_timesteps_mode", mode="before")
+    @classmethod
+    def _extra_timesteps_mode(cls, value: Any) -> Any:
+        return "fixed-list" if value is None else value
 
     @field_validator("flow_custom_timesteps", mode="before")
     @classmethod
@@ -69,8 +83,9 @@ class ExtraTrainKeys(BaseModel):
         """'1000, 979.2, 957.5' (SimpleTuner's form) or a JSON list -> floats; empty -> not set."""
         if value is None or (isinstance(value, str) and not value.strip()):
             return None
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, str):  # '[0.2, 0.5]' too: a JSON list typed on the command line
+            text = value.strip().removeprefix("[").removesuffix("]")
+            return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
     @field_validator("lr_scale", "lr_scale_sqrt", "ignore_final_epochs", "flow_use_uniform_schedule",
@@ -134,6 +149,9 @@ def extra_train_checks(cfg: Any) -> None:
     if beta_set and not cfg.flow_use_beta_schedule:
         raise ValueError(f"{beta_set[0]} shapes the Beta schedule, which is off: set flow_use_beta_schedule to true, "
                          f"or remove {beta_set[0]}")
+    if cfg.flow_timesteps_mode == "round-robin" and not cfg.flow_custom_timesteps:
+        raise ValueError("flow_timesteps_mode 'round-robin' takes flow_custom_timesteps in turn, but none are set: "
+                         "set flow_custom_timesteps, or remove flow_timesteps_mode")
     replaces = "custom" if cfg.flow_custom_timesteps else "beta" if cfg.flow_use_beta_schedule else None
     if replaces is None:
         return

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from difftune.config import conditioning_keys
 from difftune.config.compat import (
     DATASET_DEFAULT_KEYS,
     apply_key_aliases,
@@ -33,6 +34,7 @@ from difftune.config.datasets import (
 )
 from difftune.config.eval_keys import check_eval_datasets
 from difftune.config.jsonfile import JsonFileError, read_json
+from difftune.config.mask_keys import mask_checks
 from difftune.config.pending import (
     PENDING_DATASET_KEYS,
     PENDING_TRAIN_KEYS,
@@ -116,6 +118,9 @@ def _split_known(
             problem = pending_problem(pending, key, value, raw)
             if problem:
                 problems.append(f"{where_of(key)}: {key}={value!r}: {problem}")
+        elif model is not TrainConfig and key in TrainConfig.model_fields:  # a config.json key in a dataset entry
+            problems.append(f"{where_of(key)}: {key} is a config.json key (it applies to every dataset), not a "
+                            "dataset entry's; move it to config.json")
         else:
             problems.append(f"{where_of(key)}: unknown key {key!r}{_suggest(key, known + list(pending))}")
     return kept
@@ -175,6 +180,8 @@ def load_datasets(
     held_out: list[ImageDataset] = []  # dataset_type 'eval': cached, never trained on (train/eval_loss.py)
     embeds: list[TextEmbedsDataset] = []
     conditioning: dict[str, ConditioningDataset] = {}
+    mirrored: dict[str, dict[str, Any]] = {}  # conditioning id -> size/crop settings (config/conditioning_keys.py)
+    unused: dict[str, list[str]] = {}  # conditioning id -> caption/cache keys
     seen: set[str] = set()
     notes: list[str] = []
     for index, entry in enumerate(raw):
@@ -199,6 +206,8 @@ def load_datasets(
         model = DATASET_MODELS[kind]
         if model is ImageDataset:
             entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS}, **entry}
+        if model is ConditioningDataset:  # SimpleTuner's image settings on it: checked against its images below
+            entry, mirrored[str(entry.get("id"))], unused[str(entry.get("id"))] = conditioning_keys.split(entry)
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
         if item is None:
@@ -235,6 +244,8 @@ def load_datasets(
             )
     if not images and not problems:
         problems.append(f"{path}: no enabled image or video dataset; add an entry with dataset_type 'image' or 'video'")
+    conditioning_keys.check(path, {k: v for k, v in mirrored.items() if k in conditioning},
+                            {k: v for k, v in unused.items() if k in conditioning}, images + held_out, problems, notes)
     defaults_ = [e for e in embeds if e.default]
     if len(defaults_) > 1:
         problems.append(f"{path}: several text_embeds entries have default: true; keep one")
@@ -353,12 +364,16 @@ def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, proble
         problems.append(f"{path}: eval_dataset_id {train.eval_dataset_id!r} names no enabled image or "
                         f"conditioning dataset; choose one of {', '.join(sorted(ids))}")
     for ds in plan.images:
-        if facts.needs_conditioning(flavour) and ds.conditioning_data is None:
+        masks = plan.mask_dir(ds) is not None  # a loss-mask dataset (train/masked_loss.py) is no input image
+        if facts.needs_conditioning(flavour) and (ds.conditioning_data is None or masks):
             problems.append(
                 f"{path}: dataset {ds.id!r}: flavour {flavour!r} trains on image pairs; set conditioning_data "
                 "to the id of a dataset_type 'conditioning' entry holding the input images"
+                + (f" ({ds.conditioning_data!r} holds loss masks, conditioning_type 'mask': a dataset names one "
+                   "conditioning dataset, so masked loss cannot be combined with image-to-image training)"
+                   if masks else "")
             )
-        elif not facts.needs_conditioning(flavour) and ds.conditioning_data is not None:
+        elif not facts.needs_conditioning(flavour) and ds.conditioning_data is not None and not masks:
             problems.append(
                 f"{path}: dataset {ds.id!r}: conditioning_data is only used by image-to-image flavours "
                 f"({', '.join(sorted(facts.conditioning_flavours)) or 'none for ' + train.model_family}); "
@@ -403,6 +418,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         check_media(train, plan, Path(train.data_backend_config), problems)
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
+        mask_checks(train, plan, Path(train.data_backend_config), problems)  # config/mask_keys.py
         check_eval_datasets(train, plan, Path(train.data_backend_config), where_of, problems)  # dataset_type 'eval'
         problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.discovered())]
         problems += [f"{train.data_backend_config}: {p}" for p in regularisation_problems(train, plan)]

@@ -33,8 +33,24 @@ class OptimizerKeys(BaseModel):
         "text; they replace difftune's own of the same name. A keyword the optimizer does not take is an error "
         "(SimpleTuner drops it with a warning), and so is one a difftune key sets: learning_rate (lr), adam_beta1/"
         "adam_beta2 (betas), adam_weight_decay (weight_decay), adam_epsilon (eps), lr_warmup_steps (schedule-free's "
-        "warmup_steps).", "training", advanced=True,
+        "warmup_steps). A JSON object ({\"amsgrad\": true}) is taken too and means the same (a difftune "
+        "convenience; SimpleTuner documents the string).", "training", advanced=True,
     )
+
+    @field_validator("optimizer_config", mode="before")
+    @classmethod
+    def _optimizer_config_object(cls, value: Any) -> Any:
+        # a JSON object is what a user writing config.json by hand reaches for first; it becomes the same string
+        if not isinstance(value, dict):
+            return value
+        parts = []
+        for key, item in value.items():
+            if isinstance(item, list | tuple | dict):
+                raise ValueError(f"optimizer_config {key}: {item!r} is not a single value; optimizer_config takes "
+                                 "true/false, none, numbers or text (betas are adam_beta1 and adam_beta2)")
+            text = "none" if item is None else str(item).lower() if isinstance(item, bool) else str(item)
+            parts.append(f"{key}={text}")
+        return ",".join(parts)
 
     @field_validator("optimizer_config")
     @classmethod

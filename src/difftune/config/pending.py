@@ -147,10 +147,6 @@ PENDING_TRAIN_KEYS |= {
     "train_text_encoder": ((False,), "training the text encoder; difftune trains the transformer and caches the "
                            "text embeddings: set train_text_encoder to false"),
     # noise levels, loss, learning rate
-    # flow_custom_timesteps draws from its list at random (SimpleTuner's 'fixed-list'; config/extra_train_keys.py)
-    "flow_timesteps_mode": (("fixed-list", None), "'round-robin' (flow_custom_timesteps taken in turn); the list is "
-                            "drawn from at random ('fixed-list'): set flow_timesteps_mode to 'fixed-list' or remove it"),
-    "masked_loss_probability": ((1.0, None), "masked loss (mask conditioning datasets)" + _REMOVE),
     # same result either way: torch frees gradients (zero_grad(set_to_none=True)); flow-matching noise levels are
     # never segmented (SimpleTuner segments DDPM timesteps only)
     "set_grads_to_none": ((False, True, None), "set_grads_to_none takes true or false"),
@@ -265,7 +261,6 @@ PENDING_TRAIN_KEYS |= {
                     + _REMOVE),
     "tracker_image_layout": (("gallery", None), "the 'table' layout of validation images" + _REMOVE),
     "custom_tracker": ((None,), "custom tracker modules; use report_to 'wandb' or 'tensorboard'"),
-    "webhook_config": ((None,), "webhooks; every event is written to events.jsonl in output_dir" + _REMOVE),
     "publishing_config": ((None,), "publishing to other stores than the Hugging Face hub" + _REMOVE),
     # uploads always run in the background (the run waits for the last one); the result is the same
     "push_to_hub_background": ((False, True, None), "push_to_hub_background takes true or false"),
@@ -320,7 +315,6 @@ DEPENDS_ON |= {key: switch for switch, keys in {
     "validation_method": ["validation_external_script", "validation_external_background"],
     "validation_adapter_path": ["validation_adapter_name", "validation_adapter_strength", "validation_adapter_mode"],
     "validation_preview": ["validation_preview_steps"],
-    "webhook_config": ["webhook_reporting_interval"],
     "distillation_method": ["distillation_config"],
     "layersync_enabled": ["layersync_student_block", "layersync_teacher_block", "layersync_lambda"],
 }.items() for key in keys}

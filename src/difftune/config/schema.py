@@ -24,6 +24,7 @@ from difftune.config.extra_train_keys import ExtraTrainKeys
 from difftune.config.fields import field
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
+from difftune.config.mask_keys import MaskKeys
 from difftune.config.optimizer_keys import OptimizerKeys
 from difftune.config.precision_keys import PrecisionKeys
 from difftune.config.rollout_keys import RolloutKeys
@@ -31,6 +32,7 @@ from difftune.config.schedule_keys import ScheduleKeys
 from difftune.config.speed_keys import SpeedKeys
 from difftune.config.validation_triggers import ValidationTriggerKeys
 from difftune.config.values import parse_resolutions, prompt_library, snap_size
+from difftune.config.webhook_keys import WebhookKeys
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
 from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
@@ -45,7 +47,8 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine
 class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKeys,  # config/*_keys.py
                   ValidationTriggerKeys, ScheduleKeys, PrecisionKeys,  # config/validation_triggers.py
                   ExtraTrainKeys, ExtraOutputKeys, LoraKeys,  # config/extra_*_keys.py, lora_keys.py
-                  OptimizerKeys, EvalKeys):  # config/optimizer_keys.py, eval_keys.py
+                  OptimizerKeys, EvalKeys, MaskKeys,  # config/optimizer_keys.py, eval_keys.py, mask_keys.py
+                  WebhookKeys):  # config/webhook_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -20,7 +20,7 @@ import torch
 
 from difftune.data.cache import DamagedEntry, TensorCache, nonfinite, read_or_drop
 from difftune.data.images import load_rgb, prepare
-from difftune.data.latents import MEDIA_ERRORS, CachedSample, sample_pixels
+from difftune.data.latents import MEDIA_ERRORS, CachedSample, mask_grid, mask_pixels, sample_pixels
 from difftune.data.sampler import BucketSampler
 
 # pixels [B, 3, H, W] (clips: [B, 3, F, H, W]) in [-1, 1] -> latents [B, C, h, w] ([B, C, T, h, w])
@@ -44,12 +44,17 @@ class Batch:
     # [B] bool: which samples are regularisation data (is_regularisation_data, train/regularisation.py); None
     # when none is. A batch holds one dataset, so today it is all or nothing.
     regularisation: torch.Tensor | None = None
+    # [B, 1, h, w] loss weights in [0, 1] on the latent grid from the dataset's loss masks (conditioning_type 'mask',
+    # train/masked_loss.py); None when its dataset has none (a batch holds one dataset)
+    mask: torch.Tensor | None = None
 
     def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         text = {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in self.text.items()}
         cond = None if self.conditioning is None else move(self.conditioning)
         regularisation = None if self.regularisation is None else move(self.regularisation)
-        return replace(self, latents=move(self.latents), text=text, conditioning=cond, regularisation=regularisation)
+        mask = None if self.mask is None else move(self.mask)
+        return replace(self, latents=move(self.latents), text=text, conditioning=cond, regularisation=regularisation,
+                       mask=mask)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         """The batch on `device` (the same object when it is there already)."""
@@ -105,13 +110,14 @@ class TrainingData:
         return self.text_caches[item.sample.dataset_id].read(key)
 
     def _cached_latents(self, chosen: list[tuple[int, CachedSample]]):
-        """Verified latents of cached items: (kept positions, latents, conditioning)."""
-        kept, latents, cond = [], [], []
+        """Verified latents of cached items: (kept positions, latents, conditioning, loss-mask weights)."""
+        kept, latents, cond, masks = [], [], [], []
         for position, (index, c) in enumerate(chosen):
             expect = ("latents", "first_frame") if self.first_frame else ("latents",)
             try:
                 entry = read_or_drop(c.latent_file, expect)
                 extra = read_or_drop(c.conditioning_file, ("latents",)) if c.conditioning_file is not None else None
+                weights = read_or_drop(c.mask_file, ("mask",)) if c.mask_file is not None else None
             except (DamagedEntry, FileNotFoundError) as e:
                 reason = "missing: deleted earlier as damaged" if isinstance(e, FileNotFoundError) else str(e)
                 self._skip(index, f"left out {c.sample.path}: its cached latents are damaged ({reason}); the entry "
@@ -130,30 +136,34 @@ class TrainingData:
                 cond.append(extra["latents"])
             elif self.first_frame:
                 cond.append(entry["first_frame"])
+            if weights is not None:
+                masks.append(weights["mask"])
         if not kept:
-            return [], torch.empty(0), None
-        return kept, torch.stack(latents), (torch.stack(cond) if cond else None)
+            return [], torch.empty(0), None, None
+        return kept, torch.stack(latents), (torch.stack(cond) if cond else None), (torch.stack(masks) if masks else None)
 
-    def _latents(self, chosen: list[tuple[int, CachedSample]]) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """(positions in `chosen` that loaded, their latents, their input-image latents)."""
+    def _latents(self, chosen: list[tuple[int, CachedSample]]):
+        """(positions in `chosen` that loaded, their latents, their input-image latents, their loss-mask weights)."""
         if chosen[0][1].latent_file is not None:
             return self._cached_latents(chosen)
         assert self.encode is not None, "items without cached latents need an encoder"
-        kept, pixels, cond_pixels = [], [], []
+        kept, pixels, cond_pixels, mask_px = [], [], [], []
         for position, (_, c) in enumerate(chosen):  # on the fly: a file that fails now is skipped and reported
             s = c.sample
             try:
                 pixels.append(sample_pixels(s, c.crop_style, c.uv))
                 if s.conditioning is not None:
                     cond_pixels.append(prepare(load_rgb(s.conditioning), s.bucket, c.crop_style, c.uv))
+                if s.mask is not None:
+                    mask_px.append(mask_pixels(s, c.crop_style, c.uv))
             except MEDIA_ERRORS as e:
-                pixels = pixels[: len(kept)]
+                pixels, cond_pixels, mask_px = pixels[: len(kept)], cond_pixels[: len(kept)], mask_px[: len(kept)]
                 if self.on_skip:
                     self.on_skip(f"skipped {s.path}: {e}")
                 continue
             kept.append(position)
         if not kept:
-            return [], torch.empty(0), None
+            return [], torch.empty(0), None, None
         with torch.no_grad():
             latents = self.encode(torch.stack(pixels)).float().cpu()
             cond = self.encode(torch.stack(cond_pixels)).float().cpu() if cond_pixels else None
@@ -164,10 +174,12 @@ class TrainingData:
         for r in sorted(set(range(len(kept))) - set(finite)):  # the VAE overflowed on this file (e.g. fp16)
             if self.on_skip:
                 self.on_skip(f"skipped {chosen[kept[r]][1].sample.path}: the VAE returned NaN or inf for it")
+        masks = mask_grid(torch.stack(mask_px), tuple(latents.shape[-2:])) if mask_px else None
         if len(finite) < len(kept):
             latents, cond = latents[finite], (None if cond is None else cond[finite])
+            masks = None if masks is None else masks[finite]
             kept = [kept[r] for r in finite]
-        return kept, latents, cond
+        return kept, latents, cond, masks
 
     def __iter__(self) -> Iterator[Batch]:
         for indices in self.sampler:
@@ -182,7 +194,7 @@ class TrainingData:
             mine = [i for i in indices[offset : offset + share] if i not in self.dropped]
             if not mine:
                 continue
-            kept, latents, cond = self._latents([(i, self.items[i]) for i in mine])
+            kept, latents, cond, masks = self._latents([(i, self.items[i]) for i in mine])
             rows, texts, captions, paths, marks = [], [], [], [], []
             for row, i in enumerate(mine[k] for k in kept):
                 c = self.items[i]
@@ -204,5 +216,6 @@ class TrainingData:
                 continue
             if len(rows) < len(kept):
                 latents, cond = latents[rows], (None if cond is None else cond[rows])
+                masks = None if masks is None else masks[rows]
             yield Batch(latents, self.collate_text(texts), captions, cond, offset, len(indices), paths,
-                        self.sampler.state_dict(), torch.tensor(marks) if any(marks) else None)
+                        self.sampler.state_dict(), torch.tensor(marks) if any(marks) else None, masks)

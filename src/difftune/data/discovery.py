@@ -48,6 +48,7 @@ class Sample:
     conditioning: Path | None = None  # the paired input image (image-to-image), same relative name
     frames: int = 0  # clips: frames trained on (4k+1), taken at `fps` from the first frame; 0 for images
     fps: float = 0.0
+    mask: Path | None = None  # its loss mask (conditioning_type 'mask', train/masked_loss.py), same relative name
 
     @property
     def caption(self) -> str:
@@ -67,6 +68,8 @@ class Discovery:
     notes: list[tuple[Path, str]] = field(default_factory=list)  # used, but worth telling the user
     probed: int = 0  # files whose header was read this time (the rest came from the metadata file)
     held_out: bool = False  # an eval dataset's (dataset_type 'eval'): measured, never trained on
+    masks: str | None = None  # the id of its mask dataset (conditioning_type 'mask'), for the report
+    regularisation: bool = False  # is_regularisation_data: the memory planner's teacher pass (memory_plan/passes.py)
 
 
 class MetadataCache:
@@ -214,6 +217,7 @@ class DatasetSpec:
     seed: int = 0
     write_metadata: bool = True  # several processes: only one writes the shared metadata file
     frames: FrameRule | None = None  # a video dataset's frame rule
+    mask_root: Path | None = None  # its loss masks' folder (conditioning_type 'mask')
 
 
 def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, result: Discovery):
@@ -241,6 +245,7 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
 def discover(spec: DatasetSpec) -> Discovery:
     result = Discovery(spec.dataset_id)
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
+    masks = pair_index(spec.mask_root) if spec.mask_root is not None else None
     metadata = MetadataCache(spec.metadata_file)
     suffixes = VIDEO_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
     listing = walk(spec.root)
@@ -252,7 +257,7 @@ def discover(spec: DatasetSpec) -> Discovery:
         problem = filesystem_problem(path)
         if problem is None:
             try:
-                problem = _one(path, spec, pairs, metadata, result)
+                problem = _one(path, spec, pairs, metadata, result, masks)
             except (OSError, RuntimeError) as e:  # it changed under us; RuntimeError: resolve() of a loop
                 problem = f"filesystem error: {getattr(e, 'strerror', None) or e}"
         if problem:
@@ -262,7 +267,7 @@ def discover(spec: DatasetSpec) -> Discovery:
     return result
 
 
-def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: Discovery) -> str | None:
+def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: Discovery, masks=None) -> str | None:
     """Add one file's sample to `result`, or return why it is left out."""
     rule = spec.rule
     rel = str(path.relative_to(spec.root))
@@ -273,6 +278,13 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
             return f"no conditioning image of the same name in {spec.conditioning_root}"
         if (problem := filesystem_problem(conditioning)) is not None:
             return f"its conditioning image {conditioning}: {problem}"
+    mask = None
+    if masks is not None:  # like the i2i pairs: an image without its mask is left out (SimpleTuner pairs strictly)
+        mask = masks.get(path.relative_to(spec.root).with_suffix(""))
+        if mask is None:
+            return f"no loss mask of the same name in {spec.mask_root} (conditioning_type 'mask')"
+        if (problem := filesystem_problem(mask)) is not None:
+            return f"its loss mask {mask}: {problem}"
     captioned = caption(path, spec.root, spec.captions, spec.table)
     if captioned.captions is None:
         return captioned.problem or "no caption"
@@ -306,6 +318,14 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         return (f"{width}x{height} is far below its {bucket[0]}x{bucket[1]} bucket (it would be enlarged "
                 f"{factor:.0f}x; {MAX_UPSCALE:g}x or more is left out); set minimum_image_size to choose the floor")
     notes = [captioned.note] if captioned.note else []
+    if mask is not None:
+        try:
+            mask_size = probe_size(mask)
+        except (BadImage, OSError) as e:
+            return f"its loss mask {mask}: {e}"
+        if mask_size != (width, height):
+            notes.append(f"its loss mask is {mask_size[0]}x{mask_size[1]}, the image {width}x{height}: the mask is "
+                         "stretched to the image's size, then resized and cropped with it")
     if factor > NOTE_UPSCALE:
         notes.append(f"{width}x{height} is enlarged {factor:.1f}x to its {bucket[0]}x{bucket[1]} bucket: it will "
                      "look blurry (minimum_image_size leaves such images out)")
@@ -313,6 +333,6 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         result.notes.append((path, "; ".join(notes)))
     fps = spec.frames.frame_rate if spec.frames is not None else 0.0
     result.samples.append(
-        Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps)
+        Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps, mask)
     )
     return None

@@ -2,7 +2,9 @@
 
 An image-to-image sample also has its input (conditioning) image encoded, with the same bucket and
 the same relative crop, so the pair stays spatially aligned. A clip is decoded at its frame times and
-every frame gets the same crop.
+every frame gets the same crop. A sample with a loss mask (conditioning_type 'mask') has it given its image's
+exact geometry (`mask_pixels`), averaged over each latent cell (`mask_grid`) and cached beside the latents as
+its own entry, keyed by the mask file, the image's size, bucket and crop.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -44,6 +47,7 @@ class CachedSample:
     empty_key: str  # the text key of the empty caption (caption dropout)
     crop_style: str = "center"
     uv: tuple[float, float] = (0.5, 0.5)
+    mask_file: Path | None = None  # the cached loss-mask weights on the latent grid, {"mask": [1, h, w]}
 
 
 def crop_position(sample: Sample, crop_style: str, seed: int) -> tuple[float, float]:
@@ -63,6 +67,34 @@ def latent_key(sample: Sample, crop_style: str, seed: int) -> str:
     """The cache key of a sample's latents (a clip's also holds its frame count and rate)."""
     extra = (sample.downsample, sample.frames, sample.fps) if sample.frames else sample.downsample
     return file_key(sample.path, sample.bucket, extra, crop_position(sample, crop_style, seed))
+
+
+def mask_key(sample: Sample, crop_style: str, seed: int) -> str:
+    """The cache key of a sample's loss-mask weights: the mask file, and what its geometry follows (the image's
+    size, downsample, bucket and crop). The latent grid follows the bucket and the VAE (the cache's identity)."""
+    assert sample.mask is not None
+    extra = ("mask", sample.width, sample.height, sample.downsample)
+    return file_key(sample.mask, sample.bucket, extra, crop_position(sample, crop_style, seed))
+
+
+def mask_pixels(sample: Sample, crop_style: str, uv: tuple[float, float]) -> torch.Tensor:
+    """The loss mask as [1, H, W] in [0, 1] (its red channel; transparency reads as white, as load_rgb composites
+    it), with its image's exact geometry: stretched to the image's size when it has another, then the image's
+    downsample, resize and crop (`fit`, the same path as the image and an i2i input image)."""
+    assert sample.mask is not None
+    red = load_rgb(sample.mask).getchannel("R")
+    if red.size != (sample.width, sample.height):
+        red = red.resize((sample.width, sample.height), Image.Resampling.LANCZOS)
+    fitted = fit(red, sample.bucket, crop_style, uv, sample.downsample)
+    return torch.from_numpy(np.asarray(fitted, dtype=np.float32) / 255.0)[None]
+
+
+def mask_grid(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Mask pixels [..., 1, H, W] averaged over each latent cell (the VAE's factor in each direction, as
+    SimpleTuner's 'area' interpolation) -> [..., 1, h, w]: a cell half covered weighs 0.5."""
+    flat = pixels.reshape(-1, 1, *pixels.shape[-2:]).float()
+    grid = torch.nn.functional.interpolate(flat, size=tuple(size), mode="area")
+    return grid.reshape(*pixels.shape[:-2], *size)
 
 
 def text_key(sample: Sample, caption: str, crop_style: str, seed: int) -> str:
@@ -118,11 +150,12 @@ def fill_latent_cache(
             keys = [(sample.path, latent_key(sample, crop_style, seed))]
             if sample.conditioning is not None:
                 keys.append((sample.conditioning, file_key(sample.conditioning, sample.bucket, None, uv)))
+            masked = mask_key(sample, crop_style, seed) if sample.mask is not None else None
         except (OSError, RuntimeError) as e:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
             failed.append((sample.path, f"filesystem error: {e}"))
             continue
-        if all(cache.has(key) for _, key in keys):
-            done.append(_cached(sample, cache, keys, crop_style, seed))
+        if all(cache.has(key) for _, key in keys) and (masked is None or cache.has(masked)):
+            done.append(_cached(sample, cache, keys, crop_style, seed, masked))
             if on_progress:
                 on_progress(1)
         else:
@@ -132,7 +165,7 @@ def fill_latent_cache(
         group = pending[bucket_group]
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
-            ready, pixels = [], []
+            ready, pixels, masks = [], [], {}
             for sample, keys in chunk:
                 uv = crop_position(sample, crop_style, seed)
                 try:
@@ -145,6 +178,12 @@ def fill_latent_cache(
                         tensors.append(prepare(load_rgb(sample.conditioning), sample.bucket, crop_style, uv))
                     except MEDIA_ERRORS as e:
                         failed.append((sample.path, f"its conditioning image {sample.conditioning}: {e}"))
+                        continue
+                if sample.mask is not None:
+                    try:
+                        masks[sample.path] = mask_pixels(sample, crop_style, uv)
+                    except MEDIA_ERRORS as e:
+                        failed.append((sample.path, f"its loss mask {sample.mask}: {e}"))
                         continue
                 ready.append((sample, keys))
                 pixels.extend(tensors)
@@ -160,10 +199,13 @@ def fill_latent_cache(
                         for row, (_, key) in zip(rows, keys, strict=True):
                             first = {"first_frame": firsts[row]} if firsts is not None else {}
                             cache.put(key, {"latents": latents[row]} | first)
+                        masked = mask_key(sample, crop_style, seed) if sample.mask is not None else None
+                        if masked is not None:  # on the latent grid of this sample's own latents
+                            cache.put(masked, {"mask": mask_grid(masks[sample.path], latents[rows[0]].shape[-2:])})
                     except DamagedEntry as e:
                         failed.append((sample.path, str(e)))
                         continue
-                    done.append(_cached(sample, cache, keys, crop_style, seed))
+                    done.append(_cached(sample, cache, keys, crop_style, seed, masked))
                     encoded += 1
             if on_progress:
                 on_progress(len(chunk))
@@ -173,8 +215,9 @@ def fill_latent_cache(
     return done, failed
 
 
-def _cached(sample: Sample, cache: TensorCache, keys: list[tuple[Path, str]], crop_style: str, seed: int):
+def _cached(sample: Sample, cache: TensorCache, keys: list[tuple[Path, str]], crop_style: str, seed: int,
+            masked: str | None = None):
     conditioning = cache.path(keys[1][1]) if len(keys) > 1 else None
     item = uncached(sample, crop_style, seed)
     return CachedSample(sample, cache.path(keys[0][1]), conditioning, item.text_keys, item.empty_key,
-                        crop_style, item.uv)
+                        crop_style, item.uv, None if masked is None else cache.path(masked))

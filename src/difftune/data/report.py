@@ -25,7 +25,8 @@ class DataReport:
         for d in self.found:
             used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.group) not in self.pruned)
             total = len(d.samples) + len(d.skipped)
-            kind = "  (eval: measured, never trained on)" if d.held_out else ""
+            kind = "  (eval: measured, never trained on)" if d.held_out else \
+                "  (regularisation: trained towards the base model)" if getattr(d, "regularisation", False) else ""
             out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}{kind}")
         if self.data is not None:
             buckets = Counter(item.sample.group for item in self.data.items)
@@ -35,6 +36,9 @@ class DataReport:
             if self.data.regularisation:  # is_regularisation_data (train/regularisation.py)
                 out.append(f"  regularisation data: {', '.join(sorted(self.data.regularisation))} (trained towards the "
                            "base model's prediction, the adapter switched off)")
+        masked = [f"{d.dataset_id} (from {d.masks!r})" for d in self.found if d.masks]
+        if masked:  # conditioning_type 'mask' (train/masked_loss.py)
+            out.append(f"  loss masks: {', '.join(masked)}: the loss is weighted by each image's mask")
         for (dataset, group), n in sorted(self.pruned.items()):
             out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
                        "(set disable_bucket_pruning to keep them)")

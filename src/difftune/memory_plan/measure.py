@@ -155,6 +155,35 @@ class SavedBytes:
             h.remove()
 
 
+class KeptBytes(SavedBytes):
+    """SavedBytes, counting only what autograd still holds when `kept` is asked (after the forward: the loss's
+    graph). A tensor saved by a graph that dies inside the forward is transient, not an activation: peft's DoRA
+    builds B·A through lora_A(eye) with gradients on, then only uses it detached (peft/tuners/lora/dora.py)."""
+
+    def __init__(self, model: torch.nn.Module, stacks: tuple[str, ...]):
+        super().__init__(model, stacks)
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.ref = StorageWeakRef
+        self.held: dict[int, tuple[Any, int, str]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self.exclude and (key not in self.held or self.held[key][0].expired()):
+                label = self.running[-1] if self.running else "outside"
+                self.held[key] = (self.ref(storage), storage.nbytes(), label)
+        return t
+
+    def kept(self) -> dict[str, int]:
+        out = dict.fromkeys(self.by, 0)
+        for ref, size, label in self.held.values():
+            if not ref.expired():
+                out[label] += size
+        return out
+
+
 @contextlib.contextmanager
 def no_init() -> Iterator[None]:
     """Skip torch.nn.init while a model is built: its weights are filled with noise afterwards anyway."""
@@ -194,8 +223,9 @@ def build_real(arch: Any, **changes: Any) -> torch.nn.Module:
     return model
 
 
-def reduced_model(arch: Any, mode: str, rank: int = 16) -> torch.nn.Module:
-    """The architecture at real width with 2 blocks per stack, random weights, the adapter as training has it."""
+def reduced_model(arch: Any, mode: str, rank: int = 16, dora: bool = False) -> torch.nn.Module:
+    """The architecture at real width with 2 blocks per stack, random weights, the adapter as training has it
+    (`dora`: peft's use_dora, as adapters/kinds.py attaches it)."""
     fewer = {"num_layers": 2, "num_refiner_layers": 2} if arch.family == "lumina2" else \
         {"num_text_blocks": 2, "num_visual_blocks": 2}
     model = build_real(arch, **fewer)
@@ -207,8 +237,8 @@ def reduced_model(arch: Any, mode: str, rank: int = 16) -> torch.nn.Module:
 
         targets = get_family(arch.family).lora_target_modules
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets if isinstance(targets, str)
-                                     else list(targets)))
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, use_dora=dora,
+                                     target_modules=targets if isinstance(targets, str) else list(targets)))
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -242,14 +272,15 @@ def image_tokens(family: str, config: dict[str, Any], latent: tuple[int, int, in
 
 
 def saved_by_block(arch: Any, model: torch.nn.Module, latent: tuple[int, int, int], text: int, checkpointing: bool,
-                   batch: int = 1, backward: bool = False, compute: bool = True) -> dict[str, int]:
+                   batch: int = 1, backward: bool = False, compute: bool = True, kept: bool = False) -> dict[str, int]:
     """{'<stack>.<i>' or 'outside': saved bytes} of one training forward of `model` (and its backward if asked).
-    `compute` False: the heavy operators give zeros of the right shape (ShapesOnly)."""
+    `compute` False: the heavy operators give zeros of the right shape (ShapesOnly). `kept`: only what the loss's
+    graph still holds after the forward (KeptBytes), not what transient graphs saved on the way."""
     from difftune.memory_plan.architecture import STACKS
     from difftune.models import get_family
 
     family = get_family(arch.family)
-    meter = SavedBytes(model, STACKS[arch.family])
+    meter = (KeptBytes if kept else SavedBytes)(model, STACKS[arch.family])
     if checkpointing:
         model.enable_gradient_checkpointing()
         checkpoint = model._gradient_checkpointing_func
@@ -269,8 +300,14 @@ def saved_by_block(arch: Any, model: torch.nn.Module, latent: tuple[int, int, in
     try:
         with (FastBf16() if compute else ShapesOnly()), torch.autocast("cpu", dtype=torch.bfloat16), \
                 torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
-            out = family.predict(model, data["noisy"], sigmas, data["text"])
+            # image-to-image: the network takes the input image's latents beside the noisy ones (video's predict
+            # fills its own conditioning channels in)
+            cond = {"conditioning": torch.zeros_like(data["noisy"])} \
+                if arch.family == "kandinsky5-image" and arch.config.get("visual_cond") else {}
+            out = family.predict(model, data["noisy"], sigmas, data["text"], **cond)
             loss = out.float().square().mean()
+        if kept:
+            meter.by = meter.kept()
         if backward:
             with (FastBf16() if compute else ShapesOnly()):
                 loss.backward()

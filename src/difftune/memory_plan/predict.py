@@ -12,6 +12,8 @@ own rule (train/optimizers.py). What the accelerator holds in each phase follows
   with gradient checkpointing, one block recomputed at a time).
 - validation: what training keeps (weights, adapter, optimizer state) plus the VAE and the larger of one block's
   sampling working set (two prompts with guidance) and the VAE decode at validation_resolution.
+- regularisation data and eval datasets (no-grad passes: passes.py): the teacher's target is a training line and
+  a note shows its pass below the training peak; the evaluation loss is a phase when it can exceed training.
 - crepa_enabled adds its own lines to training and validation (crepa.py: DINOv2, the resident VAE, the projector,
   their working sets); with it off nothing here changes.
 """
@@ -98,8 +100,10 @@ def _cast(model: torch.nn.Module, dtype_name: str) -> None:
 def trainable_shapes(cfg: Any, arch: A.Architecture) -> tuple[list[int], str]:
     """(element count of each trainable tensor, how it was counted). LoRA: peft on the meta transformer, with the
     family's targets, exactly as adapters/kinds.py attaches it. LyCORIS: lycoris-lora's network on the meta
-    transformer (adapters/lycoris.py)."""
-    return list(_trainable(arch, cfg.model_type, cfg.lora_type, cfg.lora_rank, _targets(cfg), cfg.lycoris_config))
+    transformer (adapters/lycoris.py). use_dora: peft's magnitude vectors too (one fp32 value per output row of each
+    adapted layer), trained, with gradients and optimizer state like the LoRA matrices."""
+    return list(_trainable(arch, cfg.model_type, cfg.lora_type, cfg.lora_rank, _targets(cfg), cfg.lycoris_config,
+                           bool(getattr(cfg, "use_dora", False))))
 
 
 def _targets(cfg: Any) -> Any:
@@ -113,7 +117,7 @@ def _targets(cfg: Any) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _trainable(arch: A.Architecture, model_type: str, lora_type: str, rank: int, targets: Any,
-               lycoris_config: str | None) -> tuple[int, ...]:
+               lycoris_config: str | None, dora: bool = False) -> tuple[int, ...]:
     model = A.transformer_on_meta(arch)
     if model_type == "full":
         return tuple(p.numel() for p in model.parameters())
@@ -129,8 +133,8 @@ def _trainable(arch: A.Architecture, model_type: str, lora_type: str, rank: int,
         return tuple(p.numel() for p in params)
     from peft import LoraConfig
 
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets if isinstance(targets, str)
-                                 else list(targets)))
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, use_dora=dora,
+                                 target_modules=targets if isinstance(targets, str) else list(targets)))
     return tuple(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -288,15 +292,23 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     training.add("saved activations", saved, act_note)
     if transient:
         training.add("recomputed block (backward)", transient, "gradient checkpointing recomputes one block at a time")
+    if getattr(cfg, "use_dora", False) and cfg.model_type != "full":  # DoRA's saved products (memory_plan/dora.py)
+        from difftune.memory_plan import dora
+
+        dora.add_training(cfg, arch, blocks, coefficients, bucket, text, DTYPE_BYTES[dtype], training)
     if getattr(cfg, "crepa_enabled", False):  # CREPA / REPA: DINOv2, the VAE, the projector (memory_plan/crepa.py)
         from difftune.memory_plan import crepa
 
         crepa.add_training(cfg, arch, bucket, tokens, training, notes)
 
     caching = caching_phase(cfg, arch, bucket, transformer)
-    validation = validation_phase(cfg, arch, blocks, coefficients, resident / shards + adapter_bytes / shards
-                                  + opt / shards + ema, text)
-    return Prediction([*caching, training, validation], notes, processes)
+    kept = resident / shards + adapter_bytes / shards + opt / shards + ema
+    validation = validation_phase(cfg, arch, blocks, coefficients, kept, text)
+    from difftune.memory_plan import passes
+
+    # the regularisation teacher and the evaluation loss (no-grad passes)
+    extra = passes.add(cfg, arch, blocks, coefficients, found, bucket, training, kept, notes)
+    return Prediction([*caching, training, validation, *extra], notes, processes)
 
 
 def streaming(cfg: Any, blocks: A.Blocks) -> tuple[int, int, str]:

@@ -18,6 +18,8 @@ from difftune.train import (
     crepa,
     eval_loss,
     evaluation,
+    masked_loss,
+    noise_levels,
     objective,
     prefetch,
     regularisation,
@@ -51,7 +53,8 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     size, lo = max(batch.global_size, x0.shape[0]), batch.offset
     g = run.generator
     noise = torch.randn((size, *x0.shape[1:]), generator=g, device=g.device)[lo : lo + x0.shape[0]]
-    sigmas = objective.sample_sigmas(size, shift, g, run.sampling)[lo : lo + x0.shape[0]]
+    start = noise_levels.cycle_start(run.state.step, run.cfg.gradient_accumulation_steps, run.state.micro, size)
+    sigmas = objective.sample_sigmas(size, shift, g, run.sampling, start)[lo : lo + x0.shape[0]]
     # input_perturbation: the input is built from noise + strength * eps; the target below keeps `noise`
     perturbed = objective.perturbed_noise(noise, objective.perturbation(run.cfg, run.state.step), g, size, lo)
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
@@ -66,6 +69,7 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     pred, target = pred[:, :, first:], target[:, :, first:]
     weights = None if run.cfg.loss_weighting == "none" else objective.loss_weights(sigmas, run.cfg.loss_weighting)
     element = objective.pointwise(run.cfg, sigmas)  # loss_type: squared error, pseudo-Huber or smooth L1
+    element = masked_loss.weighted(run, batch, element)  # loss masks (conditioning_type 'mask'), when the batch has them
     loss = rollout.loss(run.cfg, pred, target, weights, rolled, first, element)  # ReflexFlow on rolled-out samples
     return crepa.add_term(run, loss, x0)  # crepa_enabled: + alignment
 
@@ -116,6 +120,7 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
         with nullcontext() if sync else run.accelerator.no_sync(run.transformer):
             batch = next(batches)
             run.state.position = batch.position  # a checkpoint resumes after the batches consumed
+            run.state.micro = micro  # round-robin noise levels: the place in the cycle (train/noise_levels.py)
             run.throughput.add(batch)
             loss = micro_step(run, batch)
             run.accelerator.backward(loss / accum)

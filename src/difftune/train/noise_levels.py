@@ -1,5 +1,12 @@
 """Noise-level draws beside diffusers' `compute_density_for_timestep_sampling`: the Beta schedule
-(`flow_use_beta_schedule`) and a fixed list (`flow_custom_timesteps`). objective.sample_sigmas picks them.
+(`flow_use_beta_schedule`) and a fixed list (`flow_custom_timesteps`), drawn from at random or taken in turn
+(`flow_timesteps_mode: round-robin`). objective.sample_sigmas picks them.
+
+Round-robin keeps no cursor: sample j of the global batch of micro-batch `micro` of optimizer step `step` (steps
+done so far) is the run's sample number (step * accumulation + micro) * global batch + j, and takes level number
+(that number mod the list's length). A resume, which restores `step`, continues the cycle exactly; each process
+takes its slice of the global batch's levels as it does of the noise. A global batch smaller than the others (the
+last of an epoch, if any) shifts the cycle by its shortfall: the cycle stays a function of progress alone.
 
 Every draw comes from the run's own generator, on its device, so that a checkpoint (which saves the generator's
 state) resumes the same sequence, and no draw waits on the host. torch's Beta and Gamma samplers take no generator,
@@ -54,3 +61,15 @@ def list_draws(n: int, levels: tuple[float, ...], generator: torch.Generator) ->
     """n noise levels [n], each one of `levels` drawn uniformly, from `generator`."""
     table = torch.tensor(levels, dtype=torch.float32, device=generator.device)
     return table[torch.randint(len(levels), (n,), generator=generator, device=generator.device)]
+
+
+def cycle_start(step: int, accumulation: int, micro: int, global_batch: int) -> int:
+    """The run's number of the first sample of micro-batch `micro` of optimizer step `step` (module docstring)."""
+    return (step * accumulation + micro) * global_batch
+
+
+def cycle_levels(n: int, levels: tuple[float, ...], start: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """n noise levels [n]: `levels` taken in turn from the run's sample number `start` (flow_timesteps_mode
+    'round-robin'); no draw from any generator."""
+    table = torch.tensor(levels, dtype=torch.float32, device=device)
+    return table[(start + torch.arange(n, device=device)) % len(levels)]

@@ -25,7 +25,8 @@ def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
 class TimestepSampling:
     """How training noise levels are drawn: 'logit_normal' (SD3's default), 'uniform' or 'mode'
     (the SD3 paper's mode sampling with heavy tails), 'beta' (Beta(beta_alpha, beta_beta)), each before the shift;
-    or 'list': one of `levels` each, unshifted (train/noise_levels.py draws the last two)."""
+    or 'list': one of `levels` each, unshifted (train/noise_levels.py draws the last two); or 'cycle' (flow_timesteps_mode
+    'round-robin'): `levels` in turn, unshifted, from the sample index `start` that sample_sigmas is given."""
 
     distribution: str = "logit_normal"
     logit_mean: float = 0.0
@@ -39,7 +40,9 @@ class TimestepSampling:
     def of(cls, cfg: Any) -> TimestepSampling:
         """A run's sampling: flow_custom_timesteps, else flow_use_beta_schedule, else timestep_sampling."""
         levels = cfg.custom_sigmas()
-        kind = "list" if levels else "beta" if cfg.flow_use_beta_schedule else cfg.timestep_sampling
+        kind = "beta" if cfg.flow_use_beta_schedule else cfg.timestep_sampling
+        if levels:
+            kind = "cycle" if cfg.flow_timesteps_mode == "round-robin" else "list"
         return cls(kind, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, cfg.flow_beta_schedule_alpha,
                    cfg.flow_beta_schedule_beta, tuple(levels or ()))
 
@@ -56,9 +59,12 @@ def resolution_shift(scheduler_config: dict, image_tokens: int) -> float:
 
 
 def sample_sigmas(batch: int, shift: float, generator: torch.Generator,
-                  sampling: TimestepSampling = TimestepSampling()) -> torch.Tensor:
+                  sampling: TimestepSampling = TimestepSampling(), start: int = 0) -> torch.Tensor:
     """Noise levels [B] in (0, 1), drawn from the run's generator (on its device), then shifted (a fixed list
-    is not: flow_custom_timesteps are the levels that train)."""
+    is not: flow_custom_timesteps are the levels that train). 'cycle' draws nothing: the levels in turn from the
+    run's sample index `start` (noise_levels.cycle_start)."""
+    if sampling.distribution == "cycle":
+        return noise_levels.cycle_levels(batch, sampling.levels, start, generator.device)
     if sampling.distribution == "list":
         return noise_levels.list_draws(batch, sampling.levels, generator)
     if sampling.distribution == "beta":

@@ -62,7 +62,7 @@ def frame_rule(run_cfg: RunConfig, ds: ImageDataset) -> FrameRule | None:
 
 
 def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
-    pairs = run_cfg.datasets.conditioning_dir(ds)
+    pairs, masks = run_cfg.datasets.conditioning_dir(ds), run_cfg.datasets.mask_dir(ds)
     return DatasetSpec(
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
         captions=CaptionRule(ds.caption_strategy, ds.instance_prompt, ds.prepend_instance_prompt,
@@ -70,6 +70,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
+        mask_root=Path(masks) if masks else None,
     )
 
 
@@ -95,6 +96,8 @@ def discover_all(run_cfg: RunConfig, write_metadata: bool = True) -> list[Discov
     ]
     for d, ds in zip(found, run_cfg.datasets.discovered(), strict=True):
         d.held_out = ds.dataset_type == "eval"
+        d.regularisation = bool(getattr(ds, "is_regularisation_data", False))
+        d.masks = ds.conditioning_data if run_cfg.datasets.mask_dir(ds) else None
     empty = [d.dataset_id for d in found if not d.samples]
     if empty:
         report = DataReport(found, [], {})

@@ -25,7 +25,7 @@ from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.flops import Flops
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
-from difftune.train import attention, crepa, eval_loss, hub, scripts, throughput, trackers, tread
+from difftune.train import attention, crepa, eval_loss, hub, scripts, throughput, trackers, tread, webhooks
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, ranks_of
@@ -48,6 +48,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class TrainState:
     step: int = 0  # optimizer steps completed
     position: dict | None = None  # the sampler's state after the last batch consumed (what a checkpoint saves)
+    micro: int = 0  # the micro-batch of the step being trained (round-robin noise levels: train/noise_levels.py)
 
 
 @dataclass
@@ -265,6 +266,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         aligner.prepare(accelerator, ranks.count)
     run.throughput = throughput.build(cfg, family, comps.transformer, tread.check(cfg.tread_config, family,
                                       comps.transformer), run.first_frame, accelerator.device, events.emit)
+    webhooks.attach(run)  # webhook_config: messages POSTed in the background; closed last
     scripts.attach(run)  # post_checkpoint_script, post_upload_script: before the uploader (closed after it)
     hub.attach(run_cfg, run)  # push_to_hub: checkpoint and final uploads, in the background
     return run

@@ -4,7 +4,11 @@
 still be on its way to the accelerator); `step_fields(seconds)` turns the step's sums into the "step" event's
 fields and starts the next step:
 - `tflops`: model TFLOP/s of this process (models/flops.py: forward + backward of the transformer, without
-  gradient checkpointing's recomputation), over the step's wall time;
+  gradient checkpointing's recomputation), over the step's wall time. A micro-batch of regularisation data
+  (`Batch.regularisation`, train/regularisation.py) adds the teacher's forward: the base model, no adapter, no
+  backward, unrouted (TREAD routes only passes with gradients), over the whole micro-batch as the loop runs it.
+  use_dora adds, per adapted layer and forward, peft's B·A built as lora_B(lora_A(I)): 2·r·in·(in + out), for
+  the weight norm |W + s·B·A| (used detached: no backward; its elementwise work is not counted, as elsewhere);
 - `tokens_per_s`: image/video latent tokens after patchify per second, this process;
 - `mfu`: tflops / the device's peak dense bf16 TFLOP/s, only where the peak is known (`gpu_peak_tflops`, else
   `PEAK_TFLOPS` by device name);
@@ -73,28 +77,37 @@ class Throughput:
 
     def __init__(self, flops_of: Callable[[tuple[int, ...], int], Flops], full: bool,
                  adapter_shapes: Sequence[tuple[str, int]] = (), peak: float | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None,
+                 teacher_of: Callable[[tuple[int, ...], int], Flops] | None = None, per_forward: float = 0.0):
         """`flops_of(latent_shape, text_tokens)`: the family's forward count for one micro-batch. `full`: every
-        weight trains; else `adapter_shapes` are the LoRA matrices (name, numel), whose own FLOPs are added."""
+        weight trains; else `adapter_shapes` are the LoRA matrices (name, numel), whose own FLOPs are added.
+        `teacher_of`: the same count for the regularisation teacher's pass (unrouted); `flops_of` when None.
+        `per_forward`: FLOPs each training forward adds whatever the shapes (DoRA's B·A, `dora_flops`)."""
+        self.per_forward = per_forward
         self.flops_of, self.full, self.adapter_shapes = flops_of, full, list(adapter_shapes)
+        self.teacher_of = teacher_of or flops_of
         self.peak = peak
         self.device = device or torch.device("cpu")
-        self._cache: dict[tuple[tuple[int, ...], int], tuple[float, int]] = {}
+        self._cache: dict[tuple[tuple[int, ...], int, bool], tuple[float, int]] = {}
         self.flops = 0.0  # this step's model FLOPs so far
         self.tokens = 0
 
-    def micro_batch(self, latent_shape: tuple[int, ...], text_tokens: int) -> tuple[float, int]:
-        """(step FLOPs, latent tokens) of one micro-batch of these shapes (cached per shape)."""
-        key = (latent_shape, text_tokens)
+    def micro_batch(self, latent_shape: tuple[int, ...], text_tokens: int, teacher: bool = False) -> tuple[float, int]:
+        """(step FLOPs, latent tokens) of one micro-batch of these shapes (cached per shape); `teacher`: it holds
+        regularisation data, so the base model's no-grad forward runs first (module docstring)."""
+        key = (latent_shape, text_tokens, teacher)
         if key not in self._cache:
             f = self.flops_of(latent_shape, text_tokens)
             adapter = 0.0 if self.full else lora_forward(f, self.adapter_shapes)
-            self._cache[key] = (f.step(self.full, adapter), f.tokens)
+            extra = self.teacher_of(latent_shape, text_tokens).forward if teacher else 0.0
+            self._cache[key] = (f.step(self.full, adapter) + self.per_forward + extra, f.tokens)
         return self._cache[key]
 
     def add(self, batch: Any) -> None:
         """Count one micro-batch: shapes only, nothing is read from the device."""
-        flops, tokens = self.micro_batch(tuple(batch.latents.shape), int(batch.text["prompt_embeds"].shape[1]))
+        teacher = getattr(batch, "regularisation", None) is not None  # train/regularisation.target's condition
+        flops, tokens = self.micro_batch(tuple(batch.latents.shape), int(batch.text["prompt_embeds"].shape[1]),
+                                         teacher)
         self.flops += flops
         self.tokens += tokens
 
@@ -124,6 +137,18 @@ def adapter_shapes(transformer: torch.nn.Module) -> list[tuple[str, int]]:
             if p.requires_grad and (".lora_A." in name or ".lora_B." in name)]
 
 
+def dora_flops(transformer: torch.nn.Module) -> float:
+    """FLOPs of peft's DoRA B·A products in one forward: 2·r·in·(in + out) per layer with a magnitude vector
+    (lora_A applied to an in x in identity, then lora_B)."""
+    from difftune.adapters.dora import ADAPTER, dora_layers
+
+    total = 0.0
+    for _, layer in dora_layers(transformer):
+        r, n_in = layer.lora_A[ADAPTER].weight.shape
+        total += 2.0 * r * n_in * (n_in + layer.lora_B[ADAPTER].weight.shape[0])
+    return total
+
+
 def build(cfg: Any, family: Any, transformer: torch.nn.Module, routes: Sequence[Any], first_frame: bool,
           device: torch.device, emit: Callable[..., None]) -> Throughput:
     """The run's Throughput: `transformer` is the unwrapped model with its adapter attached, `routes` TREAD's
@@ -144,4 +169,8 @@ def build(cfg: Any, family: Any, transformer: torch.nn.Module, routes: Sequence[
     def flops_of(latent_shape: tuple[int, ...], text_tokens: int) -> Flops:
         return family.forward_flops(config, latent_shape, text_tokens, routes=routes, first_frame=first_frame)
 
-    return Throughput(flops_of, full, shapes, peak, device)
+    def teacher_of(latent_shape: tuple[int, ...], text_tokens: int) -> Flops:  # the teacher runs unrouted
+        return family.forward_flops(config, latent_shape, text_tokens, routes=(), first_frame=first_frame)
+
+    dora = dora_flops(transformer) if getattr(cfg, "use_dora", False) else 0.0
+    return Throughput(flops_of, full, shapes, peak, device, teacher_of, dora)

@@ -16,6 +16,7 @@ from typing import Any
 
 from difftune.config.reporting_keys import TRACKERS
 from difftune.config.schema import TrainConfig
+from difftune.config.webhook_keys import public_value
 from difftune.train.events import Events
 
 
@@ -35,6 +36,8 @@ def flat_config(cfg: TrainConfig) -> dict[str, bool | int | float | str]:
     for key, value in cfg.model_dump(mode="json").items():
         if value is None:
             continue
+        if key == "webhook_config":  # inline JSON holds the webhook URLs, which are secrets
+            value = public_value(value)
         out[key] = value if isinstance(value, bool | int | float | str) else json.dumps(value)
     return out
 

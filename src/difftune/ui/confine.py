@@ -29,6 +29,7 @@ from difftune.config.datasets import DatasetPlan, ImageDataset
 from difftune.config.extra_output_keys import SCRIPT_KEYS
 from difftune.config.load import clean_keys
 from difftune.config.schema import TrainConfig
+from difftune.config.webhook_keys import is_inline
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import dataset_fields, train_fields
 from difftune.ui.paths import MAX_READ_BYTES, PathRefused, Roots, local_value
@@ -67,8 +68,8 @@ def special_problem(path: Path, read_here: bool) -> str | None:
 
 def value_problem(roots: Roots, value: Any, spec: dict[str, Any], read_here: bool = False) -> str | None:
     """Why one path value cannot be used, or None. Values of the wrong type are the loader's to report."""
-    if not isinstance(value, str) or not value:
-        return None
+    if not isinstance(value, str) or not value or (spec["name"] == "webhook_config" and is_inline(value)):
+        return None  # webhook_config's inline JSON is not a path (its URLs are not confined: they are not files)
     try:
         if not local_value(roots, value, spec["remote_ok"]):
             return None

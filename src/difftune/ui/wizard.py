@@ -183,8 +183,9 @@ class Wizard:
     # --- the whole conversation
     def image_entry(self) -> dict[str, Any]:
         kind = self.media()
-        for entry in self.datasets:
-            if isinstance(entry, dict) and entry.get("dataset_type", "image") == kind:
+        for entry in self.datasets:  # the trained dataset: regularisation data is not the one the questions are about
+            if (isinstance(entry, dict) and entry.get("dataset_type", "image") == kind
+                    and not entry.get("is_regularisation_data") and not entry.get("is_regularization_data")):
                 return entry
         entry = {"id": "", "type": "local", "dataset_type": kind}
         self.datasets.insert(0, entry)
