@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from difftune.demo import make_dataset
 
@@ -68,6 +69,19 @@ def write_config(root: Path, dataset_dir: Path, **overrides) -> Path:
     path = root / "config" / "config.json"
     path.write_text(json.dumps(config))
     return path
+
+
+def step_draws(run, batch):
+    """(x0, noise, sigmas, noisy input) of a batch, drawn from the run's generator as `loop.micro_step` draws them
+    for a one-process step without rollouts or input perturbation: for losses computed by hand."""
+    from difftune.train import objective
+
+    x0, g = batch.latents, run.generator
+    shift = run.family.auto_shift(run.comps, tuple(x0.shape[2:])) if run.cfg.flow_schedule_auto_shift \
+        else run.cfg.flow_schedule_shift
+    noise = torch.randn(x0.shape, generator=g, device=g.device)
+    sigmas = objective.sample_sigmas(x0.shape[0], shift, g, run.sampling)
+    return x0, noise, sigmas, objective.noisy_input(x0, noise, sigmas)
 
 
 def config_problems(path: Path, **overrides) -> str:

@@ -12,7 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from conftest import config_problems as problems
-from conftest import write_config
+from conftest import step_draws, write_config
 from difftune.config import load_config
 from difftune.data.latents import crop_position, mask_grid, mask_pixels, sample_pixels
 from difftune.demo import make_dataset
@@ -185,14 +185,9 @@ def test_the_report_names_the_masks_and_an_image_without_one_is_left_out(tmp_pat
 
 def _by_hand(run, batch):
     """The per-element squared error as micro_step draws it (noise, noise levels from the run's generator)."""
-    x0, g = batch.latents, run.generator
-    shift = run.family.auto_shift(run.comps, tuple(x0.shape[2:])) if run.cfg.flow_schedule_auto_shift \
-        else run.cfg.flow_schedule_shift
-    noise = torch.randn(x0.shape, generator=g, device=g.device)
-    sigmas = objective.sample_sigmas(x0.shape[0], shift, g, run.sampling)
+    x0, noise, sigmas, x = step_draws(run, batch)
     with torch.no_grad():
-        pred = run.family.predict(run.comps.transformer, objective.noisy_input(x0, noise, sigmas), sigmas, batch.text,
-                                  None)
+        pred = run.family.predict(run.comps.transformer, x, sigmas, batch.text, None)
     return (pred.float() - objective.velocity_target(x0, noise).float()) ** 2
 
 

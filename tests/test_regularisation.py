@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import config_problems as problems
-from conftest import write_config
+from conftest import step_draws, write_config
 from difftune.config import load_config
 from difftune.demo import make_dataset
 from difftune.train import loop, objective, regularisation
@@ -94,12 +94,7 @@ def _wake(run) -> None:
 
 def _by_hand(run, batch):
     """(prediction with the adapter, the base model's prediction, flow velocity) as micro_step draws them."""
-    x0, g = batch.latents, run.generator
-    shift = run.family.auto_shift(run.comps, tuple(x0.shape[2:])) if run.cfg.flow_schedule_auto_shift \
-        else run.cfg.flow_schedule_shift
-    noise = torch.randn(x0.shape, generator=g, device=g.device)
-    sigmas = objective.sample_sigmas(x0.shape[0], shift, g, run.sampling)
-    x = objective.noisy_input(x0, noise, sigmas)
+    x0, noise, sigmas, x = step_draws(run, batch)
     cond = batch.conditioning
     model = run.comps.transformer
     with torch.no_grad():
