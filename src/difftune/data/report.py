@@ -26,7 +26,7 @@ class DataReport:
             used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.group) not in self.pruned)
             total = len(d.samples) + len(d.skipped)
             kind = "  (eval: measured, never trained on)" if d.held_out else \
-                "  (regularisation: trained towards the base model)" if getattr(d, "regularisation", False) else ""
+                "  (regularisation: trained towards the base model)" if d.regularisation else ""
             out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}{kind}")
         if self.data is not None:
             buckets = Counter(item.sample.group for item in self.data.items)

@@ -96,7 +96,7 @@ def discover_all(run_cfg: RunConfig, write_metadata: bool = True) -> list[Discov
     ]
     for d, ds in zip(found, run_cfg.datasets.discovered(), strict=True):
         d.held_out = ds.dataset_type == "eval"
-        d.regularisation = bool(getattr(ds, "is_regularisation_data", False))
+        d.regularisation = ds.is_regularisation_data
         d.masks = ds.conditioning_data if run_cfg.datasets.mask_dir(ds) else None
     empty = [d.dataset_id for d in found if not d.samples]
     if empty:
