@@ -138,9 +138,9 @@ def test_settings_of_a_switched_off_feature_are_accepted(tmp_path, dataset):
                              scheduled_sampling_strategy="biased_late", scheduled_sampling_ramp_shape="cosine"))
 
 
-def test_hub_datasets_are_pending(tmp_path, dataset):  # is_regularisation_data: tests/test_regularisation.py
+def test_hub_datasets_need_a_name(tmp_path, dataset):  # the type itself: tests/test_source_huggingface.py
     text = problems(write_config(tmp_path, dataset, dataset={"type": "huggingface"}))
-    assert "huggingface" in text and "not implemented yet" in text
+    assert "needs dataset_name" in text and "not implemented yet" not in text
 
 
 def test_values_typed_on_the_command_line(tmp_path, dataset):
@@ -237,7 +237,7 @@ def test_train_sh_runs_difftune_train_with_config_and_passes_arguments(tmp_path,
 # (key, a value that changes nothing here, a value that would): every SimpleTuner option difftune does not have
 SIMPLETUNER_PENDING = [
     ("aspect_bucket_worker_count", 12, 4), ("image_processing_batch_size", 32, 8), ("read_batch_size", 25, 8),
-    ("write_batch_size", 128, 16), ("max_workers", 32, 4), ("aws_max_pool_connections", 128, 16),
+    ("write_batch_size", 128, 16), ("max_workers", 32, 4),
     ("torch_num_threads", 8, 2), ("metadata_update_interval", 3600, 60),
     ("enable_multiprocessing", False, True), ("cache_dir_vae", None, "cache/vae"),
     ("parquet_caption_column", None, "caption"), ("parquet_filename_column", None, "filename"),
@@ -279,7 +279,6 @@ SIMPLETUNER_PENDING = [
     ("prodigy_steps", None, 100), ("ema_cpu_only", False, "sometimes"), ("ema_foreach_disable", False, True),
     ("aspect_bucket_alignment", 16, 64), ("aspect_bucket_rounding", None, 2),
     ("aspect_bucket_disable_rebuild", True, False), ("allow_dataset_oversubscription", False, True),
-    ("data_backend_sampling", "auto-weighting", "uniform"),
     ("conditioning_multidataset_sampling", "random", "combined"), ("ignore_missing_files", False, True),
     ("delete_unwanted_images", False, True), ("delete_problematic_images", False, True),
     ("preserve_data_backend_cache", False, True), ("override_dataset_config", False, True),

@@ -128,6 +128,21 @@ def test_command_line_mistake_is_blamed_on_the_command_line(tmp_path, dataset, c
     assert f"{bad_file}: lora_rank" in err and "command line" not in err
 
 
+def test_a_problem_between_keys_names_where_they_were_set(tmp_path, dataset, capsys, no_model_loads):
+    """A cross-key check (a model validator, no single key) names the source of the keys it is about: the command
+    line, the file, or both."""
+    path = write_config(tmp_path, dataset)
+    err = check(path, capsys, "--checkpoints_rolling_total_limit", "3")
+    assert "command line: checkpoints_rolling_total_limit prunes the rolling checkpoints" in err
+    assert f"{path}: checkpoints_rolling_total_limit" not in err
+    mixed = write_config(tmp_path, dataset, checkpointing_rolling_steps=4)
+    err = check(mixed, capsys, "--checkpoint_step_interval", "2")
+    assert f"{mixed} and command line: checkpointing_rolling_steps 4 is a multiple of checkpoint_step_interval" in err
+    in_file = write_config(tmp_path, dataset, checkpoints_rolling_total_limit=3)
+    err = check(in_file, capsys, "--seed", "3")
+    assert f"{in_file}: checkpoints_rolling_total_limit prunes" in err and "command line" not in err
+
+
 def test_missing_text_embeds_entry_says_where_the_cache_goes(tmp_path, dataset, capsys):
     path = write_config(tmp_path, dataset)
     backend = tmp_path / "config" / "multidatabackend.json"

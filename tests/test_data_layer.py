@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import write_config
+from conftest import config_problems, write_config
 from difftune.config import load_config
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache
@@ -231,6 +231,39 @@ def test_probability_mixes_datasets_by_weight():
     even = BucketSampler([(p[0], p[1], None) for p in parts], 1, seed=0, keep_partial=False)
     epoch = even.epoch_batches(0)
     assert sorted(b[0] for b in epoch) == list(range(200))  # unweighted: each image once per epoch
+
+
+def test_uniform_sampling_draws_each_dataset_alike_whatever_its_size(tmp_path, dataset):
+    """data_backend_sampling 'uniform': a 10-image dataset beside a 90-image one gets half the batches (its own
+    epochs restart as it runs out); 'auto-weighting' gives it its 10%; a probability still weights 'uniform'."""
+    small, large = (list(range(0, 10)), [(64, 64)] * 10, None), (list(range(10, 100)), [(64, 64)] * 90, None)
+
+    def share(parts, **kw):
+        it = iter(BucketSampler(parts, 1, seed=0, keep_partial=False, **kw))
+        return np.mean([next(it)[0] < 10 for _ in range(3000)])
+
+    assert share([small, large]) == pytest.approx(0.1, abs=1e-9)  # each image once per epoch: exactly 10%
+    assert 0.46 < share([small, large], uniform=True) < 0.54
+    assert 0.71 < share([(*small[:2], 3.0), large], uniform=True) < 0.79  # 3 : 1 (the large one's default 1)
+    uniform = BucketSampler([small, large], 1, seed=0, keep_partial=False, uniform=True)
+    assert uniform.batches_per_epoch() == 100
+    it = iter(uniform)
+    for _ in range(37):
+        next(it)
+    state = json.loads(json.dumps(uniform.state_dict()))
+    expected = [next(it) for _ in range(50)]
+    again = BucketSampler([small, large], 1, seed=0, keep_partial=False, uniform=True)
+    again.load_state_dict(state)
+    assert [b for b, _ in zip(again, range(50), strict=False)] == expected  # exact resume
+    # the key reaches the run's sampler
+    other = {"id": "other", "type": "local", "instance_data_dir": str(dataset), "resolution": 64,
+             "caption_strategy": "textfile", "cache_dir_vae": str(tmp_path / "cache" / "other")}
+    for mode in ("uniform", "auto-weighting"):
+        run = build_run(load_config(write_config(tmp_path / mode, dataset, data_backend_sampling=mode,
+                                                 extra_datasets=[other])))
+        assert run.data.sampler.weighted == (mode == "uniform")
+    assert "data_backend_sampling" in config_problems(write_config(tmp_path / "bad", dataset,
+                                                                   data_backend_sampling="equal"))
 
 
 def test_max_num_samples_and_per_dataset_text_cache(tmp_path, dataset):

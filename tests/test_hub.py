@@ -25,9 +25,23 @@ class FakeHub:
         self.repos, self.uploads, self.calls = [], [], 0
         self.failures, self.always = set(failures), always
         self.threads = set()
+        self.files: set[str] = set()  # what the repository holds
+        self.deleted: list[list[str]] = []  # the paths of each deleting commit
         monkeypatch.setattr(HfApi, "create_repo", self.create_repo)
         monkeypatch.setattr(HfApi, "upload_folder", self.upload_folder)
+        monkeypatch.setattr(HfApi, "list_repo_files", self.list_repo_files)
+        monkeypatch.setattr(HfApi, "create_commit", self.create_commit)
         monkeypatch.setattr(hub, "BACKOFF_S", 0.01)
+
+    def list_repo_files(self, repo_id, **_):
+        return sorted(self.files)
+
+    def create_commit(self, repo_id, operations, commit_message=None, **_):
+        from huggingface_hub import CommitOperationDelete
+
+        assert all(isinstance(op, CommitOperationDelete) and op.is_folder for op in operations)
+        self.deleted.append([op.path_in_repo for op in operations])
+        self.files = {f for f in self.files if not any(f.startswith(op.path_in_repo) for op in operations)}
 
     def create_repo(self, repo_id, private=False, exist_ok=False, **_):
         self.repos.append((repo_id, private, exist_ok))
@@ -47,6 +61,7 @@ class FakeHub:
             files = sorted(filter_repo_objects(every, allow_patterns=allow_patterns))
         self.uploads.append({"repo": repo_id, "path_in_repo": path_in_repo, "files": files,
                              "message": kwargs.get("commit_message")})
+        self.files |= {f"{path_in_repo}/{f}" if path_in_repo else f for f in files}
 
 
 def events(output_dir: Path) -> list[dict]:
@@ -82,6 +97,55 @@ def test_uploads_checkpoints_and_result_with_a_model_card(tmp_path, dataset, mon
     assert caption in card
     log = events(out)
     assert [e["attempts"] for e in log if e["event"] == "hub_upload"] == [2, 1, 1]
+    assert not [e for e in log if e["event"] == "warning"]
+    assert fake.deleted == []  # no checkpoints_total_limit: every checkpoint stays, on the hub as locally
+
+
+def test_the_hub_mirrors_the_pruning_of_both_checkpoint_series(tmp_path, dataset, monkeypatch):
+    """checkpoints_total_limit and checkpoints_rolling_total_limit: what each series prunes locally is deleted from
+    the repository after the next upload, so the hub ends with the local checkpoints (before, every rolling one
+    stayed there)."""
+    fake = FakeHub(monkeypatch)
+    config = {**HUB, "max_train_steps": 5, "checkpoint_step_interval": 2, "checkpoints_total_limit": 1,
+              "checkpointing_rolling_steps": 1, "checkpoints_rolling_total_limit": 1, "validation_prompt": None}
+    run = build_run(load_config(write_config(tmp_path, dataset, **config)))
+    train(run)
+    local = sorted(p.name for p in (run.output_dir / "checkpoints").iterdir())
+    assert local == ["checkpoint-0000003-rolling", "checkpoint-0000005"]
+    held = sorted({f.split("/")[1] for f in fake.files if f.startswith("checkpoints/")})
+    assert held == local
+    # 1R, 2, 3R, 4, then the final 5 (regular: a step due for both writes the regular one); each series' older
+    # checkpoint removed after the next one's upload
+    assert [u["path_in_repo"] for u in fake.uploads][:-1] == [f"checkpoints/{name}" for name in (
+        "checkpoint-0000001-rolling", "checkpoint-0000002", "checkpoint-0000003-rolling", "checkpoint-0000004",
+        "checkpoint-0000005")]
+    assert fake.deleted == [["checkpoints/checkpoint-0000001-rolling/"], ["checkpoints/checkpoint-0000002/"],
+                            ["checkpoints/checkpoint-0000004/"]]
+    assert not [e for e in events(run.output_dir) if e["event"] == "warning"]
+
+
+def test_a_checkpoint_pruned_before_its_upload_is_skipped(tmp_path, dataset, monkeypatch):
+    """Uploads lag behind frequent rolling checkpoints: one already pruned when its turn comes is not uploaded (no
+    retries, no warning), and removing it from the hub, which never held it, commits nothing."""
+    fake = FakeHub(monkeypatch)
+    from difftune.train.events import Events
+
+    run_cfg = load_config(write_config(tmp_path, dataset, **HUB))
+    run = type("FakeRun", (), {"cfg": run_cfg.train, "output_dir": tmp_path,
+                               "events": Events(tmp_path / "events.jsonl", console=False)})()
+    kept = tmp_path / "checkpoints" / "checkpoint-0000002-rolling"
+    kept.mkdir(parents=True)
+    (kept / "training_state.json").write_text("{}")
+    uploader = hub.HubUploader(run_cfg, run)
+    uploader("checkpoint", {"path": str(tmp_path / "checkpoints" / "checkpoint-0000001-rolling"), "step": 1,
+                            "pruned": []})
+    uploader("checkpoint", {"path": str(kept), "step": 2, "pruned": ["checkpoint-0000001-rolling"]})
+    uploader.close()
+    run.events.close()
+    assert [u["path_in_repo"] for u in fake.uploads] == ["checkpoints/checkpoint-0000002-rolling"]
+    assert fake.calls == 1 and fake.deleted == []
+    log = events(tmp_path)
+    assert any("checkpoint-0000001-rolling was pruned" in e.get("message", "") for e in log)
     assert not [e for e in log if e["event"] == "warning"]
 
 

@@ -72,6 +72,28 @@ def test_schema_is_generated_from_the_config_models(client):
     assert "tiny-random" in schema["flavours"]["lumina2"]
 
 
+def test_the_eval_entry_form_leaves_out_what_eval_entries_refuse(client, root):
+    """dataset_type 'eval': the form is an image entry's without repeats, probability and is_regularisation_data;
+    each of them set on an eval entry is a problem at that key, and the form's entry without them checks clean."""
+    from difftune.config.eval_keys import TRAINING_ONLY
+
+    schema = client.get("/api/schema").json()["datasets"]
+    image = [f["name"] for f in schema["image"]["fields"]]
+    assert [f["name"] for f in schema["eval"]["fields"]] == [n for n in image if n not in TRAINING_ONLY]
+    assert set(TRAINING_ONLY) <= set(image) and set(TRAINING_ONLY) == {"repeats", "probability",
+                                                                        "is_regularisation_data"}
+    body = body_of(root)
+    make_dataset(root / "held", count=2)
+    entry = {"id": "held", "type": "local", "dataset_type": "eval", "instance_data_dir": str(root / "held"),
+             "caption_strategy": "textfile", "resolution": 64, "cache_dir_vae": str(root / "cache" / "held")}
+    body["datasets"].append(entry)
+    assert client.post("/api/config/check", json=body).json()["problems"] == []
+    for key, value in (("repeats", 2), ("probability", 0.5), ("is_regularisation_data", True)):
+        body["datasets"][-1] = {**entry, key: value}
+        [problem] = client.post("/api/config/check", json=body).json()["problems"]
+        assert (problem["dataset_index"], problem["key"]) == (2, key) and "never trained on" in problem["message"]
+
+
 def test_open_check_and_save(client, root):
     opened = client.get("/api/config", params={"path": str(root / "config" / "config.json")}).json()
     assert opened["ok"] and opened["config"]["model_family"] == "lumina2" and len(opened["datasets"]) == 2

@@ -140,7 +140,7 @@ def notifier(tmp_path, dataset, hooks: list[dict], **keys):
     (tmp_path / "hooks.json").write_text(json.dumps(hooks))
     cfg = load_config(write_config(tmp_path, dataset, webhook_config=str(tmp_path / "hooks.json"), **keys)).train
     run = SimpleNamespace(cfg=cfg, events=Events(tmp_path / "events.jsonl", console=False))
-    sender = webhooks.WebhookNotifier(run, cfg.webhooks())
+    sender = webhooks.WebhookNotifier(cfg, run.events, cfg.webhooks())
     run.events.subscribers.append(sender)
     return run
 
@@ -204,14 +204,57 @@ def test_a_hanging_endpoint_does_not_hold_training_up(tmp_path, dataset, endpoin
     assert "still unsent after 1 s" in warnings[-1]
 
 
+def test_a_run_that_fails_before_its_first_step_sends_the_error_before_it_exits(tmp_path, endpoint):
+    """Discovery finds no captioned image (a DataError, exit 2) in a `difftune train` process: the error reaches the
+    webhook although the endpoint takes 1 s to answer and the process ends right after (its queue is flushed,
+    bounded, on the way out); the skipped files' warnings of setup are not sent."""
+    import os
+    import subprocess
+    import sys
+
+    from difftune.demo import make_dataset
+
+    images = tmp_path / "images"
+    for path in make_dataset(images, count=3):
+        path.with_suffix(".txt").unlink()  # caption_strategy textfile: no image is usable
+    endpoint.answers["raw"] = [(204, {}, b"", 1.0)]
+    hook = json.dumps({"webhook_type": "raw", "callback_url": endpoint.url("raw")})
+    config = write_config(tmp_path, images, webhook_config=hook)
+    done = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", str(config)], env=os.environ
+                          | {"PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and "no usable image" in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("no usable image") == 1  # said once, by the command line (the event is quiet)
+    (message,) = [json.loads(body) for body in endpoint.bodies("raw")]
+    assert message["type"] == "error" and message["severity"] == "error" and message["step"] == 0
+    assert message["message"].startswith("Training failed before its first step: DataError: dataset(s) 'train' "
+                                         "have no usable image")
+    (error,) = [e for e in events(tmp_path / "output") if e["event"] == "error"]
+    assert error["stage"] == "setup" and "DataError" in error["traceback"]
+
+
+def test_a_model_that_does_not_load_is_sent(tmp_path, dataset, endpoint):
+    """In the process (the web UI's tests build runs so too): a model folder without model_index.json fails while
+    loading; Discord gets one message, and build_run raises as before."""
+    from difftune.models.hub import ComponentError
+
+    (tmp_path / "empty-model").mkdir()
+    hook = json.dumps({"webhook_type": "discord", "webhook_url": endpoint.url("discord")})
+    config = write_config(tmp_path, dataset, webhook_config=hook, pretrained_model_name_or_path=str(tmp_path / "empty-model"))
+    with pytest.raises(ComponentError):
+        build_run(load_config(config))
+    ((kind, body),) = [(headers["Content-Type"], body) for _, headers, body, _ in endpoint.requests]
+    text = form(body, kind)["content"][1].decode()
+    assert text.startswith("`(difftune)` Training failed before its first step: ComponentError: ")
+    assert "model_index.json" in text
+
+
 def test_process_0_only(tmp_path, dataset):
     hook = json.dumps({"webhook_type": "raw", "callback_url": "https://example.com/hook"})
     cfg = load_config(write_config(tmp_path, dataset, webhook_config=hook)).train
-    runs = [SimpleNamespace(cfg=cfg, events=SimpleNamespace(subscribers=[]), ranks=SimpleNamespace(main=main))
-            for main in (False, True)]
-    for run in runs:
-        webhooks.attach(run)
-    assert runs[0].events.subscribers == [] and len(runs[1].events.subscribers) == 1
+    logs = [SimpleNamespace(subscribers=[]) for _ in range(2)]
+    for events_, main in zip(logs, (False, True), strict=True):
+        webhooks.attach(cfg, events_, main)
+    assert logs[0].subscribers == [] and len(logs[1].subscribers) == 1
 
 
 # --- the config

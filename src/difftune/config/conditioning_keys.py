@@ -19,7 +19,7 @@ from pydantic import ValidationError
 MIRRORED = ("resolution", "resolution_type", "minimum_image_size", "maximum_image_size", "target_downsample_size",
             "crop", "crop_style", "crop_aspect", "crop_aspect_buckets")
 UNUSED = ("caption_strategy", "instance_prompt", "only_instance_prompt", "prepend_instance_prompt", "cache_dir_vae",
-          "cache_file_suffix")
+          "cache_file_suffix", "disable_multiline_split", "compress_cache")
 
 
 def split(entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

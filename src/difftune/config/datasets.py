@@ -9,6 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from difftune.config.fields import field
+from difftune.config.source_aws_keys import AwsSource
+from difftune.config.source_csv_keys import CsvSource
+from difftune.config.source_huggingface_keys import HuggingfaceSource
 
 
 class ParquetCaptions(BaseModel):
@@ -62,6 +65,11 @@ class VideoOptions(BaseModel):
         4, "With 'resolution_frames': frame counts are rounded down to 1 + a multiple of this (and of 4).",
         "data", ge=1, advanced=True,
     )
+    is_i2v: bool | None = field(
+        None, "SimpleTuner's image-to-video switch. Here the flavour decides: an i2v flavour trains every clip "
+        "image-to-video. true is refused with a text-to-video flavour; false with an i2v flavour is overridden "
+        "(as SimpleTuner does) with a note.", "data", advanced=True,
+    )
 
     @model_validator(mode="after")
     def _frames(self) -> VideoOptions:
@@ -70,13 +78,17 @@ class VideoOptions(BaseModel):
                              f"{four_k_plus_one(self.num_frames)}")
         if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
             raise ValueError("min_frames is larger than max_frames")
-        if self.bucket_strategy == "aspect_ratio" and "frame_interval" in self.model_fields_set:
+        if self.bucket_strategy == "aspect_ratio" and self.frame_interval != type(self).model_fields["frame_interval"].default:
             raise ValueError("frame_interval applies to bucket_strategy 'resolution_frames' (with 'aspect_ratio' "
                              "every clip has num_frames frames); remove it or change bucket_strategy")
         if self.bucket_strategy == "aspect_ratio" and self.max_frames is not None and self.max_frames < self.num_frames:
             raise ValueError(f"max_frames {self.max_frames} is below num_frames {self.num_frames}: with "
                              "bucket_strategy 'aspect_ratio' every clip needs num_frames frames; lower num_frames")
         return self
+
+
+# Dataset types whose files are downloaded into instance_data_dir before discovery (data/sources/).
+REMOTE_TYPES = ("huggingface", "csv", "aws")
 
 
 def safe_id(value: str) -> str:
@@ -87,7 +99,7 @@ def safe_id(value: str) -> str:
     return value
 
 
-class ImageDataset(BaseModel):
+class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
     """A folder of images (or, with dataset_type 'video', of clips) with captions. dataset_type 'eval': held-out
     images (or clips, with a video block) that are never trained on: train/eval_loss.py measures the loss on them."""
 
@@ -99,21 +111,30 @@ class ImageDataset(BaseModel):
         return safe_id(v)
 
     id: str = field(..., "Unique name of the dataset (used in reports and cache paths).", "data", min_length=1)
-    type: Literal["local"] = field("local", "Where the files live; only 'local' folders.", "data")
+    type: Literal["local", "huggingface", "csv", "aws"] = field(
+        "local", "Where the files live: 'local' (a folder), 'huggingface' (a dataset on the Hugging Face hub or in "
+        "a local folder in its layout), 'csv' (a table of image URLs or paths and captions) or 'aws' (an S3 bucket). "
+        "The other types are downloaded into instance_data_dir before discovery, with a caption file beside each "
+        "image, and then train like a local folder.", "data",
+    )
     dataset_type: Literal["image", "video", "eval"] = field(
         "image", "Kind of entry: 'image', or 'video' (.mp4, .mov, .webm, .mkv; see the video block), or 'eval': "
         "held-out images (clips, with a video block) never trained on, cached like the others, on which the "
         "evaluation loss is measured (eval_timesteps; eval_loss_disable turns it off).", "data"
     )
-    instance_data_dir: str = field(..., "Folder of images or clips; sub-folders are searched too.", "data")
+    instance_data_dir: str = field(
+        ..., "Folder of images or clips; sub-folders are searched too. For type 'huggingface', 'csv' or 'aws': the "
+        "folder the files are downloaded into (default: cache/sources/<id>, or csv_cache_dir).", "data",
+    )
     video: VideoOptions | None = field(
         None, "Video datasets: frame counts, frame rate and bucketing (defaults apply when left out).", "data"
     )
-    caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet"] = field(
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet", "huggingface", "csv"] = field(
         "textfile",
         "'textfile': a .txt beside each image with the same name; each non-empty line is a caption, one "
         "drawn per sample. 'filename': the file name with _ and - as spaces. 'instanceprompt': "
-        "instance_prompt for every image. 'parquet': a table (see parquet).",
+        "instance_prompt for every image. 'parquet': a table (see parquet). 'huggingface' and 'csv': the caption "
+        "column of a type 'huggingface' or 'csv' dataset (written as caption files when it is downloaded).",
         "data",
     )
     instance_prompt: str | None = field(None, "Caption (or trigger word) used by the instance-prompt options.", "data")
@@ -177,8 +198,13 @@ class ImageDataset(BaseModel):
     cache_dir_vae: str | None = field(
         None, "Folder of cached latents. Empty: cache/vae/<family>/<id>.", "data"
     )
-    metadata_backend: Literal["discovery"] = field(
-        "discovery", "How sizes are found: 'discovery' scans the files.", "data", advanced=True
+    metadata_backend: Literal["discovery", "json", "parquet", "huggingface"] = field(
+        "discovery", "How sizes are found: 'discovery' scans the files (their sizes are kept in a metadata file, so "
+        "a second start reads only changed files); 'json' is SimpleTuner's older name for it. 'parquet' (with "
+        "caption_strategy 'parquet'): sizes come from the table's parquet.width_column and parquet.height_column, "
+        "so the files are not opened to measure them. 'huggingface' (type 'huggingface' only, as SimpleTuner "
+        "writes it) is 'discovery' here: the dataset is downloaded first and its files are scanned.",
+        "data", advanced=True,
     )
     conditioning_data: str | None = field(
         None, "Id of a 'conditioning' dataset whose images pair with these by file name (image-to-image).",
@@ -192,7 +218,34 @@ class ImageDataset(BaseModel):
         "where SimpleTuner trains it as ordinary data (no frozen base model is left to ask): remove it there.",
         "data", advanced=True,
     )
-    disabled: bool = field(False, "Leave this dataset out.", "data")
+    disabled: bool = field(False, "Leave this dataset out. Also spelt disable.", "data")
+    disable_multiline_split: bool = field(
+        False, "caption_strategy 'textfile': the whole caption file is one caption, line breaks kept (by default each "
+        "non-empty line is a caption of its own).", "data", advanced=True,
+    )
+    compress_cache: bool | None = field(
+        None, "Write this dataset's latents compressed (true) or plain (false). Empty: compress_disk_cache.", "data",
+        advanced=True,
+    )
+
+    @field_validator("crop_style", mode="before")
+    @classmethod
+    def _entry_crop_style_centre(cls, v: object) -> object:
+        return "center" if v == "centre" else v  # SimpleTuner takes both spellings
+
+    @field_validator("repeats", mode="before")
+    @classmethod
+    def _entry_repeats_null(cls, v: object) -> object:
+        return 0 if v is None else v  # SimpleTuner reads a null (or 0) as no repeats
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_folder(cls, data: object) -> object:
+        """A downloaded dataset's folder defaults to cache/sources/<id> (csv: csv_cache_dir, as in SimpleTuner)."""
+        if isinstance(data, dict) and data.get("type") in REMOTE_TYPES and not data.get("instance_data_dir"):
+            folder = data.get("csv_cache_dir") if data.get("type") == "csv" else None
+            data = {**data, "instance_data_dir": folder or f"cache/sources/{data.get('id')}"}
+        return data
 
     @field_validator("is_regularisation_data", mode="before")
     @classmethod
@@ -216,6 +269,17 @@ class ImageDataset(BaseModel):
         if needs_prompt and not self.instance_prompt:
             raise ValueError("instance_prompt is required by caption_strategy 'instanceprompt', "
                              "prepend_instance_prompt and only_instance_prompt; set it")
+        if self.caption_strategy in REMOTE_TYPES and self.caption_strategy != self.type:
+            raise ValueError(f"caption_strategy {self.caption_strategy!r} reads the captions of a type "
+                             f"{self.caption_strategy!r} dataset; this one is type {self.type!r}: use 'textfile' "
+                             f"or set type to {self.caption_strategy!r}")
+        if self.metadata_backend == "parquet" and (
+            self.caption_strategy != "parquet" or self.parquet is None
+            or not (self.parquet.width_column and self.parquet.height_column)
+        ):
+            raise ValueError("metadata_backend 'parquet' reads each image's size from the caption table: use "
+                             "caption_strategy 'parquet' with a parquet block that sets width_column and "
+                             "height_column, or set metadata_backend to 'discovery' (the files are measured)")
         if self.caption_strategy == "parquet" and self.parquet is None:
             raise ValueError("caption_strategy 'parquet' needs a parquet block: {\"path\": ..., \"caption_column\": ...}")
         if self.crop and self.crop_aspect in ("closest", "random") and not self.crop_aspect_buckets:
@@ -246,8 +310,23 @@ class TextEmbedsDataset(BaseModel):
     dataset_type: Literal["text_embeds"] = field("text_embeds", "Kind of entry.", "data")
     default: bool = field(False, "Use this cache for every dataset.", "data")
     cache_dir: str = field(..., "Folder of cached text embeddings.", "data")
-    write_batch_size: int = field(128, "Captions encoded per text-encoder pass.", "data", gt=0, advanced=True)
-    disabled: bool = field(False, "Leave this entry out.", "data")
+    write_batch_size: int = field(
+        128, "Captions encoded per text-encoder pass, unless text_encoder_batch_size is set. (SimpleTuner batches its "
+        "cache writes by it; here each embedding is written as its own file.)", "data", gt=0, advanced=True,
+    )
+    text_encoder_batch_size: int | None = field(
+        None, "Captions encoded per text-encoder pass (prompts with an input image go one at a time). Empty: "
+        "write_batch_size.", "data", gt=0, advanced=True,
+    )
+    compress_cache: bool | None = field(
+        None, "Write these text embeddings compressed (true) or plain (false). Empty: compress_disk_cache.", "data",
+        advanced=True,
+    )
+    disabled: bool = field(False, "Leave this entry out. Also spelt disable.", "data")
+
+    def encode_batch(self) -> int:
+        """Captions per text-encoder pass."""
+        return self.text_encoder_batch_size or self.write_batch_size
 
 
 class ConditioningDataset(BaseModel):
@@ -274,7 +353,12 @@ class ConditioningDataset(BaseModel):
         "An image without a mask of the same name is left out and reported. Images only (not video datasets), and "
         "not with an image-to-image flavour (a dataset names one conditioning dataset).", "data",
     )
-    disabled: bool = field(False, "Leave this dataset out.", "data")
+    source_dataset_id: str | None = field(
+        None, "The image dataset these images pair with (SimpleTuner's link for pixel alignment). Pairs are made by "
+        "that dataset's conditioning_data; when set, it must name a dataset whose conditioning_data names this "
+        "entry.", "data", advanced=True,
+    )
+    disabled: bool = field(False, "Leave this dataset out. Also spelt disable.", "data")
 
 
 DatasetEntry = ImageDataset | TextEmbedsDataset | ConditioningDataset

@@ -22,6 +22,9 @@ from pydantic import BaseModel, field_validator
 from difftune.config.fields import field
 
 DEFAULT_TIMESTEPS = 28  # SimpleTuner's default
+# Keys of an image entry that act only on training, which never sees an eval entry: set on one, each is refused
+# (check_eval_datasets), and the web UI's form for dataset_type 'eval' leaves them out (ui.dataset_fields).
+TRAINING_ONLY = ("repeats", "probability", "is_regularisation_data")
 EVAL_SEED = 0  # the eval noise's seed: fixed, not `seed`, so runs with other seeds measure on the same noise
 
 
@@ -61,8 +64,7 @@ def check_eval_datasets(train: Any, plan: Any, path: Path, where_of: Callable[[s
     facts, flavour = FAMILY_FACTS[train.model_family], train.flavour()
     for ds in plan.evaluation:
         where = f"{path}: dataset {ds.id!r}"
-        unused = [key for key, on in (("repeats", ds.repeats), ("probability", ds.probability is not None),
-                                      ("is_regularisation_data", ds.is_regularisation_data)) if on]
+        unused = [key for key in TRAINING_ONLY if getattr(ds, key) != type(ds).model_fields[key].default]
         problems += [f"{where}: {key}: an eval dataset is never trained on, so {key} would change nothing; remove "
                      "it (or make the entry an 'image' dataset to train on it)" for key in unused]
         if ds.video is not None and not facts.video:

@@ -71,6 +71,19 @@ class ExtraTrainKeys(BaseModel):
         "re-initialised from the global step on resume, with a per-rank offset). Needs flow_custom_timesteps.",
         "training", advanced=True,
     )
+    data_backend_sampling: Literal["auto-weighting", "uniform"] = field(
+        "auto-weighting", "How batches are shared between several datasets. 'auto-weighting': in proportion to each "
+        "dataset's batches (an epoch is every batch of every dataset once), unless entries set probability, which "
+        "then weights the draw. 'uniform': each batch comes from a dataset drawn by its probability alone (1 for an "
+        "entry without one), whatever its size, so a small dataset is seen as often as a large one and starts its "
+        "next epoch on its own (SimpleTuner's meaning; it suits a small subject set beside a large regularisation "
+        "set). An epoch still counts as many batches as all datasets hold.", "data", advanced=True,
+    )
+
+    @field_validator("data_backend_sampling", mode="before")
+    @classmethod
+    def _extra_sampling_null(cls, value: Any) -> Any:
+        return "auto-weighting" if value is None else value
 
     @field_validator("flow_timesteps_mode", mode="before")
     @classmethod

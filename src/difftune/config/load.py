@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from difftune.config import conditioning_keys
+from difftune.config import conditioning_keys, dataset_entry_keys
 from difftune.config.compat import (
     DATASET_DEFAULT_KEYS,
     apply_key_aliases,
@@ -27,6 +27,7 @@ from difftune.config.compat import (
 from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems
 from difftune.config.datasets import (
     DATASET_MODELS,
+    REMOTE_TYPES,
     ConditioningDataset,
     DatasetPlan,
     ImageDataset,
@@ -49,6 +50,7 @@ from difftune.config.regularisation_keys import (
 )
 from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
+from difftune.config.source_aws_keys import AWS_KEYS
 from difftune.models.registry import FAMILY_FACTS, family_names
 
 COMMAND_LINE = "command line"
@@ -149,8 +151,16 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
                 msg = f"{err['input']!r} is not allowed; {msg.lower()}"
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"{err['input']!r}: {msg}"
-            problems.append(f"{where_of(first)}: {loc + ': ' if loc else ''}{msg}")
+            where = where_of(first) if first else _where_of_named(where_of, msg, data)
+            problems.append(f"{where}: {loc + ': ' if loc else ''}{msg}")
         return None
+
+
+def _where_of_named(where_of: Where, message: str, data: dict[str, Any]) -> str:
+    """Where a problem between keys came from (a model validator's, which names no single key): the sources of the
+    keys its message names that `data` sets, the command line, the file, or both; the file when it names none."""
+    named = [word for word in re.findall(r"\b[a-z][a-z0-9_]*\b", message) if word in data]
+    return " and ".join(dict.fromkeys(where_of(key) for key in named)) or where_of("")
 
 
 def _is_file_in_the_way(path: Path) -> Path | None:
@@ -189,7 +199,8 @@ def load_datasets(
             problems.append(f"{path}: entry {index} must be an object")
             continue
         where = _entry_where(path, entry, index)
-        entry = apply_key_aliases(clean_keys(entry, where, problems), lambda key, w=where: w, problems, DATASET_KEY_ALIASES)
+        entry = apply_key_aliases(clean_keys(entry, where, problems), lambda key, w=where: w, problems,
+                                  DATASET_KEY_ALIASES | dataset_entry_keys.ENTRY_ALIASES)
         entry = substitute_all(entry, family, lambda key, w=where: w, problems)
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):
@@ -204,24 +215,41 @@ def load_datasets(
                             "or 'text_embeds'")
             continue
         model = DATASET_MODELS[kind]
+        if model is not ImageDataset and entry.get("type") in REMOTE_TYPES:
+            # SimpleTuner's first example keeps its text cache in S3; here caches and input images are local folders
+            problems.append(f"{where}: type {entry['type']!r}: not implemented yet for a {kind} entry (only image, "
+                            f"video and eval datasets are downloaded); set type 'local' with a local "
+                            f"{'cache_dir' if kind == 'text_embeds' else 'instance_data_dir'}, and remove its "
+                            f"{entry['type']} keys")
+            continue
+        if model is ImageDataset and "ignore_epochs" in entry:  # in SimpleTuner's own examples; a no-op there too
+            entry = {k: v for k, v in entry.items() if k != "ignore_epochs"}
+            notes.append(f"{where}: ignore_epochs does nothing (SimpleTuner deprecated it and ignores it as well: "
+                         "every dataset's batches count towards an epoch); remove it")
         if model is ImageDataset:
-            entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS}, **entry}
+            entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS
+                        and (k not in AWS_KEYS or entry.get("type") == "aws")  # aws_*: type 'aws' only
+                        # a type 'huggingface' entry reads its caption column unless it says otherwise (SimpleTuner)
+                        and not (k == "caption_strategy" and entry.get("type") == "huggingface")}, **entry}
         if model is ConditioningDataset:  # SimpleTuner's image settings on it: checked against its images below
             entry, mirrored[str(entry.get("id"))], unused[str(entry.get("id"))] = conditioning_keys.split(entry)
+        entry = dataset_entry_keys.prepare(entry, where, problems)  # switched-off blocks, a one-id list
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
         if item is None:
             continue
+        notes += dataset_entry_keys.notes(where, item)
         if item.id in seen:
             problems.append(f"{where}: id {item.id!r} is used twice; give each dataset its own id")
         seen.add(item.id)
         if item.disabled:
             continue
-        if isinstance(item, ImageDataset | ConditioningDataset):
+        if isinstance(item, ImageDataset | ConditioningDataset) and item.type == "local":  # others: downloaded
             folder = Path(item.instance_data_dir)
             if not folder.is_dir():
                 problems.append(f"{where}: instance_data_dir {str(folder)!r} is not a folder; fix the path")
-        cache = getattr(item, "cache_dir_vae", None) or getattr(item, "cache_dir", None)
+        # (an image entry's cache_dir is datasets' download cache of type 'huggingface', not a latent cache)
+        cache = item.cache_dir_vae if isinstance(item, ImageDataset) else getattr(item, "cache_dir", None)
         if cache and (blocker := _is_file_in_the_way(Path(cache))) is not None:
             key = "cache_dir_vae" if isinstance(item, ImageDataset) else "cache_dir"
             problems.append(f"{where}: {key}: {str(blocker)!r} is a file, so the cache folder {cache!r} cannot be "
@@ -246,6 +274,7 @@ def load_datasets(
         problems.append(f"{path}: no enabled image or video dataset; add an entry with dataset_type 'image' or 'video'")
     conditioning_keys.check(path, {k: v for k, v in mirrored.items() if k in conditioning},
                             {k: v for k, v in unused.items() if k in conditioning}, images + held_out, problems, notes)
+    dataset_entry_keys.check_sources(path, images + held_out, conditioning, problems)  # source_dataset_id
     defaults_ = [e for e in embeds if e.default]
     if len(defaults_) > 1:
         problems.append(f"{path}: several text_embeds entries have default: true; keep one")
@@ -416,6 +445,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             problems.extend(e.problems)
     if train is not None and plan is not None:
         check_media(train, plan, Path(train.data_backend_config), problems)
+        dataset_entry_keys.check_video(train, plan, Path(train.data_backend_config), problems)  # video.is_i2v
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
         mask_checks(train, plan, Path(train.data_backend_config), problems)  # config/mask_keys.py

@@ -11,7 +11,7 @@ Three kinds of entries:
   (`crepa_teacher_block_index` without `crepa_use_backbone_features`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys can be
   matched by prefix (`PREFIX_DEPENDS_ON`).
-- `PENDING_VALUES`: one value of a key difftune has (`quantize_via: pipeline`, `type: huggingface`).
+- `PENDING_VALUES`: one value of a key difftune has (`quantize_via: pipeline`).
 
 Values typed on the command line arrive as strings: `coerce` reads "0.0", "false" or "null" as the
 number, boolean or null they spell before they are compared with the off values.
@@ -30,7 +30,18 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "vae_cache_clear_each_epoch": ((False,), "vae_cache_clear_each_epoch is not implemented yet"),
+    "vae_cache_clear_each_epoch": ((False, None), "re-encoding the latents every epoch to draw new random crops; a "
+                                   "random crop (crop_style or crop_aspect 'random') is drawn once per image and "
+                                   "seed and its latents kept: set it to false or remove it"),
+    # SimpleTuner's top-level keys of a type 'huggingface' entry that difftune does not take (the others are in
+    # config/source_huggingface_keys.py)
+    "filter_func": ((None,), "row filters of a type 'huggingface' dataset; filter the dataset first (datasets' "
+                    "Dataset.filter, then to_parquet), or use minimum_image_size / max_num_samples"),
+    "split_composite_images": ((False, None), "composite (grid) images; split the grids into images first"),
+    "composite_image_column": (("image", None), "composite (grid) images; split the grids into images first"),
+    "audio_column": (("audio", None), "audio datasets; remove audio_column"),
+    "auto_load": ((False, None), "auto_load: a type 'huggingface' dataset is always read once before training, "
+                  "to download it; remove auto_load"),
 }
 
 # A setting that only acts when its switch is on: any value while the switch is off.
@@ -59,7 +70,7 @@ _REMOVE = "; remove it"
 # SimpleTuner's knobs for its own data pipeline (worker counts, batch sizes of its caching, save intervals):
 # results do not depend on them and difftune has none, so only SimpleTuner's default is accepted.
 _PIPELINE_KNOBS = {"aspect_bucket_worker_count": 12, "image_processing_batch_size": 32, "read_batch_size": 25,
-                   "write_batch_size": 128, "max_workers": 32, "aws_max_pool_connections": 128,
+                   "write_batch_size": 128, "max_workers": 32,
                    "torch_num_threads": 8, "metadata_update_interval": 3600, "enable_multiprocessing": False}
 
 PENDING_TRAIN_KEYS |= {
@@ -175,9 +186,6 @@ PENDING_TRAIN_KEYS |= {
                                       + _REMOVE),
     "allow_dataset_oversubscription": ((False,), "raising repeats automatically for small datasets; set repeats "
                                        "on the dataset entries"),
-    "data_backend_sampling": (("auto-weighting", None), "'uniform' dataset sampling; datasets are sampled in "
-                              "proportion to their size ('auto-weighting'), or by each entry's probability: set "
-                              "probability on the dataset entries"),
     "conditioning_multidataset_sampling": (("random", None), "several conditioning datasets per dataset; each "
                                            "dataset names one (conditioning_data)" + _REMOVE),
     "ignore_missing_files": ((False,), "keeping files that left the disk in the buckets" + _REMOVE),
@@ -288,6 +296,69 @@ PENDING_DATASET_KEYS |= {
                             "are unchanged" + _REMOVE),
 }
 
+# --- The other dataset-entry keys of SimpleTuner's DATALOADER.md (the dataset_audit, tests/test_dataset_key_audit.py):
+# each is accepted at its "off" value and refused otherwise, as above.
+_NOT_HERE = "; Lumina2 and Kandinsky 5 have nothing for it to act on: remove it"
+_SCHEDULE = ("scheduling when a dataset is sampled (curriculum); every enabled dataset is sampled for the whole run: "
+             "remove it, or train in stages with a dataset list per stage")
+_CLIP_EMBEDS = ("image-encoder (CLIP vision) embeddings of the input images, which SimpleTuner caches for models "
+                "that ask for them (Wan 2.2 I2V); none are cached for Lumina2 or Kandinsky 5" + _REMOVE)
+_WEBSHART = "WebDataset shards (type 'webshart'); unpack the shards into a folder and use type 'local'"
+_MEMORY = "memory (tmpfs) caches (type 'memory'); the caches are folders on disk" + _REMOVE
+PENDING_DATASET_KEYS |= {
+    # SimpleTuner always hashes cache file names too: it ignores hash_filenames (except for type 'csv' downloads)
+    "hash_filenames": ((True, None), "cache files named after the images; cache entries are always named by a hash "
+                       "of their inputs (as in SimpleTuner, which ignores hash_filenames): set it to true or remove it"),
+    "cache_file_suffix": ((None,), "naming SimpleTuner's bucket-metadata file; the image sizes are kept in "
+                          "metadata.json beside the dataset's latents (cache_dir_vae)" + _REMOVE),
+    "metadata_update_interval": ((None, 3600), "metadata_update_interval (SimpleTuner's own data pipeline; the "
+                                 "dataset is scanned once at start-up)" + _REMOVE),
+    "vae_cache_ondemand": ((False, None), "encoding latents during training while still writing them to disk; set "
+                           "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
+                           "training"),
+    "text_cache_ondemand": ((False, None), "encoding captions during training; every caption is encoded before "
+                            "training starts" + _REMOVE),
+    "text_cache_disable": ((False, None), "encoding captions during training without caching them; every caption "
+                           "is encoded and cached before training starts" + _REMOVE),
+    "caption_filter_list": ((None, []), "filtering caption text (removing or replacing words by regular "
+                            "expression); edit the caption files instead" + _REMOVE),
+    "caption_shuffle": ((None,), "shuffled variants of tag captions; write the variants as extra lines of the "
+                        "caption file (caption_strategy 'textfile' draws one line per sample)"),
+    "timestep_sampling_offset": ((0, None), "a per-dataset shift of the noise levels drawn for its batches; "
+                                 "logit_mean shifts them for every dataset" + _REMOVE),
+    "disable_validation": ((False, None), "excluding a dataset from validation; validation input images come from "
+                           "eval_dataset_id (validation_using_datasets) or the first training pair or clip"
+                           + _REMOVE),
+    "start_epoch": ((1, None), _SCHEDULE), "start_step": ((0, None), _SCHEDULE),
+    "end_epoch": ((None,), _SCHEDULE), "end_step": ((None,), _SCHEDULE),
+    "slider_strength": ((None, 0), "slider LoRA training (opposite concepts in turn)" + _REMOVE),
+    "grounding": ((None,), "spatial grounding (bounding boxes of the entities in each image)" + _REMOVE),
+    "conditioning": ((None, []), "generating conditioning images (super-resolution, JPEG artifacts, depth, masks, "
+                     "edges); make the images yourself, add a dataset_type 'conditioning' entry for them and name "
+                     "it in conditioning_data"),
+    "conditioning_config": ((None,), "generating conditioning images; make the images yourself, add a dataset_type "
+                            "'conditioning' entry for them and name it in conditioning_data"),
+    "image_embeds": ((None,), "a separate entry storing the latents (dataset_type 'image_embeds'); each dataset's "
+                     "latents go to its cache_dir_vae: remove it and set cache_dir_vae"),
+    "conditioning_image_embeds": ((None,), _CLIP_EMBEDS),
+    "cache_dir_conditioning_image_embeds": ((None,), _CLIP_EMBEDS),
+    "conditioning_image_embed_batch_size": ((None,), _CLIP_EMBEDS),
+    "audio": ((None,), "audio training (sound-to-video, audio generation), which SimpleTuner applies to audio "
+              "models (ACE-Step, LTX-2, Wan S2V)" + _NOT_HERE),
+    "delete_unwanted_images": ((False, None), "deleting your images; difftune never deletes them and reports the "
+                               "skipped ones in the data report" + _REMOVE),
+    "delete_problematic_images": ((False, None), "deleting your images; difftune never deletes them and reports "
+                                  "the unreadable ones in the data report" + _REMOVE),
+    "delete_nsfw_images": ((False, None), "deleting your images (difftune has no NSFW check and never deletes "
+                           "images)" + _REMOVE),
+    "max_upscale_threshold": ((None,), "dropping images upscaled beyond a threshold; set minimum_image_size"),
+    "disable_vae_cache": ((None,), "disable_vae_cache, SimpleTuner's removed spelling (it refuses it too); use "
+                          "vae_cache_disable"),
+    "memory_filesystem_path": ((None,), _MEMORY), "memory_filesystem_size": ((None,), _MEMORY),
+    "memory_filesystem_sudo": ((False, None), _MEMORY),
+} | {key: ((None,), _WEBSHART) for key in ("webshart", "source", "metadata", "hf_token", "subfolder",
+                                            "shard_cache_gb", "parallel_downloads", "buffer_size", "max_file_size")}
+
 # A SimpleTuner setting of a pending switch above: any value while the switch is off.
 DEPENDS_ON |= {key: switch for switch, keys in {
     "peft_lora_mode": ["singlora_ramp_up_steps"],
@@ -328,14 +399,28 @@ PENDING_VALUES: dict[tuple[str, str], str] = {
     ("quantize_via", "pipeline"): (
         "not implemented yet: quantize_via 'pipeline' (quantizing while the pipeline loads); use 'cpu' or "
         "'accelerator'"),
-    ("type", "huggingface"): (
-        "not implemented yet: datasets from the Hugging Face hub (type 'huggingface'); download it and use "
-        "type 'local' with instance_data_dir"),
-    ("type", "aws"): "not implemented yet: S3 datasets (type 'aws'); copy the files locally and use type 'local'",
-    ("type", "csv"): "not implemented yet: CSV datasets (type 'csv'); use type 'local' (caption_strategy 'parquet' "
-                     "reads a table of captions)",
 }
 
+
+# Values of dataset-entry keys from SimpleTuner's DATALOADER.md (the dataset_audit)
+PENDING_VALUES |= {
+    ("dataset_type", "audio"): "not implemented yet: audio datasets (dataset_type 'audio'), which SimpleTuner "
+                               "trains audio models on" + _NOT_HERE,
+    ("dataset_type", "image_embeds"): "not implemented yet: a separate entry storing the latents (dataset_type "
+                                      "'image_embeds'); each dataset's latents go to its cache_dir_vae: remove this "
+                                      "entry (and the image_embeds key naming it) and set cache_dir_vae",
+    ("dataset_type", "conditioning_image_embeds"): "not implemented yet: " + _CLIP_EMBEDS.replace(
+        "remove it", "remove this entry (and the conditioning_image_embeds key naming it)"),
+    ("type", "webshart"): "not implemented yet: " + _WEBSHART,
+    ("type", "memory"): "not implemented yet: " + _MEMORY.replace("remove it", "use type 'local'"),
+    ("conditioning_type", "controlnet"): "not implemented yet: ControlNet conditioning (diffusers has no ControlNet "
+                                         "for Lumina2 or Kandinsky 5); use 'reference_strict' (input images of an "
+                                         "image-to-image flavour) or 'mask' (loss masks)",
+    ("conditioning_type", "reference_loose"): "not implemented yet: loosely aligned reference images; input images "
+                                              "pair pixel for pixel with their training image ('reference_strict')",
+    ("crop_style", "face"): "not implemented yet: crops centred on a detected face; use 'center', 'random' or "
+                            "'corner'",
+}
 
 # The text encoders take the precisions of base_model_precision: the same ones are not implemented yet.
 PENDING_VALUES |= {

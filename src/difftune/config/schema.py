@@ -443,7 +443,10 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "saved login or HF_TOKEN.", "output")
     push_checkpoints_to_hub: bool = field(
         False, "Also upload each checkpoint (under checkpoints/ in the repository) as it is written, in the "
-        "background; a failed upload is retried, then reported as a warning.", "output", advanced=True)
+        "background; a failed upload is retried, then reported as a warning. The repository's checkpoints follow the "
+        "local ones: what checkpoints_total_limit and checkpoints_rolling_total_limit prune is deleted there too "
+        "(the hub's history keeps it). SimpleTuner uploads each checkpoint over the repository's top level "
+        "instead.", "output", advanced=True)
     hub_model_id: str | None = field(None, "Hub repository for push_to_hub: 'user/name', or 'name' under your "
                                            "account.", "output")
     hub_private: bool = field(False, "Create the hub repository as private (when it does not exist yet).",

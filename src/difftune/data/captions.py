@@ -27,9 +27,10 @@ class CaptionRule:
     instance_prompt: str | None = None
     prepend_instance_prompt: bool = False
     only_instance_prompt: bool = False
+    split_lines: bool = True  # textfile: each non-empty line a caption (False: disable_multiline_split)
 
 
-def from_textfile(path: Path) -> CaptionResult:
+def from_textfile(path: Path, split_lines: bool = True) -> CaptionResult:
     txt = path.with_suffix(".txt")
     if not txt.is_file():
         return CaptionResult(None, f"no caption file {txt.name} (caption_strategy textfile needs one beside each image)")
@@ -37,6 +38,9 @@ def from_textfile(path: Path) -> CaptionResult:
         text = txt.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return CaptionResult(None, f"caption file {txt.name} unreadable: {e}")
+    if not split_lines:  # disable_multiline_split: the whole file is one caption, its line breaks kept
+        return CaptionResult((text.strip(),)) if text.strip() else CaptionResult(
+            ("",), note="empty caption file: trained with an empty prompt")
     lines = tuple(line.strip() for line in text.splitlines() if line.strip())
     if not lines:
         return CaptionResult(("",), note="empty caption file: trained with an empty prompt")
@@ -124,7 +128,7 @@ def apply_instance_prompt(result: CaptionResult, rule: CaptionRule) -> CaptionRe
 
 def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | None) -> CaptionResult:
     if rule.strategy == "textfile":
-        result = from_textfile(path)
+        result = from_textfile(path, rule.split_lines)
     elif rule.strategy == "filename":
         result = from_filename(path)
     elif rule.strategy == "instanceprompt":

@@ -31,6 +31,8 @@ from difftune.data.captions import CaptionRule, CaptionTable, caption
 from difftune.data.frames import FrameRule, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 
+SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
+
 VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv"}  # = data.video.VIDEO_EXTENSIONS (PyAV imported on demand)
 MAX_UPSCALE = 8.0  # left out from this enlargement on (when minimum_image_size is not set)
 NOTE_UPSCALE = 2.0  # a note in the report above this one
@@ -151,7 +153,8 @@ def walk(root: Path) -> Walk:
             continue
         seen.add(real)
         visible = sorted(d for d in dirnames if not d.startswith("."))
-        result.hidden += len(dirnames) - len(visible) + sum(1 for n in filenames if n.startswith("."))
+        # a downloaded dataset's manifest (data/sources) is not the user's file to be told about
+        result.hidden += len(dirnames) - len(visible) + sum(1 for n in filenames if n.startswith(".") and n != SOURCE_MANIFEST)
         dirnames[:] = visible
         result.files.extend(Path(dirpath) / name for name in filenames if not name.startswith("."))
     result.files.sort()

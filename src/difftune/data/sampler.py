@@ -54,14 +54,15 @@ class DatasetBatches:
 
 class BucketSampler:
     def __init__(self, datasets: list[tuple[list[int], list[tuple[int, int]], float | None]], batch_size: int,
-                 seed: int, keep_partial: bool):
-        """`datasets`: per dataset (item indices, bucket of each, probability or None)."""
+                 seed: int, keep_partial: bool, uniform: bool = False):
+        """`datasets`: per dataset (item indices, bucket of each, probability or None). `uniform`
+        (data_backend_sampling 'uniform'): the weighted draw even when no dataset sets a probability (1 each)."""
         self.seed = seed
         self.parts = [DatasetBatches(items, buckets, batch_size, seed, i, keep_partial)
                       for i, (items, buckets, _) in enumerate(datasets)]
         self.counts = [len(p.epoch_batches(0)) for p in self.parts]
         weights = [w for _, _, w in datasets]
-        self.weighted = any(w is not None for w in weights)
+        self.weighted = any(w is not None for w in weights) or (uniform and len(weights) > 1)
         raw = np.array([w if w is not None else 1.0 for w in weights], dtype=np.float64)
         raw[np.array(self.counts) == 0] = 0.0
         self.weights = raw / raw.sum() if raw.sum() > 0 else raw

@@ -126,7 +126,13 @@ def text_cache_for(run_cfg: RunConfig, ds, identity: dict) -> tuple[TensorCache,
     """The text cache of a dataset (its own text_embeds entry, or the default) and its batch size."""
     entry = run_cfg.datasets.text_embeds_for(ds)
     root = Path(run_cfg.datasets.text_cache_root(ds, run_cfg.train.model_family))
-    return TensorCache(root, identity, run_cfg.train.compress_disk_cache), (entry.write_batch_size if entry else 32)
+    compress = _compress(entry.compress_cache if entry else None, run_cfg.train.compress_disk_cache)
+    return TensorCache(root, identity, compress), (entry.encode_batch() if entry else 32)
+
+
+def _compress(own: bool | None, default: bool) -> bool:
+    """A dataset entry's compress_cache, else the config's compress_disk_cache."""
+    return default if own is None else own
 
 
 def fill_caches(
@@ -188,7 +194,8 @@ def fill_caches(
         first_frame = family.facts.first_frame(cfg.flavour())
         cache = TensorCache(Path(ds.vae_cache_root(cfg.model_family)),
                             {**identity["vae"], "rule": rule.__dict__, "crop_style": ds.crop_style,
-                             **({"first_frame": True} if first_frame else {})}, cfg.compress_disk_cache)
+                             **({"first_frame": True} if first_frame else {})},
+                            _compress(ds.compress_cache, cfg.compress_disk_cache))
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         mine = ranks.shard(disc.samples)
         counted: dict[str, int] = {}

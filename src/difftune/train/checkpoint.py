@@ -78,8 +78,9 @@ def swap_in(new: Path, final: Path, aside: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def save_checkpoint(run: Run, rolling: bool = False) -> Path:
-    """Write the run's state as a checkpoint of the regular series, or of the rolling one, then prune that series."""
+def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
+    """Write the run's state as a checkpoint of the regular series, or of the rolling one, then prune that series.
+    Returns the checkpoint and the names of the ones pruning removed (the hub upload removes them there too)."""
     root = checkpoints_dir(run.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{run.state.step:07d}{ROLLING if rolling else ''}"
@@ -112,21 +113,21 @@ def save_checkpoint(run: Run, rolling: bool = False) -> Path:
     else:
         os.replace(tmp, final)
     keep = run.cfg.checkpoints_rolling_total_limit if rolling else run.cfg.checkpoints_total_limit
-    prune_checkpoints(run.output_dir, keep, rolling)
-    return final
+    return final, prune_checkpoints(run.output_dir, keep, rolling)
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None, rolling: bool = False) -> None:
+def prune_checkpoints(output_dir: Path, keep: int | None, rolling: bool = False) -> list[str]:
     """Delete all but the newest `keep` complete checkpoints of one series, regular or rolling (called after a new
-    one is in place); the other series is never touched."""
+    one is in place); the other series is never touched. Returns the names of the deleted ones."""
     if keep is None:
-        return
+        return []
     root = checkpoints_dir(output_dir)
     done = [p for p in complete(output_dir) if is_rolling(p) == rolling]
     for old in done[:-keep]:
         trash = root / f".old-{old.name}-{os.getpid()}"
         os.replace(old, trash)  # renamed first: a kill mid-delete never leaves a half checkpoint named as whole
         shutil.rmtree(trash, ignore_errors=True)
+    return [old.name for old in done[:-keep]]
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -232,16 +233,21 @@ def restore_generator(run: Run, rng: dict, path: Path) -> None:
 
 
 def load_checkpoint(run: Run, path: Path) -> None:
+    sharded = getattr(run, "fsdp", None) is not None
+    if sharded:
+        # Before the weights: the layout the saved state is read into comes from a first (zero) step on the weights
+        # as they are, and Prodigy's state depends on them (an all-zero tensor, a LoRA's B at the start, gets a
+        # scalar p0): on the fresh weights it is the layout the saved run made. The weights then overwrite whatever
+        # that step did to them.
+        load_optimizer(run, path)
     try:
         run.adapter.load_state_dict(load_file(path / "trainable.safetensors"))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    if getattr(run, "fsdp", None) is not None:
-        load_optimizer(run, path)
-    elif not (path / "optimizer.pt").is_file():
-        raise ValueError(f"{path} was written by an FSDP run (its optimizer state is sharded); resume it with "
-                         "fsdp_enable true and several processes, or start a new output_dir")
-    else:
+    if not sharded:
+        if not (path / "optimizer.pt").is_file():
+            raise ValueError(f"{path} was written by an FSDP run (its optimizer state is sharded); resume it with "
+                             "fsdp_enable true and several processes, or start a new output_dir")
         run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     if getattr(run, "crepa", None) is not None:

@@ -10,7 +10,9 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,22 @@ class Events:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+@contextmanager
+def failures_reported(events: Events, stage: str) -> Iterator[None]:
+    """Around the work before the training loop (setup.build_run; train/loop.py reports its own): an exception is
+    logged as an "error" event (Ctrl-C: "stopped") with `stage`, and the events are closed, so the subscribers
+    already attached (the webhooks) send it and flush their queues, bounded, before the process exits. Then the
+    exception goes on up. The event stays off the console: the command line prints the error itself."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        events.emit("stopped", quiet=True, step=0, stage=stage, reason="interrupted")
+        events.close()
+        raise
+    except BaseException as e:
+        events.emit("error", quiet=True, step=0, stage=stage, message=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc())
+        events.close()
+        raise

@@ -2,7 +2,15 @@
 
 A `HubUploader` subscribes to the run's events on process 0: a "checkpoint" event queues that checkpoint
 folder (under `checkpoints/<name>` in the repository), and the final "done" (or "stopped") event writes
-the model card (README.md, train/model_card.py) and queues the result. One background thread uploads,
+the model card (README.md, train/model_card.py) and queues the result.
+
+The repository's checkpoints mirror the local folder's: the checkpoints that `checkpoints_total_limit` and
+`checkpoints_rolling_total_limit` prune locally (each series apart; the event's `pruned`) are deleted from the
+repository in one commit after the new checkpoint's upload (the hub's history keeps them), and a checkpoint
+already pruned when its upload's turn comes (frequent rolling checkpoints, a slow network) is not uploaded. So
+`checkpointing_rolling_steps` with `push_checkpoints_to_hub` keeps the newest rolling checkpoints on the hub, not
+every one. (SimpleTuner uploads each checkpoint's files over the repository's top level instead, so there only
+the latest is visible.) One background thread uploads,
 in order, so training never waits on the network; each upload is tried `ATTEMPTS` times with growing
 pauses, and a failure is a "warning" event, never an exception in the loop. When the run ends
 (`Events.close`), the uploads still queued are waited for, at most `FINAL_WAIT_S` seconds.
@@ -63,6 +71,9 @@ class HubUploader:
             self.jobs.put((f"checkpoint {folder.name}", dict(folder_path=str(folder),
                                                              path_in_repo=f"checkpoints/{folder.name}"),
                            record.get("step")))
+            if record.get("pruned"):  # removed locally by checkpoints_(rolling_)total_limit: from the hub too
+                self.jobs.put((f"the pruned checkpoint(s) {', '.join(record['pruned'])}", {"pruned": record["pruned"]},
+                               record.get("step")))
         elif kind in ("done", "stopped") and record.get("adapter"):
             out = self.run.output_dir
             samples = [Path(p).resolve().relative_to(out.resolve()) for p in record.get("samples", [])
@@ -82,9 +93,16 @@ class HubUploader:
         emit = self.run.events.emit
         for attempt in range(1, ATTEMPTS + 1):
             try:
+                if "path_in_repo" in kwargs and not Path(kwargs["folder_path"]).is_dir():
+                    emit("info", message=f"{what} was pruned (checkpoints_total_limit, "
+                                         "checkpoints_rolling_total_limit) before its upload's turn; not uploaded")
+                    return
                 if not self.repo_ready:
                     self.api.create_repo(self.repo, private=self.cfg.hub_private, exist_ok=True)
                     self.repo_ready = True
+                if "pruned" in kwargs:
+                    self._remove(what, kwargs["pruned"])
+                    return
                 self.api.upload_folder(repo_id=self.repo, commit_message=f"difftune: {what}", **kwargs)
                 # local/remote/step: what post_upload_script (train/scripts.py) is given
                 emit("hub_upload", quiet=True, what=what, repo=self.repo, attempts=attempt, step=step,
@@ -95,9 +113,23 @@ class HubUploader:
                 error = f"{type(e).__name__}: {e}"
                 if attempt < ATTEMPTS:
                     time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-        emit("warning", message=f"hub upload of {what} to {self.repo} failed after {ATTEMPTS} attempts ({error}); "
-                                "training went on. Upload it yourself with `huggingface-cli upload` or "
-                                "HfApi.upload_folder")
+        action = (("removal", "from", "Delete them yourself with HfApi.delete_folder") if "pruned" in kwargs else
+                  ("upload", "to", "Upload it yourself with `huggingface-cli upload` or HfApi.upload_folder"))
+        emit("warning", message=f"hub {action[0]} of {what} {action[1]} {self.repo} failed after {ATTEMPTS} attempts "
+                                f"({error}); training went on. {action[2]}")
+
+    def _remove(self, what: str, names: list[str]) -> None:
+        """Delete the folders `checkpoints/<name>` of `names` that the repository holds, in one commit."""
+        from huggingface_hub import CommitOperationDelete
+
+        held = {path.split("/")[1] for path in self.api.list_repo_files(self.repo) if path.startswith("checkpoints/")}
+        gone = [name for name in names if name in held]
+        if not gone:  # never uploaded (pruned before its turn, or uploads failed)
+            return
+        self.api.create_commit(repo_id=self.repo, commit_message=f"difftune: remove {what}",
+                               operations=[CommitOperationDelete(path_in_repo=f"checkpoints/{name}/") for name in gone])
+        self.run.events.emit("info", message=f"removed the pruned checkpoint(s) {', '.join(gone)} from the hub "
+                                             f"repository {self.repo} (as checkpoints/ locally)")
 
     def close(self) -> None:
         """Wait for the queued uploads (at most FINAL_WAIT_S), then stop the thread."""

@@ -149,7 +149,8 @@ def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
     # gathers, process 0 writes
     with eval_weights(run, for_checkpoint=True), gathered(run, optimizer=True, step=run.state.step):
         if run.ranks.main:
-            run.events.emit("checkpoint", step=run.state.step, path=str(save_checkpoint(run, rolling)),
+            path, pruned = save_checkpoint(run, rolling)  # pruned: the series' checkpoints its limit removed
+            run.events.emit("checkpoint", step=run.state.step, path=str(path), pruned=pruned,
                             **({"rolling": True} if rolling else {}), **extra)
     run.ranks.barrier()
 

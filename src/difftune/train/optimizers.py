@@ -27,7 +27,8 @@ libraries as follows:
 - `prodigy`: `prodigyopt.Prodigy`. Prodigy estimates the step size itself, and `lr` multiplies that
   estimate, so 1.0 is the usual value. The learning rate given is passed through unchanged (a warning
   is emitted when it is below 0.1, because a typical AdamW rate such as 1e-4 makes Prodigy nearly
-  stand still). Weight decay is decoupled (AdamW-style, Prodigy's default).
+  stand still). Weight decay is decoupled (AdamW-style, Prodigy's default). On FSDP2 shards its estimate
+  is summed over the processes (train/prodigy_fsdp.py), so it equals one process's.
 - `adamw8bit`: `bitsandbytes.optim.AdamW8bit`. Both moments are stored in 8 bits with block-wise
   quantisation for every tensor of at least 4096 elements; smaller tensors keep 32-bit state
   (bitsandbytes' `min_8bit_size`). bitsandbytes 0.50 runs it on the CPU as well as on CUDA.
@@ -187,7 +188,11 @@ _SPECS: dict[str, _Spec] = {
     "optimi-adamw": _Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(None), _OPTIMI_ADAMW,
                           refused=_OPTIMI_REFUSED),
     "optimi-lion": _Spec("torch-optimi", "optimi", "Lion", _lion_settings, _OPTIMI_LION, refused=_OPTIMI_REFUSED),
-    "prodigy": _Spec("prodigyopt", "prodigyopt", "Prodigy", _prodigy_settings, _PRODIGY),
+    "prodigy": _Spec("prodigyopt", "prodigyopt", "Prodigy", _prodigy_settings, _PRODIGY, refused={
+        "fsdp_in_use": "difftune sums Prodigy's step-size estimate over the processes itself with fsdp_enable "
+                       "(train/prodigy_fsdp.py); prodigyopt's fsdp_in_use, written for torch's older FSDP, fails "
+                       "without CUDA or a process group and counts tensors every process holds whole once per "
+                       "process"}),
     "adamw8bit": _Spec("bitsandbytes", "bitsandbytes", "optim.AdamW8bit", _adam_settings, _BNB_ADAMW8BIT, refused={
         "amsgrad": "bitsandbytes' AdamW8bit has no AMSGrad; use optimizer 'adamw' with amsgrad=true",
         "optim_bits": "AdamW8bit always keeps 8-bit state (it takes only its placeholder optim_bits=32); use "
@@ -256,11 +261,22 @@ def _construct(name: str, params: list, lr: float, betas: tuple, weight_decay: f
                settings: dict[str, Any] | None = None) -> Any:
     spec = _check_name(name)
     cls = optimizer_class(name)
+    if name == "prodigy":  # FSDP2 shards: its step-size sums taken over every process (train/prodigy_fsdp.py)
+        from difftune.train import prodigy_fsdp
+
+        if prodigy_fsdp.sharded(params):
+            if problem := prodigy_fsdp.uneven_problem(params):
+                raise ValueError(problem)
+            cls = prodigy_fsdp.sharded_class(cls)
     kwargs = spec.settings(params, lr, tuple(betas), weight_decay, eps) | (settings or {})
     with contextlib.redirect_stdout(io.StringIO()):  # prodigy prints "Using decoupled weight decay"
         optimizer = cls(params, **kwargs)
     if schedule_free(optimizer):
         optimizer.train()  # schedule-free optimizers start in eval mode; training steps need train mode
+        # train() left an empty state entry per parameter; torch.distributed.checkpoint takes a non-empty state for
+        # an initialised one, so an FSDP resume read no tensor into it (z was lost: a 5e-4 loss difference, or with
+        # FULL_STATE_DICT "Expected device to be set"). A fresh optimizer has no state.
+        optimizer.state.clear()
     return optimizer
 
 

@@ -8,9 +8,11 @@ Import-light on purpose (no diffusers, no peft): `difftune check` and the early 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 from difftune.config import ImageDataset, RunConfig
+from difftune.config.datasets import REMOTE_TYPES
 from difftune.data.buckets import SizeRule
 from difftune.data.captions import CaptionRule, CaptionTable
 from difftune.data.discovery import DatasetSpec, Discovery, discover
@@ -61,12 +63,29 @@ def frame_rule(run_cfg: RunConfig, ds: ImageDataset) -> FrameRule | None:
     return FrameRule(v.num_frames, fps, v.bucket_strategy, least, v.max_frames, v.frame_interval)
 
 
+def downloaded_captions(strategy: str) -> str:
+    """A downloaded dataset's caption column is written as a caption file beside each image (data/sources/)."""
+    return "textfile" if strategy in REMOTE_TYPES else strategy
+
+
+def fetch_sources(run_cfg: RunConfig, say: Callable[[str], None] = print) -> None:
+    """Download the datasets of a remote type (huggingface, csv, aws) into their folders; local ones are left."""
+    datasets = [*run_cfg.datasets.discovered(), *run_cfg.datasets.validation_only.values()]
+    if any(ds.type != "local" for ds in datasets):
+        from difftune.data.sources import SourceError, fetch_all
+
+        try:
+            fetch_all(datasets, say)
+        except SourceError as e:
+            raise DataError(str(e)) from e
+
+
 def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
     pairs, masks = run_cfg.datasets.conditioning_dir(ds), run_cfg.datasets.mask_dir(ds)
     return DatasetSpec(
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
-        captions=CaptionRule(ds.caption_strategy, ds.instance_prompt, ds.prepend_instance_prompt,
-                             ds.only_instance_prompt),
+        captions=CaptionRule(downloaded_captions(ds.caption_strategy), ds.instance_prompt, ds.prepend_instance_prompt,
+                             ds.only_instance_prompt, split_lines=not ds.disable_multiline_split),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
@@ -89,7 +108,11 @@ def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
     return found
 
 
-def discover_all(run_cfg: RunConfig, write_metadata: bool = True) -> list[Discovery]:
+def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True) -> list[Discovery]:
+    """Every dataset's usable files. `fetch`: download remote datasets first (process 0 of a run does it before
+    the others discover; the web UI never downloads)."""
+    if fetch:
+        fetch_sources(run_cfg)
     found = [
         limit(discover(dataset_spec(run_cfg, ds, rule, write_metadata)), ds.max_num_samples)
         for ds, rule in zip(run_cfg.datasets.discovered(), size_rules(run_cfg), strict=True)

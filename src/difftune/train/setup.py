@@ -30,14 +30,14 @@ from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
-from difftune.train.events import Events
+from difftune.train.events import Events, failures_reported
 from difftune.train.fsdp import Sharded, ram_efficient, shard, transformer_on_meta
 from difftune.train.lr_schedule import build_lr_scheduler, learning_rate
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
 from difftune.train.optimizers import build_optimizer
-from difftune.train.plan import DataError, discover_all, size_rules
+from difftune.train.plan import DataError, discover_all, fetch_sources, size_rules
 from difftune.train.throughput import Throughput
 from difftune.train.torch_options import apply_torch_options
 
@@ -125,7 +125,8 @@ def build_data(
         )
     # Partial batches cannot be split evenly between processes: with several, only full ones are used.
     keep_partial = cfg.disable_bucket_pruning and ranks.count == 1
-    sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=keep_partial)
+    sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=keep_partial,
+                            uniform=cfg.data_backend_sampling == "uniform")
     data = TrainingData(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
@@ -157,7 +158,10 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     ranks = ranks or Ranks()
     cfg = run_cfg.train
     family = get_family(cfg.model_family)
-    found = discover_all(run_cfg, write_metadata=ranks.main)
+    if ranks.main:  # datasets of type huggingface, csv or aws are downloaded once, by one process
+        fetch_sources(run_cfg, lambda message: events.emit("info", message=message))
+    ranks.barrier()
+    found = discover_all(run_cfg, write_metadata=ranks.main, fetch=False)
     for path, reason in (item for d in found for item in d.skipped):
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
     events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} usable files "
@@ -215,6 +219,14 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
+    webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
+    with failures_reported(events, "setup"):  # a failure from here on is an "error" event the webhooks send
+        return _build(run_cfg, accelerator, ranks, events)
+
+
+def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: Events) -> Run:
+    cfg = run_cfg.train
+    output_dir = Path(cfg.output_dir)
     trackers.attach(cfg, accelerator, events, output_dir, ranks.main)  # report_to: events -> trackers
     prepared = prepare_data(run_cfg, events, accelerator.device, ranks)
     family, comps, data = prepared.family, prepared.comps, prepared.data
@@ -266,7 +278,6 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         aligner.prepare(accelerator, ranks.count)
     run.throughput = throughput.build(cfg, family, comps.transformer, tread.check(cfg.tread_config, family,
                                       comps.transformer), run.first_frame, accelerator.device, events.emit)
-    webhooks.attach(run)  # webhook_config: messages POSTed in the background; closed last
     scripts.attach(run)  # post_checkpoint_script, post_upload_script: before the uploader (closed after it)
     hub.attach(run_cfg, run)  # push_to_hub: checkpoint and final uploads, in the background
     return run

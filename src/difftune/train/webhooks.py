@@ -4,11 +4,13 @@
 A `WebhookNotifier` subscribes to the run's events on process 0 and turns them into messages: the start, a progress
 event every webhook_reporting_interval steps ('raw' webhooks only, as SimpleTuner), each validation's samples (one
 message per validation; Discord: the files attached, at most 10 a message; raw: JSON with the paths and the PNGs as
-base64), checkpoints, warnings, errors and the end. Each webhook has its own background thread and bounded queue, so
-training never waits on the network and one slow endpoint never delays another: a full queue drops the message,
-a failed POST is retried (`ATTEMPTS`, growing pauses; an HTTP 429's retry_after is honoured), and what fails in the
-end is a "warning" event, at most one a minute per webhook. When the run ends (`Events.close`) the queues are
-flushed for at most `FINAL_WAIT_S` seconds. The URLs are secrets: messages name a webhook by `Webhook.masked`.
+base64), checkpoints, warnings, errors and the end. It is attached as soon as the run's event log exists
+(setup.build_run), so a run that fails before its first step (discovery, loading the model, caching) sends that error
+too (`events.failures_reported`); setup's warnings are not sent. Each webhook has its own background thread and
+bounded queue, so training never waits on the network and one slow endpoint never delays another: a full queue
+drops the message, a failed POST is retried (`ATTEMPTS`, growing pauses; an HTTP 429's retry_after is honoured),
+and what fails in the end is a "warning" event, at most one a minute per webhook. When the run ends, or fails
+(`Events.close`), the queues are flushed for at most `FINAL_WAIT_S` seconds. The URLs are secrets: messages name a webhook by `Webhook.masked`.
 
 Sent with urllib (no new dependency): raw webhooks get `application/json`, Discord `multipart/form-data` with a
 `content` field and the files as file0, file1, ... (SimpleTuner's request).
@@ -120,8 +122,8 @@ class Sender:
             return
         more = f" ({self.suppressed} more webhook problems were not reported)" if self.suppressed else ""
         self.last_warning, self.suppressed = now, 0
-        self.notifier.run.events.emit("warning", source=SOURCE, message=f"webhook {self.hook.kind} "
-                                      f"{self.hook.masked}: {text}; training went on{more}")
+        self.notifier.events.emit("warning", source=SOURCE, message=f"webhook {self.hook.kind} "
+                                  f"{self.hook.masked}: {text}; training went on{more}")
 
 
 def retry_after(e: HTTPError) -> float:
@@ -164,8 +166,8 @@ def png_base64(path: Path) -> str | None:
 class WebhookNotifier:
     name = "webhooks"
 
-    def __init__(self, run: Any, hooks: list[Webhook]):
-        self.run, self.cfg = run, run.cfg
+    def __init__(self, cfg: Any, events: Any, hooks: list[Webhook]):
+        self.cfg, self.events = cfg, events
         self.project = self.cfg.tracker_project_name or "difftune"
         # SimpleTuner's job id (SIMPLETUNER_JOB_ID), else the run's name
         self.job_id = os.environ.get("SIMPLETUNER_JOB_ID") or self.cfg.tracker_run_name
@@ -175,6 +177,7 @@ class WebhookNotifier:
         self.loss: float | None = None
         self.total = 0
         self.last: tuple[int, float] | None = None  # (step, elapsed) of the previous progress event
+        self.started = False  # before the "start" event (loading, caching) only a failure is sent
 
     def __call__(self, kind: str, record: dict[str, Any]) -> None:
         if record.get("source") == SOURCE:
@@ -205,7 +208,10 @@ class WebhookNotifier:
 
     def _message(self, kind: str, record: dict[str, Any]) -> Message | None:
         step = record.get("step")
+        if not self.started and kind not in ("start", "error", "stopped"):
+            return None  # setup's warnings (a skipped file each) are in the log and the data report
         if kind == "start":
+            self.started = True
             self.total = record.get("total_steps", 0)
             self.last = (step or 0, 0.0)
             text = (f"Training resumed at step {step} of {self.total}" if step else
@@ -229,7 +235,8 @@ class WebhookNotifier:
             return Message("warning", f"Warning: {record['message']}", self._payload(
                 "notification", "warning", "Warning", record["message"], step))
         if kind == "error":
-            text = f"Training failed at step {step}: {record['message']}"
+            when = "before its first step" if record.get("stage") == "setup" else f"at step {step}"
+            text = f"Training failed {when}: {record['message']}"
             return Message("error", text, self._payload("error", "error", "Training failed", text, step,
                                                         data={"traceback": (record.get("traceback") or "")[-4000:]}))
         if kind in ("done", "stopped"):
@@ -296,13 +303,14 @@ class WebhookNotifier:
                 sender.last_warning = -float("inf")
                 sender.warn(f"messages were still unsent after {FINAL_WAIT_S:g} s; the run ends without them")
             elif sender.suppressed:
-                sender.notifier.run.events.emit("warning", source=SOURCE, message=f"webhook {sender.hook.kind} "
-                                                f"{sender.hook.masked}: {sender.suppressed} more webhook problems "
-                                                "were not reported")
+                self.events.emit("warning", source=SOURCE, message=f"webhook {sender.hook.kind} "
+                                 f"{sender.hook.masked}: {sender.suppressed} more webhook problems were not reported")
 
 
-def attach(run: Any) -> None:
-    """Subscribe the notifier to the run's events (process 0, webhook_config set). First of the background
-    subscribers: subscribers close last-attached first, so the scripts' and uploads' last warnings reach it."""
-    if run.ranks.main and run.cfg.webhook_config:
-        run.events.subscribers.append(WebhookNotifier(run, run.cfg.webhooks()))
+def attach(cfg: Any, events: Any, main: bool) -> None:
+    """Subscribe the notifier to the run's events (process 0, webhook_config set). The first subscriber, attached
+    as soon as the event log exists (setup.build_run), so a failure while loading or caching is sent too, and
+    closed last (subscribers close last-attached first), so the trackers', scripts' and uploads' last warnings
+    reach it."""
+    if main and cfg.webhook_config:
+        events.subscribers.append(WebhookNotifier(cfg, events, cfg.webhooks()))

@@ -87,10 +87,15 @@ def train_fields() -> list[dict[str, Any]]:
 
 
 def dataset_fields() -> dict[str, dict[str, Any]]:
-    """dataset_type -> description of its entry model (what the schema offers, video when it lands)."""
+    """dataset_type -> description of its entry model (what the schema offers, video when it lands). An 'eval'
+    entry is an image entry without the keys it always refuses (they act on training only)."""
     from difftune.config.datasets import DATASET_MODELS
+    from difftune.config.eval_keys import TRAINING_ONLY
 
-    return {kind: describe_model(model) for kind, model in DATASET_MODELS.items()}
+    kinds = {kind: describe_model(model) for kind, model in DATASET_MODELS.items()}
+    if "eval" in kinds:
+        kinds["eval"]["fields"] = [f for f in kinds["eval"]["fields"] if f["name"] not in TRAINING_ONLY]
+    return kinds
 
 
 def form_schema() -> dict[str, Any]:

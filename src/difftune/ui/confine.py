@@ -169,6 +169,10 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
             _walk(roots, ds.model_dump(), kinds[ds.dataset_type]["fields"], where, "", problems, refused, False)
         if not isinstance(ds, ImageDataset):
             continue
+        if ds.type != "local":  # a download (credentials, a folder filled from outside) is the command line's job
+            problems.append(f"{where}: type {ds.type!r}: the web UI trains local folders only; download the dataset "
+                            "with `difftune check` and use type 'local' with its folder, or start this run with "
+                            "`difftune train`")
         if (table := caption_table_path(roots, ds)) is not None:
             problems += _default(roots, table, f"{where}: parquet.path", "")
         if family is None:

@@ -300,7 +300,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         from difftune.train.plan import DataError, discover_all
 
         try:
-            found = discover_all(run_cfg, write_metadata=False)
+            found = discover_all(run_cfg, write_metadata=False, fetch=False)
         except DataError as e:
             raise ApiError(422, str(e)) from e
         prediction = predict(run_cfg.train, found, body.processes)

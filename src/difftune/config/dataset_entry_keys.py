@@ -1,0 +1,87 @@
+"""SimpleTuner's dataset-entry keys (its DATALOADER.md) that need more than a field of config/datasets.py: spellings,
+switched-off blocks, and the checks between an entry and the rest of the run. config/load.py calls each in one line.
+The keys difftune does not implement are in config/pending.py (PENDING_DATASET_KEYS, PENDING_VALUES).
+
+- `disable` is SimpleTuner's other spelling of `disabled`;
+- `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
+  switched on they are refused by config/pending.py;
+- `conditioning_data` as a list of one id is that id; several ids are refused (a dataset pairs with one);
+- a text_embeds entry with both `text_encoder_batch_size` and `write_batch_size`: the first sets the batch, a note
+  says the second is not used;
+- a conditioning entry's `source_dataset_id` must name an image dataset that pairs with it (`conditioning_data`);
+- `video.is_i2v` must agree with the flavour: true with a text-to-video flavour is refused; false with an
+  image-to-video flavour is overridden with a note, as SimpleTuner does.
+Import-light: no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ENTRY_ALIASES = {"disable": "disabled"}
+SWITCHED_BLOCKS = {"caption_shuffle": "enable", "grounding": "enabled"}  # block -> its on/off key
+
+
+def prepare(entry: dict[str, Any], where: str, problems: list[str]) -> dict[str, Any]:
+    """The entry with switched-off blocks dropped and a one-id conditioning_data list unwrapped."""
+    from difftune.config.pending import coerce
+
+    out = dict(entry)
+    for block, switch in SWITCHED_BLOCKS.items():
+        value = out.get(block)
+        if isinstance(value, dict) and coerce(value.get(switch, False)) in (False, None):
+            del out[block]  # off: SimpleTuner does nothing with the rest of the block either
+    ids = out.get("conditioning_data")
+    if isinstance(ids, list):
+        if len(ids) == 1:
+            out["conditioning_data"] = ids[0]
+        else:
+            del out["conditioning_data"]
+            problems.append(f"{where}: conditioning_data: {ids!r}: a dataset pairs with one conditioning dataset "
+                            "(SimpleTuner's several, drawn at random or stitched, are not implemented yet); name one")
+    return out
+
+
+def notes(where: str, item: Any) -> list[str]:
+    """What a validated entry's settings mean that the user may not expect."""
+    from difftune.config.datasets import TextEmbedsDataset
+
+    if isinstance(item, TextEmbedsDataset) and item.text_encoder_batch_size and "write_batch_size" in item.model_fields_set:
+        return [f"{where}: write_batch_size is not used: text_encoder_batch_size sets the captions per text-encoder "
+                "pass, and each embedding is written as its own file; remove write_batch_size"]
+    return []
+
+
+def check_sources(path: Path, images: list[Any], conditioning: dict[str, Any], problems: list[str]) -> None:
+    """source_dataset_id of each enabled conditioning entry names an image dataset pairing with it."""
+    for ident, entry in conditioning.items():
+        source = entry.source_dataset_id
+        if source is None:
+            continue
+        ds = next((d for d in images if d.id == source), None)
+        if ds is None:
+            problems.append(f"{path}: dataset {ident!r}: source_dataset_id {source!r} names no enabled image or video "
+                            "dataset; fix the name or remove it")
+        elif ds.conditioning_data != ident:
+            problems.append(f"{path}: dataset {ident!r}: source_dataset_id {source!r}: dataset {source!r} does not "
+                            f"pair with this one; set its conditioning_data to {ident!r} (pairs are made by "
+                            "conditioning_data) or remove source_dataset_id")
+
+
+def check_video(train: Any, plan: Any, path: Path, problems: list[str]) -> None:
+    """video.is_i2v against the flavour (FAMILY_FACTS: which flavours train image-to-video)."""
+    from difftune.models.registry import FAMILY_FACTS
+
+    facts = FAMILY_FACTS[train.model_family]
+    flavour = train.flavour()
+    for ds in plan.discovered():
+        wanted = ds.video.is_i2v if ds.video is not None else None
+        if wanted is True and not facts.first_frame(flavour):
+            choices = ", ".join(sorted(facts.first_frame_flavours)) or f"none for {train.model_family}"
+            problems.append(f"{path}: dataset {ds.id!r}: video.is_i2v: true asks for image-to-video training, which "
+                            f"the flavour decides here and {flavour!r} is text-to-video; pick an image-to-video "
+                            f"flavour ({choices}) or set is_i2v to false")
+        elif wanted is False and facts.first_frame(flavour):
+            plan.notes.append(f"{path}: dataset {ds.id!r}: video.is_i2v false is overridden: flavour {flavour!r} "
+                              "trains every clip image-to-video (SimpleTuner forces is_i2v for it too); remove is_i2v")
