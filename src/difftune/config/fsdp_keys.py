@@ -1,4 +1,4 @@
-"""Cross-key checks of the FSDP keys (`fsdp_*`), called from TrainConfig's validator.
+"""The FSDP keys (`fsdp_*`), mixed into TrainConfig, and their cross-key checks, called from TrainConfig's validator.
 
 FSDP2 itself is in train/fsdp.py. What is refused here does not run there, so each message names the
 key and the way out. Import-light: no torch.
@@ -6,7 +6,42 @@ key and the way out. Import-light: no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from difftune.config.fields import field
+
+
+class FsdpKeys(BaseModel):
+    fsdp_enable: bool = field(
+        False, "Shard the transformer's weights, gradients and optimizer state between the processes (FSDP2) "
+        "instead of copying the whole model to each (DDP, the default). For models too large for one "
+        "accelerator (Kandinsky 5 Video Pro); launch with `accelerate launch --num_processes N`. LoRA or full; "
+        "not with use_ema, LyCORIS, a quantized base or fp16.", "memory", advanced=True,
+    )
+    fsdp_version: int = field(2, "FSDP version: only 2 (torch's fully_shard).", "memory", advanced=True)
+    fsdp_reshard_after_forward: bool = field(
+        True, "Free each block's gathered weights after its forward pass and gather them again for the backward "
+        "pass (less memory, more communication); false keeps them until the backward pass.", "memory",
+        advanced=True,
+    )
+    fsdp_state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = field(
+        "SHARDED_STATE_DICT", "How checkpoints hold the optimizer state under FSDP: 'SHARDED_STATE_DICT' (each "
+        "process writes its own shard; never gathered whole) or 'FULL_STATE_DICT' (gathered by process 0 into one "
+        "file). Weights are always gathered into the usual result files.", "memory", advanced=True,
+    )
+    fsdp_cpu_ram_efficient_loading: bool = field(
+        False, "With fsdp_enable and several processes: only process 0 reads the transformer's weights into CPU "
+        "memory; the others build it empty (on the meta device) and receive their shards, and the adapter's "
+        "initial weights, from process 0. False: every process loads the whole transformer, then keeps its shard.",
+        "memory", advanced=True,
+    )
+    fsdp_transformer_layer_cls_to_wrap: list[str] | None = field(
+        None, "Class names of the blocks sharded as one unit each (comma-separated on the command line). Empty: "
+        "the family's transformer blocks, found in the loaded model.", "memory", advanced=True,
+    )
+
 
 
 def fsdp_checks(cfg: Any) -> None:

@@ -1,10 +1,51 @@
-"""Cross-key checks of block streaming (`enable_group_offload`, `group_offload_*`, `musubi_blocks_to_swap`),
-called from TrainConfig's validator. The streaming itself is train/offload.py. Import-light: no torch.
+"""The block-streaming keys (`enable_group_offload`, `group_offload_*`, `musubi_blocks_to_swap`), mixed into
+TrainConfig, and their cross-key checks, called from TrainConfig's validator. The streaming itself is
+train/offload.py. Import-light: no torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from difftune.config.fields import field
+
+
+class OffloadKeys(BaseModel):
+    enable_group_offload: bool = field(
+        False, "Stream the transformer's blocks: the frozen base weights of every block live in CPU memory and are "
+        "copied to the accelerator one group of blocks at a time, in the forward and again (last to first) in the "
+        "backward pass; at most 2 groups (the running one and the next) are there at once. Embedders, norms, the "
+        "final layer and the adapter stay resident. For 16-24 GB cards; pairs well with gradient_checkpointing "
+        "(which bounds the memory of the backward pass too). LoRA and LyCORIS, not a full fine-tune; never with "
+        "enable_model_cpu_offload.", "memory",
+    )
+    group_offload_type: Literal["block_level", "leaf_level"] = field(
+        "block_level", "With enable_group_offload: what moves as one piece. 'block_level' (groups of "
+        "group_offload_blocks_per_group transformer blocks) is the one implemented.", "memory", advanced=True,
+    )
+    group_offload_blocks_per_group: int = field(
+        1, "With enable_group_offload: transformer blocks per group (more: fewer, larger copies; the accelerator "
+        "holds up to twice this many blocks).", "memory", ge=1, advanced=True,
+    )
+    group_offload_use_stream: bool = field(
+        False, "With enable_group_offload: copy the next group while the current one computes (a side CUDA "
+        "stream, from pinned memory); off, each group is copied when it is needed. Accepted without CUDA, where "
+        "the copies simply run in turn (synchronously).", "memory", advanced=True,
+    )
+    group_offload_to_disk_path: str | None = field(
+        None, "Offloading the streamed weights to disk instead of CPU memory is not implemented yet: leave empty "
+        "(the weights stay in CPU memory).", "memory", advanced=True,
+    )
+    musubi_blocks_to_swap: int | None = field(
+        None, "SimpleTuner's block swap: stream only the last N blocks of the main block stack (Lumina2 'layers', "
+        "Kandinsky 5 'visual_transformer_blocks') one block at a time with the next one prefetched; the other "
+        "blocks stay resident. A larger N saves more memory and costs more copying; N above the stack's size "
+        "streams the whole stack. Empty or 0: off. An alternative to enable_group_offload (not both).", "memory",
+        ge=0, advanced=True,
+    )
+
 
 
 def offload_checks(cfg: Any) -> None:

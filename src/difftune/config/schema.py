@@ -22,9 +22,11 @@ from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
 from difftune.config.fields import field
+from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
 from difftune.config.mask_keys import MaskKeys
+from difftune.config.offload_keys import OffloadKeys
 from difftune.config.optimizer_keys import OptimizerKeys
 from difftune.config.precision_keys import PrecisionKeys
 from difftune.config.rollout_keys import RolloutKeys
@@ -48,7 +50,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                   ValidationTriggerKeys, ScheduleKeys, PrecisionKeys,  # config/validation_triggers.py
                   ExtraTrainKeys, ExtraOutputKeys, LoraKeys,  # config/extra_*_keys.py, lora_keys.py
                   OptimizerKeys, EvalKeys, MaskKeys,  # config/optimizer_keys.py, eval_keys.py, mask_keys.py
-                  WebhookKeys):  # config/webhook_keys.py
+                  WebhookKeys, OffloadKeys, FsdpKeys):  # config/webhook_keys.py, offload_keys.py, fsdp_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -277,68 +279,6 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "CPU memory (the sample's peak is the larger model's, not both); while the caches fill, the transformer "
         "stays off the accelerator (as offload_during_startup). Costs a model transfer per validation sample. "
         "Never with enable_group_offload.", "memory", advanced=True,
-    )
-    # --- block streaming (train/offload.py; the checks are in config/offload_keys.py)
-    enable_group_offload: bool = field(
-        False, "Stream the transformer's blocks: the frozen base weights of every block live in CPU memory and are "
-        "copied to the accelerator one group of blocks at a time, in the forward and again (last to first) in the "
-        "backward pass; at most 2 groups (the running one and the next) are there at once. Embedders, norms, the "
-        "final layer and the adapter stay resident. For 16-24 GB cards; pairs well with gradient_checkpointing "
-        "(which bounds the memory of the backward pass too). LoRA and LyCORIS, not a full fine-tune; never with "
-        "enable_model_cpu_offload.", "memory",
-    )
-    group_offload_type: Literal["block_level", "leaf_level"] = field(
-        "block_level", "With enable_group_offload: what moves as one piece. 'block_level' (groups of "
-        "group_offload_blocks_per_group transformer blocks) is the one implemented.", "memory", advanced=True,
-    )
-    group_offload_blocks_per_group: int = field(
-        1, "With enable_group_offload: transformer blocks per group (more: fewer, larger copies; the accelerator "
-        "holds up to twice this many blocks).", "memory", ge=1, advanced=True,
-    )
-    group_offload_use_stream: bool = field(
-        False, "With enable_group_offload: copy the next group while the current one computes (a side CUDA "
-        "stream, from pinned memory); off, each group is copied when it is needed. Accepted without CUDA, where "
-        "the copies simply run in turn (synchronously).", "memory", advanced=True,
-    )
-    group_offload_to_disk_path: str | None = field(
-        None, "Offloading the streamed weights to disk instead of CPU memory is not implemented yet: leave empty "
-        "(the weights stay in CPU memory).", "memory", advanced=True,
-    )
-    musubi_blocks_to_swap: int | None = field(
-        None, "SimpleTuner's block swap: stream only the last N blocks of the main block stack (Lumina2 'layers', "
-        "Kandinsky 5 'visual_transformer_blocks') one block at a time with the next one prefetched; the other "
-        "blocks stay resident. A larger N saves more memory and costs more copying; N above the stack's size "
-        "streams the whole stack. Empty or 0: off. An alternative to enable_group_offload (not both).", "memory",
-        ge=0, advanced=True,
-    )
-
-    # --- several processes: FSDP2 (train/fsdp.py; the checks are in config/fsdp_keys.py)
-    fsdp_enable: bool = field(
-        False, "Shard the transformer's weights, gradients and optimizer state between the processes (FSDP2) "
-        "instead of copying the whole model to each (DDP, the default). For models too large for one "
-        "accelerator (Kandinsky 5 Video Pro); launch with `accelerate launch --num_processes N`. LoRA or full; "
-        "not with use_ema, LyCORIS, a quantized base or fp16.", "memory", advanced=True,
-    )
-    fsdp_version: int = field(2, "FSDP version: only 2 (torch's fully_shard).", "memory", advanced=True)
-    fsdp_reshard_after_forward: bool = field(
-        True, "Free each block's gathered weights after its forward pass and gather them again for the backward "
-        "pass (less memory, more communication); false keeps them until the backward pass.", "memory",
-        advanced=True,
-    )
-    fsdp_state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = field(
-        "SHARDED_STATE_DICT", "How checkpoints hold the optimizer state under FSDP: 'SHARDED_STATE_DICT' (each "
-        "process writes its own shard; never gathered whole) or 'FULL_STATE_DICT' (gathered by process 0 into one "
-        "file). Weights are always gathered into the usual result files.", "memory", advanced=True,
-    )
-    fsdp_cpu_ram_efficient_loading: bool = field(
-        False, "With fsdp_enable and several processes: only process 0 reads the transformer's weights into CPU "
-        "memory; the others build it empty (on the meta device) and receive their shards, and the adapter's "
-        "initial weights, from process 0. False: every process loads the whole transformer, then keeps its shard.",
-        "memory", advanced=True,
-    )
-    fsdp_transformer_layer_cls_to_wrap: list[str] | None = field(
-        None, "Class names of the blocks sharded as one unit each (comma-separated on the command line). Empty: "
-        "the family's transformer blocks, found in the loaded model.", "memory", advanced=True,
     )
     tread_config: TreadConfig | None = field(
         None, "TREAD token routing (faster training): a share of the image/video tokens skips a span of blocks and "
