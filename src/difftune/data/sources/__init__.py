@@ -39,7 +39,7 @@ class SourceError(Exception):
 def fetch_all(datasets: Iterable[ImageDataset], say: Callable[[str], None] = print) -> None:
     """Download every dataset of a remote type into its folder (a no-op for local folders)."""
     for ds in datasets:
-        if ds.type == "local":  # (disabled entries never reach the plan)
+        if ds.type == "local" or ds.disabled:
             continue
         folder = Path(ds.instance_data_dir).expanduser()
         module = importlib.import_module(f"difftune.data.sources.{MODULES[ds.type]}")
