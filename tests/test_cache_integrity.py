@@ -239,3 +239,30 @@ def test_training_on_a_compressed_cache_matches_the_plain_one(tmp_path, dataset)
         train(run)
         losses.append([e["loss"] for e in events_of(tmp_path / name / "out") if e["event"] == "step"])
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_a_killed_writers_temporary_file_is_removed_when_the_cache_opens_again(tmp_path):
+    """A run killed mid-write leaves its temporary file; the next run that opens the cache removes it, but never
+    a file another live process is still writing (several processes fill one cache), nor another host's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from difftune.data.cache import TensorCache
+
+    cache = TensorCache(tmp_path, {"kind": "test"})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    shard = cache.folder / "ab"
+    shard.mkdir()
+    leftover = shard / f".part-{host}-{dead}-k1ll3d_x.tmp"
+    writing = shard / f".part-{host}-{os.getpid()}-w0rking_.tmp"
+    elsewhere = shard / f".part-other-host-{dead}-r3mote__.tmp"
+    for path in (leftover, writing, elsewhere):
+        path.write_bytes(b"half an entry")
+    entry = cache.put("key", {"latents": torch.ones(2)})
+    assert entry.exists() and set(entry.parent.glob(f".part-{host}-{os.getpid()}-*")) <= {writing}  # put leaves none
+    TensorCache(tmp_path, {"kind": "test"})
+    assert not leftover.exists() and writing.exists() and elsewhere.exists()

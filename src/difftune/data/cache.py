@@ -25,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
 import zlib
 from collections.abc import Callable, Iterable
@@ -159,6 +161,7 @@ class TensorCache:
         self.compress = compress
         self.folder = Path(root) / fingerprint(identity)
         self.folder.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(self.folder)  # a killed run's half-written entries
         meta = self.folder / "fingerprint.json"
         if not meta.exists():
             _atomic_write(meta, json.dumps(identity, indent=2, sort_keys=True, default=str).encode())
@@ -201,7 +204,7 @@ class TensorCache:
             raise DamagedEntry(f"the encoder produced NaN or inf in {bad!r}; nothing was cached")
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
         os.close(fd)
         try:
             blob = save(tensors, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
@@ -249,8 +252,33 @@ def intact(path: Path) -> bool:
         return False
 
 
+def _writer_prefix() -> str:
+    """Temporary files name their writer (host and process), so a later run can tell a killed writer's leftover
+    from a file another live process is still writing into the same cache (several processes cache at once)."""
+    return f".part-{socket.gethostname()}-{os.getpid()}-"
+
+
+_PART = re.compile(r"^\.part-(?P<host>.+)-(?P<pid>\d+)-[^-]*\.tmp$")
+
+
+def clean_leftovers(folder: Path) -> None:
+    """Remove the temporary files of writers on this host that are gone (a run killed mid-write)."""
+    host = socket.gethostname()
+    for path in [*folder.glob("*.tmp"), *folder.glob("*/*.tmp")]:
+        found = _PART.match(path.name)
+        if found is None or found["host"] != host:
+            continue
+        try:
+            os.kill(int(found["pid"]), 0)
+            continue  # its writer is alive (or the pid was reused: left alone, the safe side)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (PermissionError, OverflowError, OSError):
+            continue
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
