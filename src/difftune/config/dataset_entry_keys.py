@@ -3,6 +3,7 @@ switched-off blocks, and the checks between an entry and the rest of the run. co
 The keys difftune does not implement are in config/pending.py (PENDING_DATASET_KEYS, PENDING_VALUES).
 
 - `disable` is SimpleTuner's other spelling of `disabled`;
+- `ignore_epochs` on an image, video or eval dataset is dropped with a note (a no-op in SimpleTuner too);
 - `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
   switched on they are refused by config/pending.py;
 - `conditioning_data` as a list of one id is that id; several ids are refused (a dataset pairs with one);
@@ -23,11 +24,16 @@ ENTRY_ALIASES = {"disable": "disabled"}
 SWITCHED_BLOCKS = {"caption_shuffle": "enable", "grounding": "enabled"}  # block -> its on/off key
 
 
-def prepare(entry: dict[str, Any], where: str, problems: list[str]) -> dict[str, Any]:
-    """The entry with switched-off blocks dropped and a one-id conditioning_data list unwrapped."""
+def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[str]) -> dict[str, Any]:
+    """The entry with switched-off blocks dropped, a one-id conditioning_data list unwrapped, and an image dataset's
+    ignore_epochs dropped with a note (it is in SimpleTuner's own examples, where it is a no-op too)."""
     from difftune.config.pending import coerce
 
     out = dict(entry)
+    if "ignore_epochs" in out and out.get("dataset_type", "image") in ("image", "video", "eval"):
+        del out["ignore_epochs"]
+        notes.append(f"{where}: ignore_epochs does nothing (SimpleTuner deprecated it and ignores it as well: "
+                     "every dataset's batches count towards an epoch); remove it")
     for block, switch in SWITCHED_BLOCKS.items():
         value = out.get(block)
         if isinstance(value, dict) and coerce(value.get(switch, False)) in (False, None):

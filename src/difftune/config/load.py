@@ -222,10 +222,6 @@ def load_datasets(
                             f"{'cache_dir' if kind == 'text_embeds' else 'instance_data_dir'}, and remove its "
                             f"{entry['type']} keys")
             continue
-        if model is ImageDataset and "ignore_epochs" in entry:  # in SimpleTuner's own examples; a no-op there too
-            entry = {k: v for k, v in entry.items() if k != "ignore_epochs"}
-            notes.append(f"{where}: ignore_epochs does nothing (SimpleTuner deprecated it and ignores it as well: "
-                         "every dataset's batches count towards an epoch); remove it")
         if model is ImageDataset:
             entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS
                         and (k not in AWS_KEYS or entry.get("type") == "aws")  # aws_*: type 'aws' only
@@ -233,7 +229,7 @@ def load_datasets(
                         and not (k == "caption_strategy" and entry.get("type") == "huggingface")}, **entry}
         if model is ConditioningDataset:  # SimpleTuner's image settings on it: checked against its images below
             entry, mirrored[str(entry.get("id"))], unused[str(entry.get("id"))] = conditioning_keys.split(entry)
-        entry = dataset_entry_keys.prepare(entry, where, problems)  # switched-off blocks, a one-id list
+        entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
         if item is None:
