@@ -162,7 +162,7 @@ WRONG = [["image"], {"a": 1}, 12345, 1.5, True, None, "x"]
 
 def _dataset_keys():
     keys = set(ImageDataset.model_fields) | set(TextEmbedsDataset.model_fields)
-    return sorted(keys | {"video", "parquet", "is_regularisation_data", "vae_cache_clear_each_epoch"})
+    return sorted(keys | {"video", "parquet", "is_regularisation_data"})
 
 
 @pytest.mark.parametrize("key", _dataset_keys())

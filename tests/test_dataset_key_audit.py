@@ -41,11 +41,10 @@ def mask_entry(folder, **extra):
 
 # (key, off value, a value that would act, the entry it is written on)
 PENDING = [
-    ("vae_cache_clear_each_epoch", False, True, "image"), ("vae_cache_clear_each_epoch", None, True, "image"),
     ("hash_filenames", True, False, "image"), ("cache_file_suffix", None, "subject", "image"),
     ("metadata_update_interval", 3600, 60, "image"), ("vae_cache_ondemand", False, True, "image"),
     ("text_cache_ondemand", False, True, "text"), ("text_cache_disable", False, True, "text"),
-    ("caption_filter_list", [], ["arafed"], "text"), ("caption_shuffle", None, {"enable": True}, "image"),
+    ("caption_shuffle", None, {"enable": True}, "image"),
     ("timestep_sampling_offset", 0.0, -0.5, "image"), ("disable_validation", False, True, "image"),
     ("start_epoch", 1, 2, "image"), ("start_step", 0, 300, "image"), ("end_epoch", None, 3, "image"),
     ("end_step", None, 300, "image"), ("slider_strength", 0, 0.5, "image"),
@@ -131,6 +130,25 @@ def test_simpletuner_spellings_of_values(tmp_path, images):
     center = load_config(write_config(tmp_path, images, dataset={"crop": True, "crop_style": "center"}))
     assert centre.datasets.images[0] == center.datasets.images[0]
     assert load_config(write_config(tmp_path, images, dataset={"repeats": None})).datasets.images[0].repeats == 0
+
+
+def test_vae_cache_clear_each_epoch(tmp_path, images):
+    """A new random crop each epoch (behaviour: tests/test_vae_cache_each_epoch.py); with a crop that is not random
+    every epoch would encode the same latents: refused, naming the dataset and the fix."""
+    each = {"crop": True, "crop_style": "random", "vae_cache_clear_each_epoch": True}
+    assert load_config(write_config(tmp_path, images, dataset=each)).datasets.images[0].vae_cache_clear_each_epoch
+    text = problems(write_config(tmp_path, images, dataset={**each, "crop_style": "center"}))
+    assert "vae_cache_clear_each_epoch on dataset 'train': crop_style is 'center'" in text and "'random'" in text
+
+
+def test_caption_filter_list_on_the_text_embeds_entry(tmp_path, images):
+    """SimpleTuner's key of a text_embeds entry (behaviour: tests/test_caption_filter.py); on an image entry it is
+    accepted empty and otherwise refused with the fix (SimpleTuner refuses it there too)."""
+    run = load_config(with_text_entry(tmp_path, images, {"caption_filter_list": ["arafed "]}))
+    assert run.datasets.text_embeds.caption_filter_list == ["arafed "]
+    load_config(write_config(tmp_path, images, dataset={"caption_filter_list": []}))
+    text = problems(write_config(tmp_path, images, dataset={"caption_filter_list": ["arafed "]}))
+    assert "dataset 'train': caption_filter_list:" in text and "move it to the text_embeds entry" in text
 
 
 def test_conditioning_data_as_a_list(tmp_path, images):

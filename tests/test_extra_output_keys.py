@@ -142,7 +142,9 @@ def recorder(tmp_path) -> tuple[str, Path]:
 
 
 def calls(log: Path) -> list[list[str]]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    """The recorded command lines, sorted: the commands run in the background, side by side, so the order in which
+    they write is not the order in which they started."""
+    return sorted(json.loads(line) for line in log.read_text().splitlines()) if log.exists() else []
 
 
 def test_post_checkpoint_script_runs_after_each_checkpoint(tmp_path, dataset):
@@ -204,12 +206,12 @@ def test_post_upload_script_runs_after_each_upload(tmp_path, dataset, monkeypatc
                            "{huggingface_path}")))
     train(run)
     out, hub = run.output_dir, "https://huggingface.co/me/tiny-lora"
-    assert calls(log) == [
+    assert calls(log) == sorted([
         [f"{hub}/tree/main/checkpoints/checkpoint-0000001", str(out / "checkpoints" / "checkpoint-0000001"), "1",
          "me/tiny-lora"],
         [f"{hub}/tree/main/checkpoints/checkpoint-0000002", str(out / "checkpoints" / "checkpoint-0000002"), "2",
          "me/tiny-lora"],
-        [hub, str(out), "2", "me/tiny-lora"]]
+        [hub, str(out), "2", "me/tiny-lora"]])
     # without push_to_hub: once, for the saved result, with no remote path (SimpleTuner runs it without uploads too)
     (tmp_path / "local").mkdir()
     head, log = recorder(tmp_path / "local")

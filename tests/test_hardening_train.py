@@ -23,8 +23,8 @@ def test_nonfinite_data_is_blamed_on_the_data(tmp_path, dataset):
     run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=6, max_nonfinite_steps=2)))
     real = run.data._latents
 
-    def poisoned(chosen):  # a damaged entry that got past every check: the loop must still name it
-        kept, latents, *rest = real(chosen)  # the input images' latents and loss masks, as they are
+    def poisoned(chosen, epoch=0):  # a damaged entry that got past every check: the loop must still name it
+        kept, latents, *rest = real(chosen, epoch)  # the input images' latents and loss masks, as they are
         return kept, latents * float("nan"), *rest
 
     run.data._latents = poisoned

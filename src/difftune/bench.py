@@ -39,7 +39,7 @@ from difftune.train import prefetch
 from difftune.train.events import Events
 from difftune.train.loop import optimizer_step
 from difftune.train.plan import dataset_spec, size_rules
-from difftune.train.setup import DTYPES, build_run, resolve_source
+from difftune.train.setup import DTYPES, build_run, model_sources, resolve_source
 
 TRAIN_IMAGES = 64
 IMAGE_SIZE = (64, 64)
@@ -176,7 +176,7 @@ def bench_cache(root: Path) -> dict[str, float]:
     run_cfg = write_config(root, data_dir)
     cfg, dataset = run_cfg.train, run_cfg.datasets.images[0]
     family = get_family(cfg.model_family)
-    comps = family.load(resolve_source(cfg), DTYPES[cfg.weight_dtype_name()])
+    comps = family.load(model_sources(cfg), DTYPES[cfg.weight_dtype_name()])
     comps.vae.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     samples = discover(dataset_spec(run_cfg, dataset, size_rules(run_cfg)[0])).samples
 

@@ -117,7 +117,8 @@ class CrepaKeys(BaseModel):
     )
     crepa_drop_vae_encoder: bool = field(
         False, "With crepa_enabled: once the latent caches are complete, free the VAE's encoder (CREPA only decodes "
-        "latents), saving its memory during training. Refused with on-the-fly latents (vae_cache_disable) and with "
+        "latents), saving its memory during training. Refused with on-the-fly latents (vae_cache_disable, a dataset's "
+        "vae_cache_clear_each_epoch) and with "
         "validation of image-to-image/video flavours, which encode the input image.", "training", advanced=True,
     )
 
@@ -153,9 +154,10 @@ def _drop_encoder_checks(cfg: Any) -> None:
 
 def crepa_dataset_problems(cfg: Any, datasets: list[Any]) -> list[str]:
     """crepa_drop_vae_encoder against the dataset list (config/load.py, before any model loads): a dataset whose
-    latents are encoded during training (its vae_cache_disable) needs the encoder the option frees."""
+    latents are encoded during training (its vae_cache_disable, or vae_cache_clear_each_epoch) needs the encoder the
+    option frees."""
     if not (cfg.crepa_enabled and cfg.crepa_drop_vae_encoder):
         return []
-    return [f"dataset {ds.id!r}: vae_cache_disable encodes its latents during training, but crepa_drop_vae_encoder "
-            "frees the VAE's encoder after caching; remove vae_cache_disable from the dataset or set "
-            "crepa_drop_vae_encoder to false" for ds in datasets if ds.vae_cache_disable]
+    return [f"dataset {ds.id!r}: {key} encodes its latents during training, but crepa_drop_vae_encoder frees the VAE's "
+            f"encoder after caching; remove {key} from the dataset or set crepa_drop_vae_encoder to false"
+            for ds in datasets for key in ("vae_cache_disable", "vae_cache_clear_each_epoch") if getattr(ds, key)]

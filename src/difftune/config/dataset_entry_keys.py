@@ -2,7 +2,7 @@
 switched-off blocks, and the checks between an entry and the rest of the run. config/load.py calls each in one line.
 The keys difftune does not implement are in config/pending.py (PENDING_DATASET_KEYS, PENDING_VALUES).
 
-- `disable` is SimpleTuner's other spelling of `disabled`;
+- `disable` is SimpleTuner's other spelling of `disabled`, `csv_shorten_filenames` of `shorten_filenames` (type csv);
 - `ignore_epochs` on an image, video or eval dataset is dropped with a note (a no-op in SimpleTuner too);
 - `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
   switched on they are refused by config/pending.py;
@@ -10,8 +10,13 @@ The keys difftune does not implement are in config/pending.py (PENDING_DATASET_K
 - a text_embeds entry with both `text_encoder_batch_size` and `write_batch_size`: the first sets the batch, a note
   says the second is not used;
 - a conditioning entry's `source_dataset_id` must name an image dataset that pairs with it (`conditioning_data`);
+- `caption_filter_list` is a text_embeds entry's key (config/caption_filter_keys.py); on another entry it is
+  accepted empty and otherwise refused with the fix;
 - `video.is_i2v` must agree with the flavour: true with a text-to-video flavour is refused; false with an
   image-to-video flavour is overridden with a note, as SimpleTuner does.
+- `vae_cache_clear_each_epoch` (a field; its checks of the entry alone are in config/datasets.py) is refused on a
+  dataset with image-to-image input images: the text encoder sees the cropped input image, and its embeddings are
+  cached once, at start-up.
 Import-light: no torch.
 """
 
@@ -20,16 +25,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-ENTRY_ALIASES = {"disable": "disabled"}
+ENTRY_ALIASES = {"disable": "disabled", "csv_shorten_filenames": "shorten_filenames"}  # SimpleTuner's spellings
 SWITCHED_BLOCKS = {"caption_shuffle": "enable", "grounding": "enabled"}  # block -> its on/off key
 
 
 def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[str]) -> dict[str, Any]:
     """The entry with switched-off blocks dropped, a one-id conditioning_data list unwrapped, and an image dataset's
     ignore_epochs dropped with a note (it is in SimpleTuner's own examples, where it is a no-op too)."""
+    from difftune.config.caption_filter_keys import prepare_entry
     from difftune.config.pending import coerce
 
     out = dict(entry)
+    prepare_entry(out, where, problems)  # caption_filter_list belongs on the text_embeds entry
     if "ignore_epochs" in out and out.get("dataset_type", "image") in ("image", "video", "eval"):
         del out["ignore_epochs"]
         notes.append(f"{where}: ignore_epochs does nothing (SimpleTuner deprecated it and ignores it as well: "
@@ -91,3 +98,14 @@ def check_video(train: Any, plan: Any, path: Path, problems: list[str]) -> None:
         elif wanted is False and facts.first_frame(flavour):
             plan.notes.append(f"{path}: dataset {ds.id!r}: video.is_i2v false is overridden: flavour {flavour!r} "
                               "trains every clip image-to-video (SimpleTuner forces is_i2v for it too); remove is_i2v")
+
+
+def check_clear_each_epoch(plan: Any, path: Path, problems: list[str]) -> None:
+    """vae_cache_clear_each_epoch against the dataset's input images (image-to-image): their crop follows the
+    target's, and the text encoder, which sees the input image, runs once before training (data/latents.text_key)."""
+    for ds in plan.images:
+        if ds.vae_cache_clear_each_epoch and plan.conditioning_dir(ds) is not None:
+            problems.append(f"{path}: dataset {ds.id!r}: vae_cache_clear_each_epoch draws a new crop each epoch, but "
+                            f"its input images (conditioning_data {ds.conditioning_data!r}) are also seen by the text "
+                            "encoder, whose embeddings are cached once per crop before training; remove "
+                            "vae_cache_clear_each_epoch (its crop is then drawn once per image and seed)")

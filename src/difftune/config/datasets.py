@@ -195,6 +195,14 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
     vae_cache_disable: bool = field(
         False, "Encode this dataset's images on the fly during training; write no latents.", "data", advanced=True
     )
+    vae_cache_clear_each_epoch: bool = field(
+        False, "With crop: true and crop_style 'random': draw a new random crop of every image (or clip) each epoch "
+        "of this dataset, instead of one crop per image and seed kept for the whole run. Its latents are then encoded "
+        "during training (as with vae_cache_disable), once per use: the cost of re-caching them every epoch without "
+        "the disk. The crop's position changes; its aspect (and so its bucket) stays the one drawn per image and seed, "
+        "also with crop_aspect 'random'. A crop that is not random (center, corner, crop: false) is refused: every "
+        "epoch would encode the same latents.", "data", advanced=True,
+    )
     cache_dir_vae: str | None = field(
         None, "Folder of cached latents. Empty: cache/vae/<family>/<id>.", "data"
     )
@@ -252,6 +260,11 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
     def _regularisation_null(cls, v: object) -> object:
         return False if v is None else v  # SimpleTuner writes null for "not set"
 
+    @field_validator("vae_cache_clear_each_epoch", mode="before")
+    @classmethod
+    def _clear_each_epoch_null(cls, v: object) -> object:
+        return False if v is None else v  # SimpleTuner writes null for "not set"
+
     @model_validator(mode="after")
     def _consistent(self) -> ImageDataset:
         if self.video is not None and self.dataset_type not in ("video", "eval"):
@@ -286,10 +299,26 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
             raise ValueError(f"crop_aspect {self.crop_aspect!r} picks from crop_aspect_buckets; give a list such as [0.75, 1.0, 1.33]")
         if self.crop_aspect_buckets and any(a <= 0 for a in self.crop_aspect_buckets):
             raise ValueError("crop_aspect_buckets must be positive width/height ratios")
+        self._check_clear_each_epoch()
         lo, hi = self.minimum_aspect_ratio, self.maximum_aspect_ratio
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("minimum_aspect_ratio is larger than maximum_aspect_ratio")
         return self
+
+    def _check_clear_each_epoch(self) -> None:
+        """vae_cache_clear_each_epoch needs a crop whose position is drawn (data/latents.crop_position): with any
+        other, every epoch would encode the same latents, at the cost of encoding them during training."""
+        if not self.vae_cache_clear_each_epoch:
+            return
+        key = f"vae_cache_clear_each_epoch on dataset {self.id!r}"
+        if self.dataset_type == "eval":
+            raise ValueError(f"{key}: an eval dataset is measured on the same crops every time; remove it")
+        if not self.crop or self.crop_style != "random":
+            what = "crop is false" if not self.crop else f"crop_style is {self.crop_style!r}"
+            aspect = (" (crop_aspect 'random' draws each image's aspect, and so its bucket, once per image and seed "
+                      "here, not each epoch)" if self.crop and self.crop_aspect == "random" else "")
+            raise ValueError(f"{key}: {what}, so every epoch would encode the same crops{aspect}; set crop to true and "
+                             "crop_style to 'random' for a new crop each epoch, or remove vae_cache_clear_each_epoch")
 
     def vae_cache_root(self, family: str) -> str:
         return self.cache_dir_vae or f"cache/vae/{family}/{self.id}"
@@ -322,7 +351,36 @@ class TextEmbedsDataset(BaseModel):
         None, "Write these text embeddings compressed (true) or plain (false). Empty: compress_disk_cache.", "data",
         advanced=True,
     )
+    caption_filter_list: list[str] | str | None = field(
+        None, "Filters for the captions this entry caches: a path to a .txt file (one filter a line, kept as written "
+        "but for the line break) or a .json file (a list of strings), or the list itself. A relative path is taken "
+        "from the working folder. They apply in order to every caption of every dataset using this entry (as in "
+        "SimpleTuner, where the key lives on the text_embeds entry); instance_prompt and the validation prompts "
+        "are not filtered. A filter 's/find/replace/' replaces the first match of the regular expression "
+        "find (flags after the last '/': g every match, i ignore case; \\1 for a group, \\/ for a '/'); any "
+        "other filter is removed where it occurs as written, then wherever it matches as a regular expression "
+        "('arafed ', '(blurry)', '^there is', 'this .* has a'). A caption a filter changed is tidied (runs of spaces "
+        "as one, ends stripped); one it empties is left out when its file has other lines, else trained as an empty "
+        "caption, with a note in the data report. Each "
+        "caption's text embedding is cached by its text, so changing the list encodes only the captions it "
+        "changes.", "data", advanced=True,
+    )
     disabled: bool = field(False, "Leave this entry out. Also spelt disable.", "data")
+
+    @model_validator(mode="after")
+    def _caption_filters(self) -> TextEmbedsDataset:
+        """Every filter read and checked now, before any model loads (not on a disabled entry, whose files are
+        not looked at, as a disabled dataset's folder is not)."""
+        from difftune.config.caption_filter_keys import OFF, build
+
+        if any(self.caption_filter_list == off for off in OFF):
+            self.caption_filter_list = None
+        elif not self.disabled:
+            try:
+                build(self.caption_filter_list)
+            except ValueError as e:
+                raise ValueError(f"caption_filter_list: {e}") from e
+        return self
 
     def encode_batch(self) -> int:
         """Captions per text-encoder pass."""

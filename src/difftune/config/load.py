@@ -36,6 +36,7 @@ from difftune.config.datasets import (
 from difftune.config.eval_keys import check_eval_datasets
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.mask_keys import mask_checks
+from difftune.config.model_source_keys import check_model_sources
 from difftune.config.pending import (
     PENDING_DATASET_KEYS,
     PENDING_TRAIN_KEYS,
@@ -180,7 +181,8 @@ def load_datasets(
     path: Path, problems: list[str], family: str | None = None, defaults: dict[str, Any] | None = None
 ) -> DatasetPlan | None:
     """The dataset list at `path`. `family` fills `{model_family}` and names the default text cache;
-    `defaults`: config-level resolution, resolution_type, minimum_image_size for entries without their own."""
+    `defaults`: config-level resolution, resolution_type, minimum_image_size for entries without their own
+    (text_encoder_batch_size: for text_embeds entries)."""
     raw = _read_json(path, "dataset list", "create it (see config/multidatabackend.json.example) or set "
                      "data_backend_config", problems)
     if not isinstance(raw, list):
@@ -227,6 +229,10 @@ def load_datasets(
                         and (k not in AWS_KEYS or entry.get("type") == "aws")  # aws_*: type 'aws' only
                         # a type 'huggingface' entry reads its caption column unless it says otherwise (SimpleTuner)
                         and not (k == "caption_strategy" and entry.get("type") == "huggingface")}, **entry}
+        text_batch = (defaults or {}).get("text_encoder_batch_size")
+        if model is TextEmbedsDataset and text_batch is not None and entry.get("text_encoder_batch_size") is None:
+            # the config-level text_encoder_batch_size: the default of every text_embeds entry (config/small_keys.py)
+            entry = {**entry, "text_encoder_batch_size": text_batch}
         if model is ConditioningDataset:  # SimpleTuner's image settings on it: checked against its images below
             entry, mirrored[str(entry.get("id"))], unused[str(entry.get("id"))] = conditioning_keys.split(entry)
         entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
@@ -280,7 +286,8 @@ def load_datasets(
     if not embeds and family is not None:
         folder = DEFAULT_TEXT_CACHE.replace("{model_family}", family)
         ident = next(n for n in ("text-embeds", "text-embeds-default", "difftune-text-embeds") if n not in seen)
-        chosen = TextEmbedsDataset(id=ident, default=True, cache_dir=folder, write_batch_size=32)
+        chosen = TextEmbedsDataset(id=ident, default=True, cache_dir=folder, write_batch_size=32,
+                                   text_encoder_batch_size=(defaults or {}).get("text_encoder_batch_size"))
         named_embeds[ident] = chosen
         notes.append(f"{path}: no text_embeds entry, so text embeddings are cached in {folder}; add an entry with "
                      "dataset_type 'text_embeds' and cache_dir to choose the folder")
@@ -326,6 +333,7 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
         elif not _HUB_ID.fullmatch(source):
             problems.append(f"{where_of(key)}: {key}: {source!r} is neither an existing folder nor a hub id "
                             "(owner/name, one slash); fix the path")
+    check_model_sources(train, where_of, problems)  # config/model_source_keys.py
     blocker = _is_file_in_the_way(Path(train.output_dir))
     if blocker is not None:
         problems.append(f"{where_of('output_dir')}: output_dir: {str(blocker)!r} is a file, so the output folder "
@@ -436,12 +444,14 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         check_paths(train, where_of, problems)
         try:
             plan = load_datasets(Path(train.data_backend_config), problems, train.model_family,
-                                 dataset_defaults(train.model_dump(include=set(DATASET_DEFAULT_KEYS))))
+                                 dataset_defaults(train.model_dump(include=set(DATASET_DEFAULT_KEYS)))
+                                 | {"text_encoder_batch_size": train.text_encoder_batch_size})
         except ConfigError as e:
             problems.extend(e.problems)
     if train is not None and plan is not None:
         check_media(train, plan, Path(train.data_backend_config), problems)
         dataset_entry_keys.check_video(train, plan, Path(train.data_backend_config), problems)  # video.is_i2v
+        dataset_entry_keys.check_clear_each_epoch(plan, Path(train.data_backend_config), problems)
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
         mask_checks(train, plan, Path(train.data_backend_config), problems)  # config/mask_keys.py

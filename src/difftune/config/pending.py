@@ -30,9 +30,6 @@ PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "vae_cache_clear_each_epoch": ((False, None), "re-encoding the latents every epoch to draw new random crops; a "
-                                   "random crop (crop_style or crop_aspect 'random') is drawn once per image and "
-                                   "seed and its latents kept: set it to false or remove it"),
     # SimpleTuner's top-level keys of a type 'huggingface' entry that difftune does not take (the others are in
     # config/source_huggingface_keys.py)
     "filter_func": ((None,), "row filters of a type 'huggingface' dataset; filter the dataset first (datasets' "
@@ -129,18 +126,8 @@ PENDING_TRAIN_KEYS |= {
                    "controlnet to false"),
     "control": ((False,), "channel-wise control training; set control to false"),
     # model loading
-    "pretrained_vae_model_name_or_path": ((None,), "a VAE from another repository; the VAE is loaded from the "
-                                         "model's vae/ folder (pretrained_model_name_or_path)" + _REMOVE),
-    "pretrained_transformer_model_name_or_path": ((None,), "a transformer from another repository; give a folder "
-                                                  "in the hub layout holding it as pretrained_model_name_or_path"),
-    "pretrained_transformer_subfolder": (("transformer", None), "another transformer subfolder; give a folder in "
-                                         "the hub layout as pretrained_model_name_or_path"),
     "pretrained_gemma_model_name_or_path": ((None,), "Lumina2's Gemma text encoder from another repository; the "
                                             "text encoder is loaded from the model's folder" + _REMOVE),
-    "revision": ((None,), "hub revisions; download the revision you want and give its folder as "
-                 "pretrained_model_name_or_path"),
-    "variant": ((None,), "hub variants (fp16, ...); the weights are loaded as stored and cast to "
-                "base_model_default_dtype" + _REMOVE),
     "non_ema_revision": ((None,), "hub revisions" + _REMOVE),
     "quantization_config": ((None,), "Diffusers quantization configs (quantize_via 'pipeline'); use "
                             "base_model_precision"),
@@ -215,8 +202,6 @@ PENDING_TRAIN_KEYS |= {
                         "after caching" + _REMOVE),
     "cache_clear_validation_prompts": ((False,), "re-encoding the validation prompts; the text cache encodes a "
                                        "prompt again when its text or the encoder changes" + _REMOVE),
-    "tokenizer_max_length": ((None,), "another prompt length; each family encodes prompts at its pipeline's "
-                             "length" + _REMOVE),
     # memory and processes
     "accelerator_cache_clear_interval": ((None, 0), "emptying the accelerator's memory cache every N steps"
                                          + _REMOVE),
@@ -274,7 +259,6 @@ PENDING_TRAIN_KEYS |= {
     "push_to_hub_background": ((False, True, None), "push_to_hub_background takes true or false"),
     "model_card_safe_for_work": ((True, None), "the NSFW warning of SimpleTuner's model cards; difftune's card "
                                  "has none (as with model_card_safe_for_work: true): set it to true or remove it"),
-    "model_card_note": ((None, ""), "a note on the model card; edit README.md on the hub after the upload"),
     "enable_watermark": ((False,), "watermarked validation images" + _REMOVE),
     "debug_aspect_buckets": ((False,), "SimpleTuner's debug printing; the data report lists the buckets"
                              + _REMOVE),
@@ -320,8 +304,6 @@ PENDING_DATASET_KEYS |= {
                             "training starts" + _REMOVE),
     "text_cache_disable": ((False, None), "encoding captions during training without caching them; every caption "
                            "is encoded and cached before training starts" + _REMOVE),
-    "caption_filter_list": ((None, []), "filtering caption text (removing or replacing words by regular "
-                            "expression); edit the caption files instead" + _REMOVE),
     "caption_shuffle": ((None,), "shuffled variants of tag captions; write the variants as extra lines of the "
                         "caption file (caption_strategy 'textfile' draws one line per sample)"),
     "timestep_sampling_offset": ((0, None), "a per-dataset shift of the noise levels drawn for its batches; "
@@ -358,6 +340,9 @@ PENDING_DATASET_KEYS |= {
     "memory_filesystem_sudo": ((False, None), _MEMORY),
 } | {key: ((None,), _WEBSHART) for key in ("webshart", "source", "metadata", "hf_token", "subfolder",
                                             "shard_cache_gb", "parallel_downloads", "buffer_size", "max_file_size")}
+
+# SimpleTuner's config-level default of its conditioning_image_embed_batch_size entries (else vae_batch_size)
+PENDING_TRAIN_KEYS["conditioning_image_embed_batch_size"] = ((None,), _CLIP_EMBEDS)
 
 # A SimpleTuner setting of a pending switch above: any value while the switch is off.
 DEPENDS_ON |= {key: switch for switch, keys in {

@@ -26,11 +26,13 @@ from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
 from difftune.config.mask_keys import MaskKeys
+from difftune.config.model_source_keys import ModelSourceKeys
 from difftune.config.offload_keys import OffloadKeys
 from difftune.config.optimizer_keys import OptimizerKeys
 from difftune.config.precision_keys import PrecisionKeys
 from difftune.config.rollout_keys import RolloutKeys
 from difftune.config.schedule_keys import ScheduleKeys
+from difftune.config.small_keys import SmallKeys
 from difftune.config.speed_keys import SpeedKeys
 from difftune.config.validation_triggers import ValidationTriggerKeys
 from difftune.config.values import parse_resolutions, prompt_library, snap_size
@@ -50,7 +52,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                   ValidationTriggerKeys, ScheduleKeys, PrecisionKeys,  # config/validation_triggers.py
                   ExtraTrainKeys, ExtraOutputKeys, LoraKeys,  # config/extra_*_keys.py, lora_keys.py
                   OptimizerKeys, EvalKeys, MaskKeys,  # config/optimizer_keys.py, eval_keys.py, mask_keys.py
-                  WebhookKeys, OffloadKeys, FsdpKeys):  # config/webhook_keys.py, offload_keys.py, fsdp_keys.py
+                  WebhookKeys, OffloadKeys, FsdpKeys,  # config/webhook_keys.py, offload_keys.py, fsdp_keys.py
+                  SmallKeys, ModelSourceKeys):  # config/small_keys.py, model_source_keys.py
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

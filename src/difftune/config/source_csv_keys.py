@@ -16,7 +16,8 @@ from pydantic import BaseModel, model_validator
 
 from difftune.config.fields import field
 
-CSV_KEYS = ("csv_file", "csv_url_column", "csv_caption_column", "csv_cache_dir")
+CSV_KEYS = ("csv_file", "csv_url_column", "csv_caption_column", "csv_cache_dir", "csv_hash_filenames",
+            "shorten_filenames")
 # What a csv dataset's captions can come from: the caption column, or instance_prompt for every image. The
 # downloads are named by a hash of their URL, so 'filename' would caption them with hashes; 'textfile' and
 # 'parquet' read files that the download does not make.
@@ -56,6 +57,22 @@ class CsvSource(BaseModel):
         "are removed, and a folder holding other files is refused.", "data", advanced=True,
     )
 
+    # SimpleTuner names a download after its URL's file name unless hash_filenames, and shortens and cleans such
+    # names with shorten_filenames (csv_shorten_filenames is its other spelling). Here files are always named by a
+    # hash of their location: only the values that give that are accepted.
+    csv_hash_filenames: bool | None = field(
+        None, "Type 'csv': SimpleTuner's choice between files named by a hash of their location (true) and by the "
+        "URL's file name (false; also spelt hash_filenames on a csv entry). Files here are always named by a hash "
+        "(16 hex digits and the extension), which keeps names unique and short: true is accepted, false is refused.",
+        "data", advanced=True,
+    )
+    shorten_filenames: bool | None = field(
+        None, "Type 'csv': SimpleTuner shortens and cleans file names taken from URLs (also spelt "
+        "csv_shorten_filenames). Names here are hashes, already short: true is accepted; false (keeping long URL "
+        "names) is refused, except beside csv_hash_filenames true, where SimpleTuner hashes the names as well.",
+        "data", advanced=True,
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _csv_caption_default(cls, data: Any) -> Any:
@@ -92,6 +109,13 @@ class CsvSource(BaseModel):
         if strategy != "csv" and self.csv_caption_column:
             raise ValueError(f"csv_caption_column is read with caption_strategy 'csv'; with {strategy!r} it would be "
                              "ignored: remove it or set caption_strategy to 'csv'")
+        if self.csv_hash_filenames is False:
+            raise ValueError("not implemented yet: csv_hash_filenames false (files named after their URLs); a csv "
+                             "dataset's files are named by a hash of their location: set it to true or remove it")
+        if self.shorten_filenames is False and not self.csv_hash_filenames:
+            raise ValueError("not implemented yet: shorten_filenames false (files keeping their URL's full name); a "
+                             "csv dataset's files are named by a short hash of their location: set it to true or "
+                             "remove it")
         if not self.csv_url_column:
             raise ValueError("csv_url_column is empty; name the column of csv_file holding the URLs (default 'url')")
         folder = getattr(self, "instance_data_dir", None)

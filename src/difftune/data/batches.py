@@ -2,7 +2,8 @@
 cached text conditions.
 
 Which caption a sample trains with (it may have several) and whether caption dropout empties it are
-drawn from (seed, epoch, batch index), so a resumed run makes the same choices.
+drawn from (seed, epoch, batch index), so a resumed run makes the same choices. So is the random crop of an item
+of a vae_cache_clear_each_epoch dataset: from (seed, file, its dataset's epoch: `BucketSampler.drawn_epoch`).
 
 Every cache entry is verified where it is read here (checksum, layout, finite values: `cache.read`). A
 damaged entry is deleted, its item is left out of this batch and of the rest of the run, and the
@@ -20,7 +21,14 @@ import torch
 
 from difftune.data.cache import DamagedEntry, TensorCache, nonfinite, read_or_drop
 from difftune.data.images import load_rgb, prepare
-from difftune.data.latents import MEDIA_ERRORS, CachedSample, mask_grid, mask_pixels, sample_pixels
+from difftune.data.latents import (
+    MEDIA_ERRORS,
+    CachedSample,
+    crop_position,
+    mask_grid,
+    mask_pixels,
+    sample_pixels,
+)
 from difftune.data.sampler import BucketSampler
 
 # pixels [B, 3, H, W] (clips: [B, 3, F, H, W]) in [-1, 1] -> latents [B, C, h, w] ([B, C, T, h, w])
@@ -142,20 +150,22 @@ class TrainingData:
             return [], torch.empty(0), None, None
         return kept, torch.stack(latents), (torch.stack(cond) if cond else None), (torch.stack(masks) if masks else None)
 
-    def _latents(self, chosen: list[tuple[int, CachedSample]]):
-        """(positions in `chosen` that loaded, their latents, their input-image latents, their loss-mask weights)."""
+    def _latents(self, chosen: list[tuple[int, CachedSample]], epoch: int = 0):
+        """(positions in `chosen` that loaded, their latents, their input-image latents, their loss-mask weights).
+        `epoch`: of the items' dataset, for those that draw their crop per epoch (vae_cache_clear_each_epoch)."""
         if chosen[0][1].latent_file is not None:
             return self._cached_latents(chosen)
         assert self.encode is not None, "items without cached latents need an encoder"
         kept, pixels, cond_pixels, mask_px = [], [], [], []
         for position, (_, c) in enumerate(chosen):  # on the fly: a file that fails now is skipped and reported
             s = c.sample
+            uv = crop_position(s, c.crop_style, self.seed, epoch) if c.each_epoch else c.uv
             try:
-                pixels.append(sample_pixels(s, c.crop_style, c.uv))
+                pixels.append(sample_pixels(s, c.crop_style, uv))
                 if s.conditioning is not None:
-                    cond_pixels.append(prepare(load_rgb(s.conditioning), s.bucket, c.crop_style, c.uv))
+                    cond_pixels.append(prepare(load_rgb(s.conditioning), s.bucket, c.crop_style, uv))
                 if s.mask is not None:
-                    mask_px.append(mask_pixels(s, c.crop_style, c.uv))
+                    mask_px.append(mask_pixels(s, c.crop_style, uv))
             except MEDIA_ERRORS as e:
                 pixels, cond_pixels, mask_px = pixels[: len(kept)], cond_pixels[: len(kept)], mask_px[: len(kept)]
                 if self.on_skip:
@@ -194,7 +204,8 @@ class TrainingData:
             mine = [i for i in indices[offset : offset + share] if i not in self.dropped]
             if not mine:
                 continue
-            kept, latents, cond, masks = self._latents([(i, self.items[i]) for i in mine])
+            epoch = getattr(self.sampler, "drawn_epoch", state.epoch)  # an evaluation's OnePass has one epoch
+            kept, latents, cond, masks = self._latents([(i, self.items[i]) for i in mine], epoch)
             rows, texts, captions, paths, marks = [], [], [], [], []
             for row, i in enumerate(mine[k] for k in kept):
                 c = self.items[i]

@@ -1,16 +1,19 @@
 """Captions by strategy: textfile, filename, instanceprompt, parquet (or JSONL) tables.
 
 Each image gets a tuple of captions (one is drawn per sample during training) or a problem saying
-why it has none. Instance-prompt options are applied last.
+why it has none. The caption filters (caption_filter_list, data/caption_filter.py) come next, on the
+captions read from the data only; instance-prompt options are applied last.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from difftune.data.caption_filter import CaptionFilter
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class CaptionResult:
     problem: str | None = None  # why the image is left out
     note: str | None = None  # used, but the user should know
     size: tuple[int, int] | None = None  # from a table's width/height columns
+    changed: int = 0  # captions the caption filters changed
+    emptied: int = 0  # ... of which they left nothing
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class CaptionRule:
     prepend_instance_prompt: bool = False
     only_instance_prompt: bool = False
     split_lines: bool = True  # textfile: each non-empty line a caption (False: disable_multiline_split)
+    filters: CaptionFilter | None = None  # caption_filter_list of the dataset's text_embeds entry
 
 
 def from_textfile(path: Path, split_lines: bool = True) -> CaptionResult:
@@ -123,7 +129,30 @@ def apply_instance_prompt(result: CaptionResult, rule: CaptionRule) -> CaptionRe
         captions = tuple(f"{rule.instance_prompt} {c}".strip() for c in result.captions)
     else:
         return result
-    return CaptionResult(captions, result.problem, result.note, result.size)
+    return replace(result, captions=captions)
+
+
+def apply_filters(result: CaptionResult, rule: CaptionRule) -> CaptionResult:
+    """The captions with the caption filters applied. A caption they empty is dropped when the image has others
+    (lines of its caption file), and otherwise trained as an empty caption, as an empty caption file is; either
+    way the note says so. Instance prompts are the user's own text: never filtered (applied after this)."""
+    if rule.filters is None or result.captions is None:
+        return result
+    filtered = tuple(rule.filters.apply(c) for c in result.captions)
+    changed = sum(before != after for before, after in zip(result.captions, filtered, strict=True))
+    if not changed:
+        return result
+    emptied = sum(1 for before, after in zip(result.captions, filtered, strict=True) if before and not after)
+    kept = tuple(c for c in filtered if c)
+    note = None
+    if emptied and not kept:
+        instead = f"instance_prompt {rule.instance_prompt!r} alone" if rule.prepend_instance_prompt else \
+            "an empty prompt"
+        note = f"caption_filter_list left nothing of its caption: trained with {instead}"
+    elif emptied:
+        note = f"caption_filter_list left nothing of {emptied} of its {len(filtered)} captions: those are not used"
+    notes = "; ".join(n for n in (result.note, note) if n) or None
+    return replace(result, captions=kept or ("",), note=notes, changed=changed, emptied=emptied)
 
 
 def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | None) -> CaptionResult:
@@ -136,4 +165,6 @@ def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | Non
     else:
         assert table is not None
         result = table.lookup(path, root)
+    if rule.strategy != "instanceprompt" and not rule.only_instance_prompt:  # else no caption of the data is used
+        result = apply_filters(result, rule)
     return apply_instance_prompt(result, rule)

@@ -72,6 +72,12 @@ class Discovery:
     held_out: bool = False  # an eval dataset's (dataset_type 'eval'): measured, never trained on
     masks: str | None = None  # the id of its mask dataset (conditioning_type 'mask'), for the report
     regularisation: bool = False  # is_regularisation_data: the memory planner's teacher pass (memory_plan/passes.py)
+    # latents encoded during training (vae_cache_disable, vae_cache_clear_each_epoch): the VAE stays on the accelerator
+    on_the_fly: bool = False
+    crops_each_epoch: bool = False  # vae_cache_clear_each_epoch: a new random crop each epoch (for the report)
+    caption_filter: bool = False  # its captions go through caption_filter_list (for the report)
+    captions_changed: int = 0  # by those filters
+    captions_emptied: int = 0
 
 
 class MetadataCache:
@@ -246,7 +252,7 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
 
 
 def discover(spec: DatasetSpec) -> Discovery:
-    result = Discovery(spec.dataset_id)
+    result = Discovery(spec.dataset_id, caption_filter=spec.captions.filters is not None)
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
     masks = pair_index(spec.mask_root) if spec.mask_root is not None else None
     metadata = MetadataCache(spec.metadata_file)
@@ -289,6 +295,8 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         if (problem := filesystem_problem(mask)) is not None:
             return f"its loss mask {mask}: {problem}"
     captioned = caption(path, spec.root, spec.captions, spec.table)
+    result.captions_changed += captioned.changed
+    result.captions_emptied += captioned.emptied
     if captioned.captions is None:
         return captioned.problem or "no caption"
     frames = 0

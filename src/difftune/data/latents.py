@@ -5,6 +5,9 @@ the same relative crop, so the pair stays spatially aligned. A clip is decoded a
 every frame gets the same crop. A sample with a loss mask (conditioning_type 'mask') has it given its image's
 exact geometry (`mask_pixels`), averaged over each latent cell (`mask_grid`) and cached beside the latents as
 its own entry, keyed by the mask file, the image's size, bucket and crop.
+
+A dataset with vae_cache_clear_each_epoch is never cached: its items (`uncached(..., each_epoch=True)`) are encoded
+during training, and their random crop is drawn again for each epoch of the dataset (`crop_position` with an epoch).
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ class CachedSample:
     crop_style: str = "center"
     uv: tuple[float, float] = (0.5, 0.5)
     mask_file: Path | None = None  # the cached loss-mask weights on the latent grid, {"mask": [1, h, w]}
+    each_epoch: bool = False  # vae_cache_clear_each_epoch: `uv` is drawn again per epoch (`crop_position`)
 
 
-def crop_position(sample: Sample, crop_style: str, seed: int) -> tuple[float, float]:
-    """Where a 'random' crop sits: drawn once per file from the seed, so the cache is reproducible."""
+def crop_position(sample: Sample, crop_style: str, seed: int, epoch: int | None = None) -> tuple[float, float]:
+    """Where a 'random' crop sits: drawn once per file from the seed, so the cache is reproducible; with `epoch`
+    (vae_cache_clear_each_epoch), once per file, seed and epoch of its dataset, so a resumed run draws the same."""
     if crop_style != "random":
         return 0.5, 0.5  # fixed positions ('center', 'corner') do not depend on the seed
-    h = hashlib.sha256(f"{seed}|{sample.path}".encode()).digest()
+    text = f"{seed}|{sample.path}" if epoch is None else f"{seed}|{sample.path}|epoch {epoch}"
+    h = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(h[:4], "little") / 2**32, int.from_bytes(h[4:8], "little") / 2**32
 
 
@@ -121,11 +127,12 @@ def text_jobs(samples: list[Sample], crop_style: str, seed: int, with_empty: boo
     return jobs
 
 
-def uncached(sample: Sample, crop_style: str, seed: int) -> CachedSample:
-    """An item encoded on the fly (vae_cache_disable): it carries what is needed to prepare it."""
+def uncached(sample: Sample, crop_style: str, seed: int, each_epoch: bool = False) -> CachedSample:
+    """An item encoded on the fly (vae_cache_disable): it carries what is needed to prepare it. `each_epoch`
+    (vae_cache_clear_each_epoch): its crop is drawn per epoch; `uv` is then only the seed's draw, unused."""
     keys = tuple(text_key(sample, c, crop_style, seed) for c in sample.captions)
     return CachedSample(sample, None, None, keys, text_key(sample, "", crop_style, seed), crop_style,
-                        crop_position(sample, crop_style, seed))
+                        crop_position(sample, crop_style, seed), each_epoch=each_epoch)
 
 
 def fill_latent_cache(

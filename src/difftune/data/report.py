@@ -39,6 +39,13 @@ class DataReport:
         masked = [f"{d.dataset_id} (from {d.masks!r})" for d in self.found if d.masks]
         if masked:  # conditioning_type 'mask' (train/masked_loss.py)
             out.append(f"  loss masks: {', '.join(masked)}: the loss is weighted by each image's mask")
+        each = [d.dataset_id for d in self.found if d.crops_each_epoch]
+        if each:  # vae_cache_clear_each_epoch (data/latents.py)
+            out.append(f"  new crops each epoch: {', '.join(each)}: latents encoded during training, with a new random "
+                       "crop position per image each epoch (its aspect and bucket stay)")
+        for d in (d for d in self.found if d.caption_filter):  # caption_filter_list (data/caption_filter.py)
+            out.append(f"  caption_filter_list: {d.dataset_id}: {d.captions_changed} caption(s) changed, "
+                       f"{d.captions_emptied} left empty" + (" (see the notes)" if d.captions_emptied else ""))
         for (dataset, group), n in sorted(self.pruned.items()):
             out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
                        "(set disable_bucket_pruning to keep them)")

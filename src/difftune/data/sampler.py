@@ -5,6 +5,9 @@ Each dataset's batch order in its own epoch n is a pure function of (seed, datas
 once per epoch (times its repeats). With `probability`, each batch comes from a dataset drawn by
 weight, and a dataset that runs out starts its next epoch on its own. A resumed run that restores
 `state_dict()` sees exactly the batches an uninterrupted run would have seen.
+
+`drawn_epoch` is the epoch of its own dataset that the last batch belongs to (the same as the sampler's epoch
+without `probability`): vae_cache_clear_each_epoch draws its crops from it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class BucketSampler:
         raw[np.array(self.counts) == 0] = 0.0
         self.weights = raw / raw.sum() if raw.sum() > 0 else raw
         self.state = SamplerState(streams=[[0, 0] for _ in self.parts])
+        self.drawn_epoch = 0  # the last batch's epoch of its dataset (set by each draw, so never saved)
 
     def batches_per_epoch(self) -> int:
         return sum(self.counts)
@@ -86,6 +90,7 @@ class BucketSampler:
             stream[0], stream[1] = stream[0] + 1, 0
             batches = self.parts[d].epoch_batches(stream[0])
         stream[1] += 1
+        self.drawn_epoch = stream[0]
         return batches[stream[1] - 1]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -101,6 +106,7 @@ class BucketSampler:
                 while self.state.index < len(batches):
                     batch = batches[self.state.index]
                     self.state.index += 1
+                    self.drawn_epoch = self.state.epoch
                     yield batch
             self.state.epoch, self.state.index = self.state.epoch + 1, 0
 

@@ -65,15 +65,9 @@ def real_architecture(family: str, flavour: str) -> tuple[str, dict[str, Any]] |
 def architecture_of(cfg: Any) -> Architecture:
     """The transformer `cfg` trains: a local folder's config when there is one, else the flavour's real one."""
     family, flavour = cfg.model_family, cfg.flavour()
-    folder: Path | None = None
-    if cfg.pretrained_model_name_or_path and Path(cfg.pretrained_model_name_or_path).expanduser().is_dir():
-        folder = Path(cfg.pretrained_model_name_or_path).expanduser()
-    elif flavour.startswith(TINY_FLAVOUR) and not cfg.pretrained_model_name_or_path:
-        from difftune.models import tiny_model
-
-        folder = tiny_model(family, flavour)
-    if folder is not None and (folder / "transformer" / "config.json").is_file():
-        config = json.loads((folder / "transformer" / "config.json").read_text(encoding="utf-8"))
+    folder = _transformer_folder(cfg)
+    if folder is not None and (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         config = {k: v for k, v in config.items() if not k.startswith("_")}
         return Architecture(family, str(folder), config, known=False)
     found = real_architecture(family, flavour)
@@ -206,9 +200,29 @@ def text_encoders_on_meta(cfg: Any) -> list[tuple[str, torch.nn.Module]]:
             ("CLIP-L text", _on_meta(real.Spec("CLIP", clip)))]
 
 
-def vae_on_meta(cfg: Any) -> torch.nn.Module:
+def _transformer_folder(cfg: Any) -> Path | None:
+    """The local folder of the transformer's config.json: pretrained_transformer_model_name_or_path's (with its
+    subfolder) when it is a local folder, else the main model's transformer/ (a single .safetensors file takes its
+    config from there too). None: a hub model (the flavour's known architecture stands for it)."""
+    own = cfg.pretrained_transformer_model_name_or_path
+    if own is not None and not own.lower().endswith(".safetensors"):
+        local = Path(own).expanduser()
+        return (local / cfg.pretrained_transformer_subfolder if cfg.pretrained_transformer_subfolder else local) \
+            if local.is_dir() else None
     folder = _local_folder(cfg)
-    if folder is not None and (folder / "vae" / "config.json").is_file():
+    if folder is None:
+        return None
+    return folder / (cfg.pretrained_transformer_subfolder if own is None and cfg.pretrained_transformer_subfolder
+                     else "transformer")
+
+
+def vae_on_meta(cfg: Any) -> torch.nn.Module:
+    own = cfg.pretrained_vae_model_name_or_path
+    if own is not None and Path(own).expanduser().is_dir():  # a VAE from elsewhere: its vae/, else its root
+        local = Path(own).expanduser()
+        return _from_folder(local / "vae" if (local / "vae" / "config.json").is_file() else local)
+    folder = _local_folder(cfg)
+    if own is None and folder is not None and (folder / "vae" / "config.json").is_file():
         return _from_folder(folder / "vae")
     import diffusers
 

@@ -32,10 +32,12 @@ def _latent_bytes(arch: Any, bucket: tuple[int, ...], batch: int) -> int:
     return P.tokens_of(arch, bucket) * p * p * channels * 4 * batch
 
 
-def block_working_set(arch: Any, blocks: Any, coefficients: dict, bucket: tuple[int, ...], batch: int) -> int:
-    """Upper bound of one block's no-grad working set for `batch` samples at `bucket`: its saved activations."""
+def block_working_set(arch: Any, blocks: Any, coefficients: dict, bucket: tuple[int, ...], batch: int,
+                      text: int) -> int:
+    """Upper bound of one block's no-grad working set for `batch` samples at `bucket` with `text` prompt tokens:
+    its saved activations."""
     tokens = P.tokens_of(arch, bucket)
-    return int(max(P.block_bytes(coefficients["lora"], s, tokens, P.TEXT_TOKENS) for s in blocks.count) * batch)
+    return int(max(P.block_bytes(coefficients["lora"], s, tokens, text) for s in blocks.count) * batch)
 
 
 def size_text(size: float) -> str:
@@ -50,7 +52,7 @@ def teacher_peak(cfg: Any, arch: Any, blocks: Any, coefficients: dict, bucket: t
     student = sum(line.bytes for line in training.lines if line.label in (
         "saved activations", "recomputed block (backward)", "regularisation target (fp32)")
         or line.label.startswith("DoRA: saved") or line.label.startswith("DoRA: recomputed"))
-    return (training.total - student + block_working_set(arch, blocks, coefficients, bucket, batch)
+    return (training.total - student + block_working_set(arch, blocks, coefficients, bucket, batch, P.text_tokens(cfg))
             + _latent_bytes(arch, bucket, batch))
 
 
@@ -74,7 +76,7 @@ def add(cfg: Any, arch: Any, blocks: Any, coefficients: dict, found: list[Any] |
         phase.add("what training keeps (weights, adapter, optimizer, EMA)", kept)
         label = f"eval {'x'.join(map(str, worst))} x batch {batch}"
         phase.add(f"{label}: one block's working set (no grad)", block_working_set(arch, blocks, coefficients,
-                                                                                   worst, batch),
+                                                                                   worst, batch, P.text_tokens(cfg)),
                   "upper bound: a block's saved activations")
         phase.add(f"{label}: latents, noise, prediction (fp32)", 3 * _latent_bytes(arch, worst, batch))
         if phase.total > training.total:

@@ -14,6 +14,7 @@ own rule (train/optimizers.py). What the accelerator holds in each phase follows
   sampling working set (two prompts with guidance) and the VAE decode at validation_resolution.
 - regularisation data and eval datasets (no-grad passes: passes.py): the teacher's target is a training line and
   a note shows its pass below the training peak; the evaluation loss is a phase when it can exceed training.
+- datasets encoded during training (vae_cache_disable, vae_cache_clear_each_epoch) keep the VAE in training too.
 - crepa_enabled adds its own lines to training and validation (crepa.py: DINOv2, the resident VAE, the projector,
   their working sets); with it off nothing here changes.
 """
@@ -32,9 +33,15 @@ from difftune.memory_plan.coefficients import COEFFICIENTS, VAE
 from difftune.models.registry import FAMILY_FACTS
 
 GIB = 2**30
-TEXT_TOKENS = 256  # the pipelines' max_sequence_length (Lumina2: models/lumina2.py; Kandinsky 5: Qwen's 256)
+TEXT_TOKENS = 256  # the text tokens planned without tokenizer_max_length (Lumina2's pipeline default)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def text_tokens(cfg: Any) -> int:
+    """The prompt tokens planned for: tokenizer_max_length when set, else TEXT_TOKENS (the estimate kept from
+    before; Kandinsky 5's pipelines default to 512, or 1024 for i2i, but captions rarely fill them)."""
+    return getattr(cfg, "tokenizer_max_length", None) or TEXT_TOKENS
 
 
 @dataclass
@@ -256,7 +263,7 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     shards = processes if fsdp else 1
     bucket = largest_bucket(found, cfg)
     tokens = tokens_of(arch, bucket)
-    text = TEXT_TOKENS
+    text = text_tokens(cfg)
     coefficients, source = coefficients_for(arch, cfg.model_type == "full")
     notes.append(f"architecture: {arch.name}; activations {source}")
     notes.append(f"largest bucket {'x'.join(map(str, bucket[:2]))}"
@@ -300,6 +307,11 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
         from difftune.memory_plan import crepa
 
         crepa.add_training(cfg, arch, bucket, tokens, training, notes)
+    elif getattr(cfg, "vae_cache_disable", False) or any(getattr(d, "on_the_fly", False) for d in found or []):
+        # train/caching.py keeps the VAE on the accelerator for datasets encoded during training (CREPA's line above
+        # counts the same VAE)
+        training.add("VAE (latents encoded during training)", vae_bytes(cfg),
+                     "vae_cache_disable or vae_cache_clear_each_epoch: it encodes each batch")
 
     caching = caching_phase(cfg, arch, bucket, transformer)
     kept = resident / shards + adapter_bytes / shards + opt / shards + ema
@@ -329,7 +341,7 @@ def streaming(cfg: Any, blocks: A.Blocks) -> tuple[int, int, str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _text_encoders(family: str, source: str, flavour: str, dtype: str, precisions: tuple[str, str],
+def _text_encoders(family: str, source: str, flavour: str, dtype: str, precisions: tuple[str, str], tokens: int,
                    cfg_ref: Any) -> tuple[tuple[str, int, int], ...]:
     """((label, bytes at its precision, activation bytes), ...) of the family's text encoders."""
     out = []
@@ -337,7 +349,7 @@ def _text_encoders(family: str, source: str, flavour: str, dtype: str, precision
         precision = precisions[index] if index < 2 else "no_change"
         _cast(module, dtype)
         out.append((f"{label} ({precision if precision != 'no_change' else dtype})", A.module_bytes(module, precision),
-                    _text_activations(module, TEXT_TOKENS)))
+                    _text_activations(module, tokens)))
     return tuple(out)
 
 
@@ -366,7 +378,7 @@ class _Key:
 
 def text_encoder_parts(cfg: Any) -> tuple[tuple[str, int, int], ...]:
     return _text_encoders(cfg.model_family, cfg.model_source(), cfg.flavour(), cfg.weight_dtype_name(),
-                          (cfg.text_encoder_1_precision, cfg.text_encoder_2_precision), _Key(cfg))
+                          (cfg.text_encoder_1_precision, cfg.text_encoder_2_precision), text_tokens(cfg), _Key(cfg))
 
 
 def vae_dtype_name(cfg: Any) -> str:
@@ -387,7 +399,7 @@ def caching_phase(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], trans
     text = Phase("caching: text")
     for label, size, work in text_encoder_parts(cfg):
         text.add(label, size)
-        text.add(f"{label.split(' (')[0]}: activations", work, f"every layer's hidden states at {TEXT_TOKENS} "
+        text.add(f"{label.split(' (')[0]}: activations", work, f"every layer's hidden states at {text_tokens(cfg)} "
                  "tokens (estimate)")
     if startup:
         text.add("transformer (resident: offload_during_startup off)", startup, "joins before caching, to fail fast")

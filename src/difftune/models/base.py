@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from difftune.models.sources import ModelSource
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image
@@ -36,9 +38,16 @@ class Components:
     scheduler: Any
     text: dict[str, Any]
     pipeline: str = ""  # the model_index.json pipeline class, where a family needs it to tell flavours apart
+    # tokenizer_max_length: the max_sequence_length prompts are encoded and sampled at; None: the pipeline's default
+    text_length: int | None = None
+    # where each part came from (config/model_source_keys.py); None: everything from `source`
+    sources: ModelSource | None = None
 
     def text_modules(self) -> list[Any]:
         return [m for m in self.text.values() if hasattr(m, "parameters")]
+
+    def origin(self) -> ModelSource:
+        return self.sources or ModelSource(self.source)
 
 
 @dataclass(frozen=True)
@@ -67,9 +76,10 @@ class Family(Protocol):
     def build_tiny(self, folder: Path, flavour: str) -> None:
         """Write a tiny random-init model of a tiny flavour in the hub folder layout (deterministic)."""
 
-    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
+    def load(self, source: str | ModelSource, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
         """Load every component with diffusers/transformers `from_pretrained` (hub id or folder), in `dtype`; the
-        VAE in `vae_dtype` when given (models/vae_dtype.py)."""
+        VAE in `vae_dtype` when given (models/vae_dtype.py). A `ModelSource` (models/sources.py) may take the
+        transformer and the VAE from elsewhere, and sets the hub revision and weight variant."""
 
     def takes_conditioning(self, comps: Components) -> bool:
         """Whether the loaded model is conditioned on an input image (image-to-image: paired input-image
@@ -77,6 +87,9 @@ class Family(Protocol):
 
     def identity(self, comps: Components) -> dict[str, Any]:
         """What makes cached latents / embeddings of this model distinct: {'vae': ..., 'text': ...}."""
+
+    def text_length_limit(self, comps: Components) -> int:
+        """The longest prompt (tokens, the pipeline's max_sequence_length) the loaded model and its pipeline take."""
 
     def encode_text(
         self, comps: Components, prompts: list[str], negative: bool = False,

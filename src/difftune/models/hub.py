@@ -16,8 +16,8 @@ class ComponentError(ValueError):
     """A component that the model folder does not have in a usable form (names the folder and the fix)."""
 
 
-def model_index(source: str) -> dict[str, Any]:
-    """`model_index.json` of a local folder or hub repository."""
+def model_index(source: str, revision: str | None = None) -> dict[str, Any]:
+    """`model_index.json` of a local folder or hub repository (at `revision`, for a hub repository)."""
     folder = Path(source)
     if folder.is_dir():
         index = folder / "model_index.json"
@@ -27,7 +27,7 @@ def model_index(source: str) -> dict[str, Any]:
     else:
         from huggingface_hub import hf_hub_download
 
-        index = Path(hf_hub_download(source, "model_index.json"))
+        index = Path(hf_hub_download(source, "model_index.json", revision=revision))
     return json.loads(index.read_text(encoding="utf-8"))
 
 
@@ -41,9 +41,11 @@ def is_processor(class_name: str | None) -> bool:
     return bool(class_name) and class_name.endswith("Processor")
 
 
-def load_component(source: str, name: str, index: dict[str, Any], fallback: type, dtype: Any = None) -> Any:
+def load_component(source: str, name: str, index: dict[str, Any], fallback: type, dtype: Any = None,
+                   **kwargs: Any) -> Any:
     """Component `name` as the class in model_index.json names it (`fallback` when it names none).
-    Qwen2-VL processors load without torchvision (see tiny_kandinsky5.load_qwen_processor)."""
+    Qwen2-VL processors load without torchvision (see tiny_kandinsky5.load_qwen_processor). `kwargs` go to
+    from_pretrained (revision, variant)."""
     import diffusers
     import transformers
 
@@ -52,11 +54,12 @@ def load_component(source: str, name: str, index: dict[str, Any], fallback: type
         from difftune.models.tiny_kandinsky5 import load_qwen_processor
 
         try:
-            return load_qwen_processor(source, name)
+            return load_qwen_processor(source, name, **kwargs)
         except (OSError, ValueError) as e:
             raise ComponentError(f"{source}: {name}/ should hold a {class_name} (model_index.json says so) but it "
                                  f"cannot be loaded: {e}") from e
     cls = (getattr(transformers, class_name, None) or getattr(diffusers, class_name, None)) if class_name else None
     cls = cls or fallback
-    kwargs = {} if dtype is None else {"torch_dtype": dtype}
+    if dtype is not None:
+        kwargs["torch_dtype"] = dtype
     return cls.from_pretrained(source, subfolder=name, **kwargs)

@@ -12,6 +12,7 @@ Conventions of the stock `Kandinsky5T2IPipeline` / `Kandinsky5I2IPipeline` that 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from difftune.models.base import Components, SampleRequest
 from difftune.models.flops import Flops, attention, matmul, routed_tokens
 from difftune.models.hub import ComponentError, component_class, is_processor, load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
+from difftune.models.sources import ModelSource, cache_origin, hub_kwargs, load_transformer, loading
 from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image
 from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
@@ -45,6 +47,34 @@ def _to_network(latents: torch.Tensor) -> torch.Tensor:
     return latents.permute(0, 2, 3, 1).unsqueeze(1)
 
 
+def fit_prompts(pipe: Any, prompts: list[str], images: list[Image.Image] | None, length: int | None) -> list[str]:
+    """Each prompt cut at its end so that it fits `length` tokens (the pipeline's default when None), before the
+    pipeline sees it.
+
+    The pipelines' own truncation (diffusers 0.42 `_encode_prompt_qwen`) cuts the text of every prompt of a batch
+    by what the padded batch is over, so one long caption empties the others' embeddings (0 tokens, silently),
+    and with an input image (I2I) it cuts the image's tokens out and the processor raises. Prompts that fit are
+    left as they are, so their embeddings stay exactly the pipeline's."""
+    if length is None:
+        length = inspect.signature(pipe.encode_prompt).parameters["max_sequence_length"].default
+    processor = pipe.tokenizer
+    text_tokenizer = getattr(processor, "tokenizer", processor)
+    limit = pipe.prompt_template_encode_start_idx + length
+    fitted = []
+    for i, prompt in enumerate(prompts):
+        # the pipeline shows the Qwen encoder the input image at half its size (I2I)
+        seen = None if images is None else [images[i].resize((images[i].size[0] // 2, images[i].size[1] // 2))]
+        for _ in range(4):  # decoding and encoding again can merge tokens differently: check, and cut again
+            ids = processor(text=[pipe.prompt_template.format(prompt)], images=seen, return_tensors="pt")["input_ids"]
+            over = ids.shape[-1] - limit
+            if over <= 0:
+                break
+            tokens = text_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            prompt = text_tokenizer.decode(tokens[: max(0, len(tokens) - over)])
+        fitted.append(prompt)
+    return fitted
+
+
 class Kandinsky5ImageFamily:
     facts: FamilyFacts = FAMILY_FACTS["kandinsky5-image"]
     lora_target_modules = ATTENTION_PROJECTIONS
@@ -53,9 +83,11 @@ class Kandinsky5ImageFamily:
     def build_tiny(self, folder: Path, flavour: str) -> None:
         build_tiny_kandinsky5_image(folder, i2i=self.facts.needs_conditioning(flavour))
 
-    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
-        transformer = Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype)
-        index = model_index(source)
+    def load(self, source: str | ModelSource, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
+        where = ModelSource.of(source)
+        source = where.model
+        transformer = load_transformer(Kandinsky5Transformer3DModel, where, dtype)  # from elsewhere too
+        index = model_index(source, where.revision)
         if transformer.config.visual_cond and not is_processor(component_class(index, "tokenizer")):
             # Image-to-image: the Qwen encoder sees the input image, which only the processor can prepare.
             raise ComponentError(
@@ -66,21 +98,29 @@ class Kandinsky5ImageFamily:
         return Components(
             source=source,
             transformer=transformer,
-            vae=load_vae(AutoencoderKL, source, dtype, vae_dtype),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text=self.load_text(source, dtype, index),
+            vae=load_vae(AutoencoderKL, where, dtype, vae_dtype),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+                source, subfolder="scheduler", **hub_kwargs(where, source, weights=False)),
+            text=self.load_text(where, dtype, index),
+            sources=where,
         )
 
     @staticmethod
-    def load_text(source: str, dtype: torch.dtype, index: dict[str, Any]) -> dict[str, Any]:
-        """The text encoders and tokenizers by their pipeline component names, each of the class that
-        model_index.json names (the Qwen `tokenizer` is a processor in some repositories, a plain
+    def load_text(where: ModelSource, dtype: torch.dtype, index: dict[str, Any]) -> dict[str, Any]:
+        """The text encoders and tokenizers of the main model by their pipeline component names, each of the class
+        that model_index.json names (the Qwen `tokenizer` is a processor in some repositories, a plain
         tokenizer in others)."""
+        source, weights, other = where.model, hub_kwargs(where, where.model), hub_kwargs(where, where.model, False)
+
+        def encoder(name: str, fallback: type) -> Any:
+            return loading(f"{source} ({name}/)", "pretrained_model_name_or_path", where,
+                           lambda: load_component(source, name, index, fallback, dtype, **weights))
+
         return {
-            "text_encoder": load_component(source, "text_encoder", index, Qwen2_5_VLForConditionalGeneration, dtype),
-            "tokenizer": load_component(source, "tokenizer", index, AutoTokenizer),
-            "text_encoder_2": load_component(source, "text_encoder_2", index, CLIPTextModel, dtype),
-            "tokenizer_2": load_component(source, "tokenizer_2", index, CLIPTokenizer),
+            "text_encoder": encoder("text_encoder", Qwen2_5_VLForConditionalGeneration),
+            "tokenizer": load_component(source, "tokenizer", index, AutoTokenizer, **other),
+            "text_encoder_2": encoder("text_encoder_2", CLIPTextModel),
+            "tokenizer_2": load_component(source, "tokenizer_2", index, CLIPTokenizer, **other),
         }
 
     def takes_conditioning(self, comps: Components) -> bool:
@@ -88,10 +128,21 @@ class Kandinsky5ImageFamily:
 
     def identity(self, comps: Components) -> dict[str, Any]:
         text = {name: m.config.to_dict() for name, m in comps.text.items() if hasattr(m, "config")}
-        return {
-            "vae": {"source": comps.source, "config": dict(comps.vae.config), "dtype": str(comps.vae.dtype)},
-            "text": {"source": comps.source, "configs": text, "dtype": str(comps.text["text_encoder"].dtype)},
+        ident = {
+            "vae": {**cache_origin(comps.origin(), "vae"), "config": dict(comps.vae.config),
+                    "dtype": str(comps.vae.dtype)},
+            "text": {**cache_origin(comps.origin(), "text"), "configs": text,
+                     "dtype": str(comps.text["text_encoder"].dtype)},
         }
+        if comps.text_length is not None:  # only when set: caches made at the pipeline's default stay valid
+            ident["text"]["max_sequence_length"] = comps.text_length
+        return ident
+
+    def text_length_limit(self, comps: Components) -> int:
+        """The pipelines refuse more than 1024 tokens, and the transformer's text RoPE table has as many rows."""
+        rope = comps.transformer.text_rope_embeddings.max_pos
+        tokenizer = comps.text["tokenizer"]
+        return min(self.facts.max_text_length, rope, getattr(tokenizer, "tokenizer", tokenizer).model_max_length)
 
     def encode_text(
         self, comps: Components, prompts: list[str], negative: bool = False,
@@ -104,8 +155,20 @@ class Kandinsky5ImageFamily:
         tokenizer = comps.text["tokenizer"]
         getattr(tokenizer, "tokenizer", tokenizer).padding_side = "right"  # a processor holds its tokenizer
         pipe = self.pipeline_class(images is not None)(transformer=None, vae=None, scheduler=None, **comps.text)
-        extra = {} if images is None else {"image": images}
-        qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype, **extra)
+        extra: dict[str, Any] = {} if images is None else {"image": images}
+        if comps.text_length is not None:  # tokenizer_max_length; else the pipeline's own default
+            extra["max_sequence_length"] = comps.text_length
+        prompts = fit_prompts(pipe, prompts, images, extra.get("max_sequence_length"))
+        try:
+            qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype, **extra)
+        except ValueError as e:  # the processor refuses a length that cuts into the input image's tokens
+            if images is None or comps.text_length is None or "image" not in str(e):
+                raise
+            raise ComponentError(
+                f"tokenizer_max_length {comps.text_length} is too short for this image-to-image prompt: the Qwen "
+                "encoder sees the input image's tokens (one per 28x28 pixels of the image at half its size) within "
+                f"that length ({e}); raise tokenizer_max_length or remove it (the pipeline's default is "
+                f"{self.facts.text_lengths[1]})") from e
         lengths = cu_seqlens.diff().tolist()
         return [
             {"prompt_embeds": qwen[i, : int(n)].cpu().clone(), "pooled": clip[i].cpu().clone()}
@@ -236,6 +299,8 @@ class Kandinsky5ImageFamily:
             kwargs |= self._embeds("negative_", request.negative, device)
         if request.image is not None:
             kwargs["image"] = request.image
+        if comps.text_length is not None:  # the prompts come as embeddings; the pipeline checks the length
+            kwargs["max_sequence_length"] = comps.text_length
         kwargs |= {"height": request.height, "width": request.width, "num_inference_steps": request.steps,
                    "guidance_scale": request.guidance, "generator": torch.Generator(device=device).manual_seed(request.seed)}
         return pipe, kwargs

@@ -36,6 +36,7 @@ from difftune.models.base import Components, SampleRequest
 from difftune.models.hub import model_index
 from difftune.models.kandinsky5_image import Kandinsky5ImageFamily
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
+from difftune.models.sources import ModelSource, hub_kwargs, load_transformer
 from difftune.models.tiny_kandinsky5_video import build_tiny_kandinsky5_video
 from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
@@ -68,18 +69,22 @@ class Kandinsky5VideoFamily(Kandinsky5ImageFamily):
     def build_tiny(self, folder: Path, flavour: str) -> None:
         build_tiny_kandinsky5_video(folder, i2v=self.facts.first_frame(flavour))
 
-    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
+    def load(self, source: str | ModelSource, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
         """Both video pipelines encode prompts from text alone: a plain Qwen tokenizer serves i2v too."""
-        index = model_index(source)
-        vae = load_vae(AutoencoderKLHunyuanVideo, source, dtype, vae_dtype)
+        where = ModelSource.of(source)
+        source = where.model
+        index = model_index(source, where.revision)
+        vae = load_vae(AutoencoderKLHunyuanVideo, where, dtype, vae_dtype)
         configure_vae(vae)
         return Components(
             source=source,
-            transformer=Kandinsky5Transformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
+            transformer=load_transformer(Kandinsky5Transformer3DModel, where, dtype),  # from elsewhere too
             vae=vae,
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
-            text=self.load_text(source, dtype, index),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+                source, subfolder="scheduler", **hub_kwargs(where, source, weights=False)),
+            text=self.load_text(where, dtype, index),
             pipeline=index["_class_name"],
+            sources=where,
         )
 
     def takes_conditioning(self, comps: Components) -> bool:

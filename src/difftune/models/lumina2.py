@@ -28,11 +28,18 @@ from difftune.models.base import Components, SampleRequest
 from difftune.models.flops import Flops, attention, matmul, routed_tokens
 from difftune.models.hub import load_component, model_index
 from difftune.models.registry import FAMILY_FACTS, FamilyFacts
+from difftune.models.sources import ModelSource, cache_origin, hub_kwargs, load_transformer, loading
 from difftune.models.tiny import gemma_tokenizer
 from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
 
-MAX_SEQUENCE_LENGTH = 256  # the pipeline's default; validation pads to it so samples match the stock pipeline
+MAX_SEQUENCE_LENGTH = FAMILY_FACTS["lumina2"].text_lengths[0]  # the pipeline's default (256)
+
+
+def text_length(comps: Components) -> int:
+    """The max_sequence_length prompts are encoded at (tokenizer_max_length, else the pipeline's default);
+    validation pads to it, as the stock pipeline does."""
+    return comps.text_length or MAX_SEQUENCE_LENGTH
 
 
 class Lumina2Family:
@@ -68,17 +75,24 @@ class Lumina2Family:
         )
         pipe.save_pretrained(folder)
 
-    def load(self, source: str, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
-        index = model_index(source)
+    def load(self, source: str | ModelSource, dtype: torch.dtype, vae_dtype: torch.dtype | None = None) -> Components:
+        where = ModelSource.of(source)
+        main = where.model
+        index = model_index(main, where.revision)
         return Components(
-            source=source,
-            transformer=Lumina2Transformer2DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype),
-            vae=load_vae(AutoencoderKL, source, dtype, vae_dtype),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(source, subfolder="scheduler"),
+            source=main,
+            transformer=load_transformer(Lumina2Transformer2DModel, where, dtype),  # elsewhere / one file too
+            vae=load_vae(AutoencoderKL, where, dtype, vae_dtype),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+                main, subfolder="scheduler", **hub_kwargs(where, main, weights=False)),
             text={  # of the classes model_index.json names, as the stock pipeline loads them
-                "text_encoder": load_component(source, "text_encoder", index, Gemma2Model, dtype),
-                "tokenizer": load_component(source, "tokenizer", index, AutoTokenizer),
+                "text_encoder": loading(f"{main} (text_encoder/)", "pretrained_model_name_or_path", where,
+                                        lambda: load_component(main, "text_encoder", index, Gemma2Model, dtype,
+                                                               **hub_kwargs(where, main))),
+                "tokenizer": load_component(main, "tokenizer", index, AutoTokenizer,
+                                            **hub_kwargs(where, main, weights=False)),
             },
+            sources=where,
         )
 
     def takes_conditioning(self, comps: Components) -> bool:
@@ -86,14 +100,21 @@ class Lumina2Family:
 
     def identity(self, comps: Components) -> dict[str, Any]:
         return {
-            "vae": {"source": comps.source, "config": dict(comps.vae.config), "dtype": str(comps.vae.dtype)},
+            "vae": {**cache_origin(comps.origin(), "vae"), "config": dict(comps.vae.config),
+                    "dtype": str(comps.vae.dtype)},
             "text": {
-                "source": comps.source,
+                **cache_origin(comps.origin(), "text"),
                 "config": comps.text["text_encoder"].config.to_dict(),
                 "dtype": str(comps.text["text_encoder"].dtype),
-                "max_sequence_length": MAX_SEQUENCE_LENGTH,
+                "max_sequence_length": text_length(comps),
             },
         }
+
+    def text_length_limit(self, comps: Components) -> int:
+        """The pipeline takes at most 512 tokens; the transformer's caption positions run along its first RoPE axis,
+        whose table has axes_lens[0] entries, and the image tokens sit at the caption's length on it."""
+        limit = min(FAMILY_FACTS["lumina2"].max_text_length, comps.transformer.config.axes_lens[0] - 1)
+        return min(limit, comps.text["tokenizer"].model_max_length)
 
     def encode_text(
         self, comps: Components, prompts: list[str], negative: bool = False, images: list | None = None
@@ -106,11 +127,11 @@ class Lumina2Family:
             # The pipeline encodes negative prompts without its system prompt: ask it for exactly that.
             _, _, embeds, mask = encoder.encode_prompt(
                 [""] * len(prompts), do_classifier_free_guidance=True, negative_prompt=prompts, device=device,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
+                max_sequence_length=text_length(comps),
             )
         else:
             embeds, mask, _, _ = encoder.encode_prompt(
-                prompts, do_classifier_free_guidance=False, device=device, max_sequence_length=MAX_SEQUENCE_LENGTH
+                prompts, do_classifier_free_guidance=False, device=device, max_sequence_length=text_length(comps)
             )
         lengths = mask.sum(dim=1).tolist()
         # Right padding: the valid tokens are a prefix. Gemma is causal, so they do not depend on padding.
@@ -158,10 +179,11 @@ class Lumina2Family:
         pipe.set_progress_bar_config(disable=True)
         device = next(transformer.parameters()).device
         dtype = transformer.dtype  # the first floating parameter (a 4-bit layer holds packed uint8)
-        cond = self.collate_text([request.text], MAX_SEQUENCE_LENGTH)
+        length = text_length(comps)
+        cond = self.collate_text([request.text], length)
         kwargs: dict[str, Any] = {}
         if request.guidance > 1.0 and request.negative is not None:
-            neg = self.collate_text([request.negative], MAX_SEQUENCE_LENGTH)
+            neg = self.collate_text([request.negative], length)
             kwargs = {
                 "negative_prompt_embeds": neg["prompt_embeds"].to(device, dtype),
                 "negative_prompt_attention_mask": neg["attention_mask"].to(device),
@@ -172,7 +194,7 @@ class Lumina2Family:
                 prompt_embeds=cond["prompt_embeds"].to(device, dtype),
                 prompt_attention_mask=cond["attention_mask"].to(device),
                 height=request.height, width=request.width, num_inference_steps=request.steps,
-                guidance_scale=request.guidance, generator=generator, **kwargs,
+                guidance_scale=request.guidance, generator=generator, max_sequence_length=length, **kwargs,
             ).images[0]
 
     def forward_flops(

@@ -31,6 +31,16 @@ class FamilyFacts:
     # The transformer's ModuleLists of blocks, in execution order, that block streaming (train/offload.py) moves
     # group by group; the last is the main stack (musubi_blocks_to_swap streams the end of it).
     block_stacks: tuple[str, ...] = ()
+    # tokenizer_max_length: the stock pipeline's max_sequence_length when it is not set, (text alone, with an input
+    # image the text encoder sees), and the most its pipelines take (their check_inputs refuse more)
+    text_lengths: tuple[int, int] = (512, 512)
+    max_text_length: int = 1024
+    # diffusers can load its transformer from one original-layout .safetensors file (from_single_file)
+    single_file_transformer: bool = False
+
+    def text_length(self, flavour: str) -> int:
+        """The prompt length (tokens) the stock pipeline encodes at for this flavour (its encode_prompt default)."""
+        return self.text_lengths[1 if self.needs_conditioning(flavour) else 0]
 
     def needs_conditioning(self, flavour: str) -> bool:
         return flavour in self.conditioning_flavours
@@ -50,9 +60,12 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         default_flavour="2.0",
         default_guidance=4.0,
         module="difftune.models.lumina2",
+        single_file_transformer=True,  # Lumina2Transformer2DModel is a FromOriginalModelMixin
         comfyui_layout="lumina2",
         text_encoders=("Gemma2",),
         block_stacks=("context_refiner", "noise_refiner", "layers"),
+        text_lengths=(256, 256),  # Lumina2Pipeline.encode_prompt; its system prompt counts too
+        max_text_length=512,
     ),
     "kandinsky5-image": FamilyFacts(
         name="kandinsky5-image",
@@ -71,6 +84,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         text_encoders=("Qwen2.5-VL", "CLIP"),
         block_stacks=("text_transformer_blocks", "visual_transformer_blocks"),
         conditioning_flavours=frozenset({"i2i-lite-sft", "i2i-lite-pretrain", TINY_FLAVOUR + "-i2i"}),
+        text_lengths=(512, 1024),  # Kandinsky5T2IPipeline / Kandinsky5I2IPipeline (image tokens count there)
     ),
     "kandinsky5-video": FamilyFacts(
         name="kandinsky5-video",

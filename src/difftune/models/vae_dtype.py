@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
+from difftune.models.sources import ModelSource, load_vae_from
+
 ENTRY_MODULES = ("encoder", "post_quant_conv", "decoder")
 
 
-def load_vae(cls: Any, source: str, weights: torch.dtype, vae_dtype: torch.dtype | None = None) -> Any:
-    """`cls.from_pretrained(source, subfolder="vae")` in `vae_dtype` (None: the weights' dtype), adapted."""
-    vae = cls.from_pretrained(source, subfolder="vae", torch_dtype=vae_dtype or weights)
+def load_vae(cls: Any, source: str | ModelSource, weights: torch.dtype, vae_dtype: torch.dtype | None = None) -> Any:
+    """`cls.from_pretrained(source, subfolder="vae")` (or from pretrained_vae_model_name_or_path: models/sources.py)
+    in `vae_dtype` (None: the weights' dtype), adapted."""
+    vae = load_vae_from(cls, ModelSource.of(source), vae_dtype or weights)
     return adapt(vae, weights)
 
 

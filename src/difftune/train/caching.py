@@ -29,6 +29,7 @@ from difftune.models.registry import FAMILY_FACTS
 from difftune.train.crepa import drop_vae_encoder
 from difftune.train.distributed import Ranks
 from difftune.train.events import Events
+from difftune.train.plan import encoded_in_training
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Cached:
     text_caches: dict[str, TensorCache]  # dataset id -> its text cache
     failed: list[tuple[Path, str]]
     validation: list[SampleRequest]
-    on_the_fly: bool  # some dataset encodes its images during training (vae_cache_disable)
+    on_the_fly: bool  # some dataset encodes its images during training (vae_cache_disable, vae_cache_clear_each_epoch)
 
 
 def negative_cache(text_cache: TensorCache) -> TensorCache:
@@ -185,9 +186,9 @@ def fill_caches(
     on_the_fly = False
     latents_encoded = 0  # by this process, in its share
     for ds, disc, rule in zip(datasets, found, rules, strict=True):
-        if cfg.vae_cache_disable or ds.vae_cache_disable:
+        if encoded_in_training(cfg, ds):
             on_the_fly = True  # encoded during training: nothing written, the VAE stays loaded
-            cached += [uncached(s, ds.crop_style, cfg.seed) for s in disc.samples]
+            cached += [uncached(s, ds.crop_style, cfg.seed, ds.vae_cache_clear_each_epoch) for s in disc.samples]
             continue
         # Entries of image-to-video runs also hold the first frame encoded alone. (A clip's frame count and
         # rate are in each entry's key, so changing the video block re-encodes only the clips it changes.)
@@ -210,11 +211,15 @@ def fill_caches(
         failed += bad
     per_process = ranks.gather(latents_encoded)
     files, new = sum(len(d.samples) for d in found), sum(per_process)
-    later = sum(len(d.samples) for ds, d in zip(datasets, found, strict=True)
-                if cfg.vae_cache_disable or ds.vae_cache_disable)
+    later = sum(len(d.samples) for ds, d in zip(datasets, found, strict=True) if encoded_in_training(cfg, ds))
     events.emit("info", message=f"latent cache: {files} files: "
                 + counts(len(cached) - later - new, new, len(failed), per_process)
-                + (f", {later} encoded during training (vae_cache_disable)" if later else ""))
+                + (f", {later} encoded during training (vae_cache_disable, vae_cache_clear_each_epoch)"
+                   if later else ""))
+    for ds in datasets:
+        if ds.vae_cache_clear_each_epoch:
+            events.emit("info", message=f"dataset {ds.id!r}: latents encoded during training, with a new random crop "
+                                        "each epoch (vae_cache_clear_each_epoch)")
     cached = [c for c in cached if all(text_caches[c.sample.dataset_id].has(k) for k in c.text_keys)]
     for key, why in text_failed:  # an input image that failed to load, or a caption encoded to NaN
         if "\x00" in key:

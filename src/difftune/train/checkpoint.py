@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 PREFIX = "checkpoint-"
 ROLLING = "-rolling"  # the suffix of the rolling series (checkpointing_rolling_steps)
 STATE_FILE = "training_state.json"
+SOURCE_FILE = "model_source.json"  # the transformer's source (models/sources.ModelSource.transformer_identity)
 
 
 def is_rolling(path: Path) -> bool:
@@ -105,6 +106,9 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
     # The position after the last batch consumed: the sampler itself is ahead by the batches read ahead
     state = {"step": run.state.step, "sampler": run.state.position or run.data.sampler.state_dict()}
     (tmp / STATE_FILE).write_text(json.dumps(state))
+    # the transformer these weights train on (a resume from another one is warned about: check_transformer_source)
+    if getattr(run, "comps", None) is not None:
+        (tmp / SOURCE_FILE).write_text(json.dumps(run.comps.origin().transformer_identity()))
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (for example at the end): replace it whole
         # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it
@@ -232,7 +236,24 @@ def restore_generator(run: Run, rng: dict, path: Path) -> None:
                     "will not match an uninterrupted run's exactly")
 
 
+def check_transformer_source(run: Run, path: Path) -> None:
+    """A checkpoint's adapter was trained on one transformer; resumed on another (pretrained_model_name_or_path,
+    pretrained_transformer_model_name_or_path and its subfolder, revision or variant changed) it continues from
+    weights that no longer fit its base: warn, naming both. A moved folder also reads as a change, hence no refusal."""
+    saved_file = path / SOURCE_FILE
+    if not saved_file.is_file() or getattr(run, "comps", None) is None:  # written by an earlier difftune
+        return
+    saved, now = json.loads(saved_file.read_text()), run.comps.origin().transformer_identity()
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if changed:
+        what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
+        run.events.emit("warning", message=f"{path} was trained on another transformer ({what}); the resumed "
+                        "weights continue on this one. Resume with the settings it was trained with, or start a new "
+                        "output_dir")
+
+
 def load_checkpoint(run: Run, path: Path) -> None:
+    check_transformer_source(run, path)  # first: an adapter that then does not fit comes after its explanation
     sharded = getattr(run, "fsdp", None) is not None
     if sharded:
         # Before the weights: the layout the saved state is read into comes from a first (zero) step on the weights

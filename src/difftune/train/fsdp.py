@@ -116,7 +116,8 @@ def transformer_on_meta(cfg: Any, ranks: Ranks) -> Iterator[None]:
     original = ModelMixin.__dict__["from_pretrained"]
 
     def from_pretrained(cls: type, source: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subfolder") != "transformer":
+        # the transformer, whatever its subfolder (pretrained_transformer_subfolder); VAEs are AutoencoderKL*
+        if "Transformer" not in cls.__name__:
             return original.__func__(cls, source, **kwargs)
         model = original.__func__(cls, source, **kwargs) if ranks.main else _empty_model(cls, source, **kwargs)
         setattr(model, WEIGHTS_READ, sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
@@ -135,6 +136,7 @@ def _empty_model(cls: type, source: Any, torch_dtype: torch.dtype | None = None,
     from accelerate import init_empty_weights
     from diffusers.models.modeling_utils import no_init_weights
 
+    kwargs.pop("variant", None)  # names a weight file: the config is the same
     config, unused = cls.load_config(source, return_unused_kwargs=True, **kwargs)
     default = torch.get_default_dtype()
     if torch_dtype is not None and torch_dtype.is_floating_point:

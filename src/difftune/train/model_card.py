@@ -3,6 +3,7 @@ how, sample images from validation, and how to load it in diffusers and ComfyUI.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ from difftune.config import RunConfig
 from difftune.config.reporting_keys import pipeline_name
 
 MAX_CAPTIONS = 5
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # owner/name: the hub's base_model takes no paths
 
 
 def captions_of(run: Any) -> list[str]:
@@ -28,11 +30,36 @@ def instance_prompts(run_cfg: RunConfig) -> list[str]:
     return sorted({d.instance_prompt for d in run_cfg.datasets.images if d.instance_prompt})
 
 
+def _parts_elsewhere(cfg: Any) -> str:
+    """Lines that put the transformer and the VAE the run trained with into the pipeline (model_source_keys.py)."""
+    lines = ""
+    own = cfg.pretrained_transformer_model_name_or_path
+    if own is not None:
+        if own.lower().endswith(".safetensors"):
+            call = (f"from_single_file(\"{own}\", config=\"{_pipeline_base(cfg)}\", subfolder=\"transformer\",\n"
+                    "    torch_dtype=torch.bfloat16)")
+        else:
+            sub = cfg.pretrained_transformer_subfolder
+            subfolder = f', subfolder="{sub}"' if sub else ""
+            call = f"from_pretrained(\"{own}\"{subfolder}, torch_dtype=torch.bfloat16)"
+        lines += f"pipe.transformer = type(pipe.transformer).{call}  # the base this was trained on\n"
+    if cfg.pretrained_vae_model_name_or_path is not None:
+        lines += (f"pipe.vae = type(pipe.vae).from_pretrained(\"{cfg.pretrained_vae_model_name_or_path}\", "
+                  "torch_dtype=torch.bfloat16)  # add subfolder=\"vae\" for a whole pipeline's VAE\n")
+    return lines
+
+
+def _pipeline_base(cfg: Any) -> str:
+    return cfg.model_source() if cfg.pretrained_model_name_or_path or cfg.flavour() != "tiny-random" else \
+        f"(tiny random {cfg.model_family} model, built offline)"
+
+
 def _usage(cfg: Any, repo: str, pipeline: str, base: str) -> str:
     prompt = cfg.validation_prompt or "your prompt"
     if cfg.model_type == "full":
         return (f"```python\nimport torch\nfrom diffusers import {pipeline}\n\n"
                 f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n"
+                f"{_parts_elsewhere(cfg) if cfg.pretrained_vae_model_name_or_path else ''}"
                 f"pipe.transformer = type(pipe.transformer).from_pretrained(\"{repo}\", subfolder=\"transformer\",\n"
                 f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\nimage = pipe({prompt!r}).images[0]\n```\n")
     if cfg.lora_type == "lycoris":
@@ -40,7 +67,7 @@ def _usage(cfg: Any, repo: str, pipeline: str, base: str) -> str:
                 "file's metadata). diffusers' `load_lora_weights` does not read LyCORIS algorithms: apply it with "
                 "the `lycoris-lora` package (`create_lycoris_from_weights`) on the pipeline's transformer.\n")
     return (f"```python\nimport torch\nfrom diffusers import {pipeline}\n\n"
-            f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n"
+            f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
             f"pipe.load_lora_weights(\"{repo}\")\npipe.to(\"cuda\")\n"
             f"image = pipe({prompt!r}, num_inference_steps={cfg.validation_num_inference_steps}, "
             f"guidance_scale={cfg.guidance():g}).images[0]\n```\n")
@@ -59,20 +86,24 @@ def _comfyui(cfg: Any) -> str:
 def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
     cfg = run_cfg.train
     repo = cfg.hub_model_id or "your-name/your-model"
-    base = cfg.model_source() if cfg.pretrained_model_name_or_path or cfg.flavour() != "tiny-random" else \
-        f"(tiny random {cfg.model_family} model, built offline)"
+    base = _pipeline_base(cfg)
+    # the transformer trained on, when it came from elsewhere: the base of this adapter (or fine-tune)
+    trained_on = cfg.pretrained_transformer_model_name_or_path or base
     pipeline = pipeline_name(cfg)
     triggers = instance_prompts(run_cfg)
     kind = "full fine-tune" if cfg.model_type == "full" else ("LyCORIS" if cfg.lora_type == "lycoris" else "LoRA")
     tags = ["difftune", cfg.model_family, "text-to-video" if "video" in cfg.model_family else "text-to-image",
             "lora" if cfg.model_type == "lora" else "full-finetune", "diffusers"]
-    front = ["---", f"base_model: {base}" if "/" in base else "", "library_name: diffusers", "tags:",
+    hub_base = trained_on if _HUB_ID.fullmatch(trained_on) and not Path(trained_on).expanduser().exists() else ""
+    front = ["---", f"base_model: {hub_base}" if hub_base else "", "library_name: diffusers", "tags:",
              *[f"- {t}" for t in tags]]
     if triggers:
         front.append(f"instance_prompt: {triggers[0]!r}")
-    lines = [line for line in front if line] + ["---", "", f"# {repo}", "",
-             f"A {kind} of **{cfg.model_family}** (flavour `{cfg.flavour()}`, base `{base}`), trained with difftune.",
-             ""]
+    lines = [line for line in front if line] + ["---", "", f"# {repo}", ""]
+    if cfg.model_card_note and cfg.model_card_note.strip():  # the user's own words first, as written
+        lines += [cfg.model_card_note.strip(), ""]
+    on = f"transformer `{trained_on}` with pipeline `{base}`" if trained_on != base else f"base `{base}`"
+    lines += [f"A {kind} of **{cfg.model_family}** (flavour `{cfg.flavour()}`, {on}), trained with difftune.", ""]
     if triggers:
         lines += ["## Trigger", "", *[f"- `{t}`" for t in triggers], ""]
     captions = captions_of(run)

@@ -11,9 +11,10 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
-from difftune.config import ImageDataset, RunConfig
+from difftune.config import ImageDataset, RunConfig, TrainConfig, caption_filter_keys
 from difftune.config.datasets import REMOTE_TYPES
 from difftune.data.buckets import SizeRule
+from difftune.data.caption_filter import CaptionFilter
 from difftune.data.captions import CaptionRule, CaptionTable
 from difftune.data.discovery import DatasetSpec, Discovery, discover
 from difftune.data.frames import FrameRule
@@ -80,12 +81,23 @@ def fetch_sources(run_cfg: RunConfig, say: Callable[[str], None] = print) -> Non
             raise DataError(str(e)) from e
 
 
+def caption_filters(run_cfg: RunConfig, ds: ImageDataset) -> CaptionFilter | None:
+    """caption_filter_list of the text_embeds entry caching the dataset's captions (read again here: the loader
+    checked it, and the file may have changed since)."""
+    entry = run_cfg.datasets.text_embeds_for(ds)
+    try:
+        return caption_filter_keys.build(entry.caption_filter_list if entry is not None else None)
+    except ValueError as e:
+        raise DataError(f"dataset {ds.id!r}: text_embeds entry {entry.id!r}: caption_filter_list: {e}") from e
+
+
 def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
     pairs, masks = run_cfg.datasets.conditioning_dir(ds), run_cfg.datasets.mask_dir(ds)
     return DatasetSpec(
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
         captions=CaptionRule(downloaded_captions(ds.caption_strategy), ds.instance_prompt, ds.prepend_instance_prompt,
-                             ds.only_instance_prompt, split_lines=not ds.disable_multiline_split),
+                             ds.only_instance_prompt, split_lines=not ds.disable_multiline_split,
+                             filters=caption_filters(run_cfg, ds)),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
@@ -108,6 +120,12 @@ def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
     return found
 
 
+def encoded_in_training(train: TrainConfig, ds: ImageDataset) -> bool:
+    """Whether a dataset's latents are encoded during training: vae_cache_disable (the run's or its own), or
+    vae_cache_clear_each_epoch (a new random crop each epoch: nothing cached)."""
+    return train.vae_cache_disable or ds.vae_cache_disable or ds.vae_cache_clear_each_epoch
+
+
 def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True) -> list[Discovery]:
     """Every dataset's usable files. `fetch`: download remote datasets first (process 0 of a run does it before
     the others discover; the web UI never downloads)."""
@@ -120,6 +138,8 @@ def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = 
     for d, ds in zip(found, run_cfg.datasets.discovered(), strict=True):
         d.held_out = ds.dataset_type == "eval"
         d.regularisation = ds.is_regularisation_data
+        d.crops_each_epoch = ds.vae_cache_clear_each_epoch
+        d.on_the_fly = encoded_in_training(run_cfg.train, ds)
         d.masks = ds.conditioning_data if run_cfg.datasets.mask_dir(ds) else None
     empty = [d.dataset_id for d in found if not d.samples]
     if empty:

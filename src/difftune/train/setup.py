@@ -25,6 +25,7 @@ from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.flops import Flops
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
+from difftune.models.sources import ModelSource
 from difftune.train import attention, crepa, eval_loss, hub, scripts, throughput, trackers, tread, webhooks
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
@@ -86,6 +87,31 @@ def resolve_source(cfg: TrainConfig) -> str:
     if cfg.pretrained_model_name_or_path is None and is_tiny(cfg.flavour()):
         return str(tiny_model(cfg.model_family, cfg.flavour()))
     return cfg.model_source()
+
+
+def model_sources(cfg: TrainConfig) -> ModelSource:
+    """Where each part of the model loads from: the main model, and the transformer, VAE, revision and variant of
+    config/model_source_keys.py."""
+    return cfg.model_sources(resolve_source(cfg))
+
+
+def _elsewhere(where: ModelSource) -> str:
+    parts = [f"transformer from {where.transformer_label()}" if where.transformer_label() != where.model else "",
+             f"VAE from {where.vae}" if where.vae else "", f"revision {where.revision}" if where.revision else "",
+             f"variant {where.variant}" if where.variant else ""]
+    return "".join(f"; {p}" for p in parts if p)
+
+
+def set_text_length(cfg: TrainConfig, family: Family, comps: Components, source: str) -> None:
+    """tokenizer_max_length: checked against what the loaded model takes (the config checked its pipeline's bound)."""
+    if cfg.tokenizer_max_length is None:
+        return
+    limit = family.text_length_limit(comps)
+    if cfg.tokenizer_max_length > limit:
+        raise DataError(f"tokenizer_max_length {cfg.tokenizer_max_length}: the model at {source} takes prompts of at "
+                        f"most {limit} tokens; set tokenizer_max_length to {limit} or less (or remove it for "
+                        f"{family.facts.text_length(cfg.flavour())}, the pipeline's default)")
+    comps.text_length = cfg.tokenizer_max_length
 
 
 def build_data(
@@ -170,16 +196,18 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     if ranks.main:  # a tiny model is built once, by one process (libraries save weights from process 0 only)
         resolve_source(cfg)
     ranks.barrier()
-    source = resolve_source(cfg)
-    events.emit("info", message=f"loading {cfg.model_family} from {source}")
+    where = model_sources(cfg)
+    source = where.model
+    events.emit("info", message=f"loading {cfg.model_family} from {source}" + _elsewhere(where))
     with transformer_on_meta(cfg, ranks):  # fsdp_cpu_ram_efficient_loading: only process 0 reads its weights
-        comps = family.load(source, DTYPES[cfg.weight_dtype_name()], vae_dtype=DTYPES.get(cfg.vae_dtype))
+        comps = family.load(where, DTYPES[cfg.weight_dtype_name()], vae_dtype=DTYPES.get(cfg.vae_dtype))
     if family.takes_conditioning(comps) != family.facts.takes_input_image(cfg.flavour()):
         kind = "an image-conditioned (i2i/i2v)" if family.takes_conditioning(comps) else "a text-only"
         raise DataError(
             f"{source} holds {kind} model, but model_flavour {cfg.flavour()!r} says otherwise; "
             f"set model_flavour to a matching flavour of {cfg.model_family}"
         )
+    set_text_length(cfg, family, comps, source)  # before any caption is encoded (the text cache's fingerprint)
     park = cfg.offload_during_startup or cfg.enable_model_cpu_offload  # the transformer waits while caches fill
     # Before it reaches the accelerator (quantize_via 'cpu') and before any adapter wraps its layers.
     quantize_transformer(comps.transformer, cfg.base_model_precision, cfg.quantize_via, device,

@@ -1,0 +1,50 @@
+"""SimpleTuner's smaller config keys: `tokenizer_max_length` (the prompt length the text encoder sees),
+`model_card_note` (a note on the model card) and the config-level `text_encoder_batch_size` (the default of every
+text_embeds entry). Mixed into TrainConfig; import-light: no torch.
+
+Where they act: models/<family>.py encode prompts and sample at `Components.text_length`, which train/setup.py sets
+after checking the loaded model's own bound (`Family.text_length_limit`); memory_plan/predict.py `text_tokens`;
+train/model_card.py; config/load.py hands text_encoder_batch_size to the text_embeds entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, model_validator
+
+from difftune.config.fields import field
+from difftune.models.registry import FAMILY_FACTS
+
+
+class SmallKeys(BaseModel):
+    tokenizer_max_length: int | None = field(
+        None, "The prompt length in tokens the text encoder sees: the stock pipeline's max_sequence_length, used to "
+        "encode the captions for the text cache and the validation prompts, and given to the pipeline when "
+        "sampling (longer prompts are cut, as the pipeline cuts them). Empty: the pipeline's default, kept from "
+        "before (Lumina2 256, counting its system prompt; Kandinsky 5 512 for text alone, 1024 for image-to-image, "
+        "where the input image's tokens count too). At most 512 for Lumina2 (its pipeline's bound; the real "
+        "model's caption positions stop at 299, checked once the model loads) and 1024 for Kandinsky 5. A changed "
+        "length encodes the captions again (it is part of the text cache's fingerprint) and sets the text tokens "
+        "of the memory plan. SimpleTuner's key; its defaults differ per model, difftune keeps each pipeline's.",
+        "model", gt=0, advanced=True,
+    )
+    model_card_note: str | None = field(
+        None, "A note placed near the top of the model card (README.md) written for push_to_hub: free text "
+        "(Markdown), under the card's title. Empty: no note.", "output", advanced=True,
+    )
+    text_encoder_batch_size: int | None = field(
+        None, "Default text_encoder_batch_size of every text_embeds entry that does not set its own: captions per "
+        "text-encoder pass while the text cache fills. Also the batch of the default text cache (no text_embeds "
+        "entry), else 32. Empty: each entry's own (its write_batch_size).", "memory", gt=0, advanced=True,
+    )
+
+    @model_validator(mode="after")
+    def _text_length_bound(self) -> Any:
+        facts = FAMILY_FACTS.get(getattr(self, "model_family", ""))
+        n = self.tokenizer_max_length
+        if facts is not None and n is not None and n > facts.max_text_length:
+            raise ValueError(f"tokenizer_max_length {n} is more than {facts.name}'s pipeline takes (at most "
+                             f"{facts.max_text_length} tokens); set it to {facts.max_text_length} or less, or remove it "
+                             "for the pipeline's default")
+        return self
