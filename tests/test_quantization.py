@@ -192,14 +192,14 @@ def test_weight_bytes_count_quantized_tensors():
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_learns_one_image_on_quantized_base(tmp_path, monkeypatch, family, precision):
+def test_learns_one_image_on_quantized_base(tmp_path, monkeypatch, request, family, precision):
     """test_learning's run (300 LoRA steps on one image), on the quantized base; the LoRA is judged in the
     unquantized stock pipeline."""
     import test_learning
 
     kind = f"{family}-{precision}"
     monkeypatch.setitem(test_learning.KINDS, kind, (family, {"base_model_precision": precision}))
-    test_learning.test_learns_one_image(kind, tmp_path)
+    test_learning.test_learns_one_image(kind, tmp_path, request)
 
 
 # --- text encoders (text_encoder_1_precision, text_encoder_2_precision)

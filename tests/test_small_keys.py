@@ -107,9 +107,12 @@ def test_kandinsky5_i2i_too_short_for_the_image_is_explained():
     from PIL import Image
 
     family, comps = loaded("kandinsky5-image", "tiny-random-i2i")
-    comps.text_length = 8
-    with pytest.raises(ComponentError, match="tokenizer_max_length 8 is too short .* input image's tokens"):
-        family.encode_text(comps, ["a red square"], images=[Image.new("RGB", (64, 48), (200, 40, 40))])
+    image = Image.new("RGB", (64, 48), (200, 40, 40))  # 6 image tokens, and 3 around them
+    comps.text_length = 1
+    with pytest.raises(ComponentError, match="tokenizer_max_length 1 is too short .* input image's tokens"):
+        family.encode_text(comps, ["a red square"], images=[image])
+    comps.text_length = 10  # room for the image and the prompt's start: the prompt is cut (fit_prompt)
+    assert family.encode_text(comps, ["a red square"], images=[image])[0]["prompt_embeds"].shape[0] == 10
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lumina2:tiny-random", "kandinsky5-image:tiny-random")],

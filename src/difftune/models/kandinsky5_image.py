@@ -47,32 +47,30 @@ def _to_network(latents: torch.Tensor) -> torch.Tensor:
     return latents.permute(0, 2, 3, 1).unsqueeze(1)
 
 
-def fit_prompts(pipe: Any, prompts: list[str], images: list[Image.Image] | None, length: int | None) -> list[str]:
-    """Each prompt cut at its end so that it fits `length` tokens (the pipeline's default when None), before the
-    pipeline sees it.
+def _seen(image: Image.Image | None) -> list[Image.Image] | None:
+    """What the pipeline shows the Qwen encoder of an input image (I2I): the image at half its size."""
+    return None if image is None else [image.resize((image.size[0] // 2, image.size[1] // 2))]
 
-    The pipelines' own truncation (diffusers 0.42 `_encode_prompt_qwen`) cuts the text of every prompt of a batch
-    by what the padded batch is over, so one long caption empties the others' embeddings (0 tokens, silently),
-    and with an input image (I2I) it cuts the image's tokens out and the processor raises. Prompts that fit are
-    left as they are, so their embeddings stay exactly the pipeline's."""
-    if length is None:
-        length = inspect.signature(pipe.encode_prompt).parameters["max_sequence_length"].default
-    processor = pipe.tokenizer
-    text_tokenizer = getattr(processor, "tokenizer", processor)
-    limit = pipe.prompt_template_encode_start_idx + length
-    fitted = []
-    for i, prompt in enumerate(prompts):
-        # the pipeline shows the Qwen encoder the input image at half its size (I2I)
-        seen = None if images is None else [images[i].resize((images[i].size[0] // 2, images[i].size[1] // 2))]
-        for _ in range(4):  # decoding and encoding again can merge tokens differently: check, and cut again
-            ids = processor(text=[pipe.prompt_template.format(prompt)], images=seen, return_tensors="pt")["input_ids"]
-            over = ids.shape[-1] - limit
-            if over <= 0:
-                break
-            tokens = text_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            prompt = text_tokenizer.decode(tokens[: max(0, len(tokens) - over)])
-        fitted.append(prompt)
-    return fitted
+
+def _overflow(pipe: Any, prompt: str, image: Image.Image | None, length: int) -> int:
+    """How many tokens the templated prompt (and its input image) is over `length`."""
+    ids = pipe.tokenizer(text=[pipe.prompt_template.format(prompt)], images=_seen(image), return_tensors="pt")
+    return ids["input_ids"].shape[-1] - (pipe.prompt_template_encode_start_idx + length)
+
+
+def fit_prompt(pipe: Any, prompt: str, image: Image.Image, length: int) -> str:
+    """An image-to-image prompt cut at its end so that it and its input image's tokens fit `length`: the I2I
+    pipeline's own truncation cuts the image's tokens out, and the processor then raises."""
+    text_tokenizer = getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer)
+    for _ in range(4):  # decoding and encoding again can merge tokens differently: check, and cut again
+        over = _overflow(pipe, prompt, image, length)
+        if over <= 0:
+            return prompt
+        tokens = text_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not tokens:
+            break
+        prompt = text_tokenizer.decode(tokens[: max(0, len(tokens) - over)])
+    raise ValueError(f"the input image's tokens alone are over {length} tokens")
 
 
 class Kandinsky5ImageFamily:
@@ -132,7 +130,10 @@ class Kandinsky5ImageFamily:
             "vae": {**cache_origin(comps.origin(), "vae"), "config": dict(comps.vae.config),
                     "dtype": str(comps.vae.dtype)},
             "text": {**cache_origin(comps.origin(), "text"), "configs": text,
-                     "dtype": str(comps.text["text_encoder"].dtype)},
+                     "dtype": str(comps.text["text_encoder"].dtype),
+                     # captions are fitted one by one (fit_prompts): entries written before, by a batch that held
+                     # a long caption, may be empty, so they are encoded again
+                     "long_captions": "fitted"},
         }
         if comps.text_length is not None:  # only when set: caches made at the pipeline's default stay valid
             ident["text"]["max_sequence_length"] = comps.text_length
@@ -155,25 +156,36 @@ class Kandinsky5ImageFamily:
         tokenizer = comps.text["tokenizer"]
         getattr(tokenizer, "tokenizer", tokenizer).padding_side = "right"  # a processor holds its tokenizer
         pipe = self.pipeline_class(images is not None)(transformer=None, vae=None, scheduler=None, **comps.text)
-        extra: dict[str, Any] = {} if images is None else {"image": images}
-        if comps.text_length is not None:  # tokenizer_max_length; else the pipeline's own default
-            extra["max_sequence_length"] = comps.text_length
-        prompts = fit_prompts(pipe, prompts, images, extra.get("max_sequence_length"))
-        try:
-            qwen, clip, cu_seqlens = pipe.encode_prompt(prompts, device=device, dtype=dtype, **extra)
-        except ValueError as e:  # the processor refuses a length that cuts into the input image's tokens
-            if images is None or comps.text_length is None or "image" not in str(e):
-                raise
-            raise ComponentError(
-                f"tokenizer_max_length {comps.text_length} is too short for this image-to-image prompt: the Qwen "
-                "encoder sees the input image's tokens (one per 28x28 pixels of the image at half its size) within "
-                f"that length ({e}); raise tokenizer_max_length or remove it (the pipeline's default is "
-                f"{self.facts.text_lengths[1]})") from e
-        lengths = cu_seqlens.diff().tolist()
-        return [
-            {"prompt_embeds": qwen[i, : int(n)].cpu().clone(), "pooled": clip[i].cpu().clone()}
-            for i, n in enumerate(lengths)
-        ]
+        length = comps.text_length or inspect.signature(pipe.encode_prompt).parameters["max_sequence_length"].default
+        # diffusers 0.42 cuts every prompt of a batch by what the longest is over its length (`_encode_prompt_qwen`),
+        # which empties the others' embeddings (silently): a prompt over the length is encoded alone, where that cut
+        # is the stock pipeline's own for that prompt; with an input image it is fitted first (fit_prompt)
+        long = [_overflow(pipe, p, None if images is None else images[i], length) > 0 for i, p in enumerate(prompts)]
+        short = [i for i, over in enumerate(long) if not over]
+        groups = ([short] if short else []) + [[i] for i, over in enumerate(long) if over]
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for group in groups:
+            texts = [prompts[i] for i in group]
+            extra: dict[str, Any] = {}
+            if comps.text_length is not None:  # tokenizer_max_length; else the pipeline's own default
+                extra["max_sequence_length"] = comps.text_length
+            try:
+                if images is not None:
+                    extra["image"] = [images[i] for i in group]
+                    if long[group[0]]:
+                        texts = [fit_prompt(pipe, texts[0], images[group[0]], length)]
+                qwen, clip, cu_seqlens = pipe.encode_prompt(texts, device=device, dtype=dtype, **extra)
+            except ValueError as e:  # the processor refuses a length that cuts into the input image's tokens
+                if images is None or "image" not in str(e):
+                    raise
+                raise ComponentError(
+                    f"tokenizer_max_length {length} is too short for this image-to-image prompt: the Qwen encoder "
+                    "sees the input image's tokens (one per 28x28 pixels of the image at half its size) within that "
+                    f"length ({e}); raise tokenizer_max_length or remove it (the pipeline's default is "
+                    f"{self.facts.text_lengths[1]})") from e
+            for row, (i, n) in enumerate(zip(group, cu_seqlens.diff().tolist(), strict=True)):
+                out[i] = {"prompt_embeds": qwen[row, : int(n)].cpu().clone(), "pooled": clip[row].cpu().clone()}
+        return [out[i] for i in range(len(prompts))]
 
     def collate_text(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """prompt_embeds [B, L, D] (zero-padded to the longest), pooled [B, D2], lengths [B].
