@@ -51,7 +51,7 @@ class ModelSourceKeys(BaseModel):
         "folder has no revisions.", "model", advanced=True,
     )
     variant: str | None = field(
-        None, "Weight-file variant to load, such as 'fp16' (diffusion_pytorch_model.fp16.safetensors, "
+        None, "Variant of the weights to load, such as 'fp16' (diffusion_pytorch_model.fp16.safetensors, "
         "model.fp16.safetensors), for every weight loaded with from_pretrained: the main model's, the transformer's "
         "and the VAE's from elsewhere. The weights are then cast to base_model_default_dtype as usual. A model "
         "without that variant's files is an error naming the component.", "model", advanced=True,
