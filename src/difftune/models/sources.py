@@ -165,8 +165,9 @@ def _has_vae_subfolder(source: str) -> bool:
 
 
 def load_vae_from(cls: Any, where: ModelSource, dtype: Any) -> Any:
-    source, kwargs = vae_location(where)
     key = "pretrained_vae_model_name_or_path" if where.vae else "pretrained_model_name_or_path"
+    # looking for a hub repository's vae/ can fail too (no such repository, no network): named like a load
+    source, kwargs = loading(str(where.vae or where.model), key, where, lambda: vae_location(where))
     what = f"{source} ({kwargs.get('subfolder', 'the folder itself')})"
     return loading(what, key, where, lambda: cls.from_pretrained(source, torch_dtype=dtype, **kwargs))
 
