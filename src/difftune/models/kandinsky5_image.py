@@ -178,11 +178,13 @@ class Kandinsky5ImageFamily:
             except ValueError as e:  # the processor refuses a length that cuts into the input image's tokens
                 if images is None or "image" not in str(e):
                     raise
+                fix = (f"raise tokenizer_max_length or remove it (the pipeline's default is {self.facts.text_lengths[1]})"
+                       if comps.text_length is not None else  # already the pipeline's most: only the image can shrink
+                       "train at a smaller resolution, so that the input images are smaller")
                 raise ComponentError(
                     f"tokenizer_max_length {length} is too short for this image-to-image prompt: the Qwen encoder "
                     "sees the input image's tokens (one per 28x28 pixels of the image at half its size) within that "
-                    f"length ({e}); raise tokenizer_max_length or remove it (the pipeline's default is "
-                    f"{self.facts.text_lengths[1]})") from e
+                    f"length ({e}); {fix}") from e
             for row, (i, n) in enumerate(zip(group, cu_seqlens.diff().tolist(), strict=True)):
                 out[i] = {"prompt_embeds": qwen[row, : int(n)].cpu().clone(), "pooled": clip[row].cpu().clone()}
         return [out[i] for i in range(len(prompts))]
