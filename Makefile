@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-slow test-browser test-ui lint bench bench-memory bench-tread bench-gpu plan-calibrate clean
+.PHONY: setup demo test test-gpu test-slow test-browser test-ui lint bench bench-memory bench-tread bench-gpu plan-calibrate clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# On a GPU machine: the CUDA-only tests and the user's path (bf16, validation, spec configs, streaming) on CUDA.
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests/test_gpu.py tests/test_bf16.py tests/test_spec_configs.py \
+		tests/test_offload.py tests/test_tread.py
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m "slow"

@@ -74,10 +74,14 @@ class Case:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def stock_sample(self, pipe, prompt, negative, width, height, steps, guidance, seed, image=None, **kw):
+    def stock_sample(self, pipe, prompt, negative, width, height, steps, guidance, seed, image=None, device=None,
+                     **kw):
+        """`device`: where the run sampled (its noise is drawn there, as validation draws it); the CPU by default."""
+        if device is not None:
+            pipe.to(device)
         kwargs = dict(prompt=prompt, negative_prompt=negative, height=height, width=width,
                       num_inference_steps=steps, guidance_scale=guidance,
-                      generator=torch.Generator().manual_seed(seed), **kw)
+                      generator=torch.Generator(device=device or "cpu").manual_seed(seed), **kw)
         if self.family == "lumina2":
             return pipe(**kwargs).images
         if image is not None:

@@ -18,7 +18,7 @@ def args(**kw):
 
 def test_one_configuration_gives_a_full_row():
     case = bench_gpu.tiny_case(bench_gpu.CASES["lumina2-512-bs2"])
-    row = bench_gpu.run_config(case, "native-math", False, True, args(), torch.device("cpu"))
+    row = bench_gpu.run_config(case, bench_gpu.Setup("native-math", checkpointing=True), args(), torch.device("cpu"))
     assert row["attention"] == "sdpa math" and row["checkpointing"] and not row["compile"]
     assert row["step_s"] > 0 and row["tflop_per_step"] >= 0 and row["tokens_per_s"] > 0
     assert row["mfu"] is None and row["peak_gib"] is None  # on the CPU: no peak to compare with, no CUDA memory
@@ -28,9 +28,28 @@ def test_one_configuration_gives_a_full_row():
 
 def test_matrix():
     quick = bench_gpu.configurations(argparse.Namespace(matrix="quick", backends=["auto", "native"]))
-    assert quick == [("auto", False, False), ("native", False, False), ("auto", True, False),
-                     ("auto", False, True), ("auto", True, True)]
+    S = bench_gpu.Setup
+    assert quick == [S("auto"), S("native"), S("auto", True, False), S("auto", False, True), S("auto", True, True)]
     assert len(bench_gpu.configurations(argparse.Namespace(matrix="full", backends=["auto", "native"]))) == 8
+    levers = bench_gpu.configurations(argparse.Namespace(matrix="levers", backends=["native"],
+                                                         precisions=["int8-quanto", "fp8-torchao"], tread_ratio=0.5,
+                                                         checkpointing=False))
+    assert [s.levers() for s in levers] == ["-", "int8-quanto", "fp8-torchao", "TREAD 0.5", "-", "streamed",
+                                            "int8-quanto, streamed"]
+    assert all(s.checkpointing for s in levers if s.stream)  # streaming is measured as it is meant to run
+
+
+@pytest.mark.parametrize("setup", [dict(precision="int8-quanto"), dict(precision="int8-torchao"),
+                                   dict(tread=0.5), dict(checkpointing=True, stream=True)],
+                         ids=["int8-quanto", "int8-torchao", "tread", "stream"])
+@pytest.mark.parametrize("name", ["lumina2-512-bs2", "k5-video-lite-81f-bs2"])
+def test_each_lever_runs_a_step_on_the_tiny_models(name, setup):
+    """The levers matrix's rows, one step each: quantized base + LoRA, TREAD, block streaming with checkpointing
+    (synchronous on the CPU). A lever that broke would give an error row on the GPU machine and lose its figure."""
+    case = bench_gpu.tiny_case(bench_gpu.CASES[name])
+    row = bench_gpu.run_config(case, bench_gpu.Setup("native", **setup), args(), torch.device("cpu"))
+    assert row["step_s"] > 0 and row["levers"] == bench_gpu.Setup("native", **setup).levers()
+    assert ("streamed_gib" in row) == bool(setup.get("stream"))
 
 
 def test_refuses_to_run_real_size_without_a_gpu():

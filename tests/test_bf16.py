@@ -93,7 +93,8 @@ def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset)
     if case.i2v:
         image = fit(decode_frames(sorted(data.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
     kw = {"num_frames": 17 if case.i2v else 9} if case.video else {}
-    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 2, 4.0, 11, image=image, **kw)[0]
+    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 2, 4.0, 11, image=image,
+                               device=run.accelerator.device, **kw)[0]
     if case.video:
         from difftune.data.video import contact_sheet
 

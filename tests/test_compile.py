@@ -413,3 +413,27 @@ def test_inductor_trains_like_uncompiled(tmp_path, dataset, family):
     assert info and info[0]["backend"] == "inductor"
     print(f"\n{family}: uncompiled {plain_s:.1f} s, steps {[round(t, 3) for t in step_times(tmp_path / 'plain' / 'output')]}"
           f"; inductor {compiled_s:.1f} s, steps {[round(t, 3) for t in step_times(tmp_path / 'inductor' / 'output')]}")
+
+
+def test_torch_without_isolated_limits_gets_the_global_limit_raised_for_shared_block_classes(monkeypatch):
+    """torch 2.11 (the GPU images' torch) has no isolate_recompiles: compile still works there, on dynamo's global
+    limit per code object, raised so that each of Lumina2's three stacks (one block class) gets its own share."""
+    real = torch.compile
+
+    def old_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                    disable=False):
+        return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options,
+                    disable=disable)
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    transformer = lora_lumina2()
+    regions = compiling.regions(get_family("lumina2").facts.block_stacks, transformer, True)
+    assert len(regions) == 3 and compiling.recompile_limit(16, regions) == {}
+    assert torch._dynamo.config.recompile_limit == 48
+    assert compiling.recompile_limit(2, regions) == {} and torch._dynamo.config.recompile_limit == 48  # never lowered
+    expected = forward_backward(lora_lumina2())
+    compile_model(transformer, "eager")
+    assert torch.equal(forward_backward(transformer)[0], expected[0])
+    monkeypatch.undo()
+    assert compiling.recompile_limit(4, regions) == dict(recompile_limit=4, isolate_recompiles=True)

@@ -366,7 +366,8 @@ def test_bf16_validation_equals_the_stock_bf16_pipeline(tmp_path, dataset):
     case = Case("lumina2", "tiny-random")
     pipe = case.stock(run.comps.source, torch_dtype=torch.bfloat16)
     pipe.load_lora_weights(run.output_dir)
-    theirs = np.asarray(case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11)[0]).astype(int)
+    theirs = np.asarray(case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11,
+                                           device=run.accelerator.device)[0]).astype(int)
     assert ours.shape == theirs.shape and ours.std() > 0
     assert np.abs(ours - theirs).max() <= 2
 

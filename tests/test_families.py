@@ -150,7 +150,8 @@ def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
     if case.i2v:  # by default the first frame of the first training clip, fitted (not stretched) to 64x48
         image = fit(decode_frames(sorted(dataset.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
     kw = {"num_frames": extra["validation_num_video_frames"]} if case.video else {}
-    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11, image=image, **kw)[0]
+    theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 3, 4.0, 11, image=image,
+                               device=run.accelerator.device, **kw)[0]
     if case.video:  # the PNG is the contact sheet of the video (the MP4 beside it is lossy)
         assert (run.output_dir / "validation" / f"final-step-000003-64x48{frames}.mp4").is_file()
         theirs = contact_sheet(theirs)

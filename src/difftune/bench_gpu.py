@@ -10,6 +10,11 @@ with difftune's attention (train/attention.py), compile (train/compile.py), chec
 (train/checkpointing.py) and FLOP count (train/throughput.py, models/flops.py), so the figures are the
 trainer's. Captions are 128 tokens. The data path (cache reads, prefetch) is not part of it.
 
+Besides the attention/compile/checkpointing matrix, `--matrix levers` measures the memory and speed levers of
+issues 13-15 on the same step: a quantized frozen base (`--precisions`), TREAD (`--tread-ratio` over the specs'
+route), block streaming with checkpointing (train/offload.py); `stream` and `tread` are their short forms for
+one large case. `--profile` prints where one step's GPU time goes and how busy the GPU was.
+
 `--tiny` runs the tiny test models on the CPU in fp32: a check that the script works anywhere (the tests run
 it); its figures mean nothing. Figures are printed (and written as JSON lines with `--out`), never stored:
 BENCHMARKS.md holds only numbers measured on a named machine.
@@ -23,6 +28,7 @@ import itertools
 import json
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,24 @@ import torch
 from difftune import bench_memory as real
 from difftune.bench import machine_info
 from difftune.memory_plan.architecture import TRANSFORMER_CLASS
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration of a case: the attention backend and the levers."""
+
+    attention: str
+    compiled: bool = False
+    checkpointing: bool = False
+    precision: str = "bf16"  # the frozen base: bf16, or a base_model_precision quantized on the GPU
+    tread: float = 0.0  # TREAD selection ratio over the specs' route (start_layer_idx 2, end_layer_idx -2)
+    stream: bool = False  # block streaming: every block's frozen weights in pinned CPU memory, prefetched
+
+    def levers(self) -> str:
+        out = [self.precision] if self.precision != "bf16" else []
+        out += [f"TREAD {self.tread}"] if self.tread else []
+        out += ["streamed"] if self.stream else []
+        return ", ".join(out) or "-"
 
 
 @dataclass(frozen=True)
@@ -99,15 +123,37 @@ def build(case: Case, device: torch.device, dtype: torch.dtype) -> torch.nn.Modu
     return model.to(dtype).requires_grad_(False)
 
 
-def run_config(case: Case, mechanism: str, compiled: bool, checkpointing: bool, args: argparse.Namespace,
-               device: torch.device) -> dict[str, Any]:
+def quantize(model: torch.nn.Module, precision: str) -> None:
+    """The frozen base in `precision`, quantized where it is (the GPU), as base_model_precision does.
+    'int4-torchao' is not a trainer precision yet (torchao has no CPU layout for it): measured here to see
+    whether a LoRA trains over torchao's int4 tile-packed layout on a GPU at all."""
+    from difftune.models.quantize import QUANTIZERS, quantized_layers
+
+    if precision == "bf16":
+        return
+    if precision == "int4-torchao":
+        import torchao.quantization as ao
+
+        config = ao.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+        wanted = set(quantized_layers(model))
+        ao.quantize_(model, config, filter_fn=lambda m, fqn: fqn in wanted)
+        return
+    QUANTIZERS[precision](model, quantized_layers(model))
+
+
+def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from types import SimpleNamespace as NS
+
     from peft import LoraConfig
 
     from difftune.config.schema import TrainConfig
     from difftune.models import get_family
-    from difftune.train import attention, throughput
+    from difftune.train import attention, throughput, tread
     from difftune.train.checkpointing import enable_checkpointing
     from difftune.train.compile import compile_transformer
+    from difftune.train.offload import BlockStreamer, streamed_blocks
+
+    mechanism, compiled, checkpointing = setup.attention, setup.compiled, setup.checkpointing
 
     family = get_family(case.family)
     half = device.type == "cuda"
@@ -118,6 +164,7 @@ def run_config(case: Case, mechanism: str, compiled: bool, checkpointing: bool, 
                       dynamo_backend=args.compile_backend if compiled else "no",
                       gradient_checkpointing=checkpointing)
     model = build(case, device, torch.bfloat16 if half else torch.float32)
+    quantize(model, setup.precision)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True,
                                  target_modules=family.lora_target_modules if isinstance(family.lora_target_modules,
                                                                                          str)
@@ -125,6 +172,11 @@ def run_config(case: Case, mechanism: str, compiled: bool, checkpointing: bool, 
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
+    streamer = None
+    if setup.stream:  # after the adapter, as the trainer does: the LoRA weights stay resident
+        blocks = streamed_blocks(model, family.facts.block_stacks, None)
+        streamer = BlockStreamer(model, blocks, 1, device, prefetch=True)
+        model.to(device)
     if checkpointing:
         enable_checkpointing(model, None)
     chosen = attention.apply(cfg, model, device, emit)
@@ -133,6 +185,11 @@ def run_config(case: Case, mechanism: str, compiled: bool, checkpointing: bool, 
     model.train()
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     g = torch.Generator(device=device).manual_seed(0)
+    if setup.tread:  # the specs' route; a tiny test model (under 5 blocks) routes all but its first block
+        small = tread.block_count(family, model) < 5
+        route = NS(routes=[NS(selection_ratio=setup.tread, start_layer_idx=1 if small else 2,
+                              end_layer_idx=-1 if small else -2)])
+        tread.attach(route, family, model, torch.Generator(device=device).manual_seed(1), False)
     cpu = torch.Generator().manual_seed(0)
     text = family.collate_text([text_item(case.family, case.config, cpu) for _ in range(case.batch)])
     text = {k: v.to(device) for k, v in text.items()}
@@ -167,13 +224,37 @@ def run_config(case: Case, mechanism: str, compiled: bool, checkpointing: bool, 
         torch.cuda.reset_peak_memory_stats(device)
     times = [timed() for _ in range(args.steps)]
     median = statistics.median(times)
+    if getattr(args, "profile", False):
+        profile(step, device)
     peak = meter.peak
     row = {"case": case.note, "attention": LABEL.get(chosen.choice.train, chosen.choice.train), "compile": compiled,
-           "checkpointing": checkpointing, "step_s": round(median, 4), "first_step_s": round(first, 2),
+           "checkpointing": checkpointing, "levers": setup.levers(), "step_s": round(median, 4), "first_step_s": round(first, 2),
            "tflop_per_step": round(step_flops / 1e12, 3), "tflops": round(step_flops / median / 1e12, 1),
            "tokens_per_s": round(tokens / median), "mfu": round(step_flops / median / 1e12 / peak, 3) if peak else None,
            "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if half else None}
+    if streamer is not None:
+        row["streamed_gib"] = round(streamer.streamed_bytes() / 2**30, 2)
     return row  # the model and optimizer go with this frame; main() then empties the caches
+
+
+def profile(step: Any, device: torch.device) -> None:
+    """One step under torch.profiler: where the GPU time goes, and whether the host keeps the GPU fed."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profiler(activities=activities) as prof:
+        began = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - began
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    gpu = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    print(f"profile: step {wall:.3f} s wall, {gpu:.3f} s of GPU kernels ({100 * gpu / wall:.0f}% busy), "
+          f"{len(prof.events())} events")
+    print(events.table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
 LABEL = {"native": "sdpa", "flash": "flash-attn 2", "_flash_3": "flash-attn 3", "flex": "flex",
@@ -181,13 +262,27 @@ LABEL = {"native": "sdpa", "flash": "flash-attn 2", "_flash_3": "flash-attn 3", 
          "_native_math": "sdpa math"}
 
 
-def configurations(args: argparse.Namespace) -> list[tuple[str, bool, bool]]:
-    """(attention_mechanism, compile, checkpointing) to measure per case."""
-    if args.matrix == "full":
-        return list(itertools.product(args.backends, (False, True), (False, True)))
-    out = [(b, False, False) for b in args.backends]  # each backend, plain
+def configurations(args: argparse.Namespace) -> list[Setup]:
+    """The setups to measure per case."""
     best = args.backends[0]
-    out += [(best, True, False), (best, False, True), (best, True, True)]
+    if args.matrix == "full":
+        return [Setup(*c) for c in itertools.product(args.backends, (False, True), (False, True))]
+    if args.matrix == "levers":  # issues 13-15: each lever alone on the first backend, then streaming's set
+        ckpt = args.checkpointing  # a model whose activations do not fit without it: every row checkpoints
+        out = [Setup(best, checkpointing=ckpt)] + [Setup(best, checkpointing=ckpt, precision=p) for p in args.precisions]
+        out += [Setup(best, checkpointing=ckpt, tread=args.tread_ratio)] + ([] if ckpt else [Setup(best, False, True)])
+        out += [Setup(best, checkpointing=True, stream=True),
+                Setup(best, checkpointing=True, stream=True, precision=args.precisions[0])]
+        return out
+    compiled = getattr(args, "compiled", False)
+    if args.matrix == "stream":  # a model that barely fits: checkpointed, resident, streamed, streamed + TREAD
+        return [Setup(best, compiled, True), Setup(best, compiled, True, stream=True),
+                Setup(best, compiled, True, stream=True, tread=args.tread_ratio)][getattr(args, "skip", 0):]
+    if args.matrix == "tread":
+        return [Setup(best, compiled, args.checkpointing), Setup(best, compiled, args.checkpointing,
+                                                                 tread=args.tread_ratio)]
+    out = [Setup(b) for b in args.backends]  # each backend, plain
+    out += [Setup(best, True, False), Setup(best, False, True), Setup(best, True, True)]
     return out
 
 
@@ -199,16 +294,17 @@ def cleanup() -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("case", "attention", "compile", "ckpt", "step s", "first s", "TFLOP/step", "TFLOP/s", "MFU",
+    head = ("case", "attention", "compile", "ckpt", "levers", "step s", "first s", "TFLOP/step", "TFLOP/s", "MFU",
             "tokens/s", "peak GiB")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
-            cells = [r["case"], r["attention"], str(r["compile"]), str(r["checkpointing"]), r["error"]] + [""] * 6
+            cells = [r["case"], r["attention"], str(r["compile"]), str(r["checkpointing"]), r.get("levers", "-"),
+                     r["error"]] + [""] * 6
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
             cells = [r["case"], r["attention"], "yes" if r["compile"] else "no", "yes" if r["checkpointing"] else "no",
-                     f"{r['step_s']:.3f}", f"{r['first_step_s']:.1f}", f"{r['tflop_per_step']:.2f}",
+                     r.get("levers", "-"), f"{r['step_s']:.3f}", f"{r['first_step_s']:.1f}", f"{r['tflop_per_step']:.2f}",
                      f"{r['tflops']:.0f}", mfu, str(r["tokens_per_s"]),
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -220,9 +316,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(DEFAULT_CASES))
     parser.add_argument("--backends", nargs="+", default=None,
                         help="attention_mechanism values; default: 'auto' and 'native' (when auto picks another)")
-    parser.add_argument("--matrix", choices=("quick", "full"), default="quick",
+    parser.add_argument("--matrix", choices=("quick", "full", "levers", "stream", "tread"), default="quick",
                         help="quick: each backend plain, then the first with compile and/or checkpointing; "
-                             "full: every combination")
+                             "full: every combination; levers: the first backend plain, with each of --precisions, "
+                             "with TREAD, with checkpointing, streamed (+ the first precision); stream: checkpointed, resident, "
+                             "streamed, streamed with TREAD; tread: without and with TREAD")
+    parser.add_argument("--precisions", nargs="+", default=["int8-quanto", "int8-torchao", "fp8-torchao"],
+                        help="base precisions of the levers matrix (int4-torchao: an experiment, see quantize())")
+    parser.add_argument("--checkpointing", action="store_true", help="levers, tread: every row checkpoints")
+    parser.add_argument("--compiled", action="store_true", help="stream, tread: every row compiled")
+    parser.add_argument("--skip", type=int, default=0, help="stream: leave out its first rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each configuration's timed steps, profile one more step and print the 25 "
+                             "costliest operators by GPU time, and the step's CPU and GPU time")
+    parser.add_argument("--tread-ratio", type=float, default=0.5, help="TREAD selection ratio of the levers matrix")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (median)")
     parser.add_argument("--warmup", type=int, default=3, help="steps after the first, not measured")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new configurations after this")
@@ -241,26 +348,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.backends = ["auto"] + (["native"] if picked != "native" else [])
     print(json.dumps(machine_info()))
     started, rows = time.perf_counter(), []
-    for name in args.cases:
-        case = tiny_case(CASES[name]) if args.tiny else CASES[name]
-        for mechanism, compiled, checkpointing in configurations(args):
-            if time.perf_counter() - started > args.budget_s:
-                print(f"skipped (budget): {case.note} {mechanism} compile={compiled} ckpt={checkpointing}")
-                continue
-            try:
-                row = run_config(case, mechanism, compiled, checkpointing, args, device)
-            except torch.OutOfMemoryError:
-                row = {"case": case.note, "attention": mechanism, "compile": compiled,
-                       "checkpointing": checkpointing, "error": "out of memory"}
-            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others' figures
-                row = {"case": case.note, "attention": mechanism, "compile": compiled,
-                       "checkpointing": checkpointing, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-            cleanup()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+    cases = [tiny_case(CASES[name]) if args.tiny else CASES[name] for name in args.cases]
+    # every case's uncompiled setups first: a compile costs minutes, and the budget may end before them all
+    runs = sorted(((case, setup) for case in cases for setup in configurations(args)), key=lambda r: r[1].compiled)
+    for case, setup in runs:
+        if time.perf_counter() - started > args.budget_s:
+            print(f"skipped (budget): {case.note} {setup}")
+            continue
+        failed = {"case": case.note, "attention": setup.attention, "compile": setup.compiled,
+                  "checkpointing": setup.checkpointing, "levers": setup.levers()}
+        try:
+            row = run_config(case, setup, args, device)
+        except torch.OutOfMemoryError:
+            row = failed | {"error": "out of memory"}
+        except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others' figures
+            traceback.print_exc()
+            row = failed | {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        cleanup()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
     print(table(rows))
     return rows
 

@@ -44,6 +44,7 @@ import inspect
 import logging
 import re
 import types
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,19 @@ def regions(stacks: tuple[str, ...], transformer: torch.nn.Module, regional: boo
     return out
 
 
+def recompile_limit(limit: int, compiled: list[Region]) -> dict[str, Any]:
+    """torch.compile's options for `limit` compilations per region. torch 2.13 counts them per torch.compile call
+    (`isolate_recompiles`). Older torch (2.11, the GPU images' torch) has only dynamo's global limit, counted per
+    code object: regions whose blocks share a class (Lumina2's refiners and layers) share one count, so the global
+    limit is raised to `limit` times the most regions sharing one, and never lowered."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return dict(recompile_limit=limit, isolate_recompiles=True)
+    sharing = Counter(type(r.modules[0]).forward for r in compiled)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit * max(sharing.values(), default=1))
+    return {}
+
+
 def compile_transformer(cfg: Any, stacks: tuple[str, ...], transformer: torch.nn.Module,
                         emit: Callable[..., Any]) -> Compiled | None:
     """Compile the transformer's block stacks (or the whole transformer) in place, as the config asks; None
@@ -102,18 +116,14 @@ def compile_transformer(cfg: Any, stacks: tuple[str, ...], transformer: torch.nn
     backend = cfg.compile_backend()
     if backend is None:
         return None
-    if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
-        raise CompileError(f"compile needs torch.compile's recompile_limit and isolate_recompiles (a limit per block "
-                           f"stack), which torch {torch.__version__} lacks; install the torch of constraints.txt "
-                           "(2.13), or set dynamo_backend 'no' and compile false")
-    options: dict[str, Any] = dict(backend=backend, fullgraph=cfg.dynamo_fullgraph, dynamic=cfg.dynamo_dynamic,
-                                   recompile_limit=cfg.dynamo_recompile_limit, isolate_recompiles=True)
+    compiled = Compiled(backend, cfg.dynamo_mode or "default", cfg.dynamo_use_regional_compilation,
+                        regions(stacks, transformer, cfg.dynamo_use_regional_compilation))
+    options: dict[str, Any] = dict(backend=backend, fullgraph=cfg.dynamo_fullgraph, dynamic=cfg.dynamo_dynamic)
+    options |= recompile_limit(cfg.dynamo_recompile_limit, compiled.regions)
     if cfg.dynamo_mode is not None:  # inductor only (speed_checks)
         options["mode"] = cfg.dynamo_mode
     # The backward graph compiles at the forward's first call: a failure surfaces in `guarded`, named.
     torch._functorch.config.force_non_lazy_backward_lowering = True
-    compiled = Compiled(backend, cfg.dynamo_mode or "default", cfg.dynamo_use_regional_compilation,
-                        regions(stacks, transformer, cfg.dynamo_use_regional_compilation))
     WATCH.attach(emit, compiled)
     for region in compiled.regions:
         # The class's function, not a bound method: one compiled region serves every module of the stack.

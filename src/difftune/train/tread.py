@@ -121,7 +121,8 @@ class JointLayout:
         kept = _choose(image, ratio, len(captions), generator)
         if kept is None:
             return None
-        rows = [torch.cat([torch.arange(c), c + kept[i], torch.arange(c + image, total)])
+        rows = [torch.cat([torch.arange(c, device=kept.device), c + kept[i],
+                           torch.arange(c + image, total, device=kept.device)])
                 for i, c in enumerate(captions)]
         return Plan(torch.stack(rows))
 
@@ -147,7 +148,7 @@ class VisualLayout:
         kept = _choose(tokens - fixed, ratio, hidden.shape[0], generator)
         if kept is None:
             return None
-        head = torch.arange(fixed).expand(hidden.shape[0], fixed)
+        head = torch.arange(fixed, device=kept.device).expand(hidden.shape[0], fixed)
         return Plan(torch.cat([head, fixed + kept], dim=1))
 
 

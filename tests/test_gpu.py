@@ -1,0 +1,65 @@
+"""What only a CUDA device shows: block streaming on its side stream, TREAD's token plans made on the device.
+Skipped without CUDA (`make test-gpu` runs these with the bf16 user-path tests on a GPU machine).
+
+The CPU tests prove the same code synchronously; these catch what the CPU cannot: tensors made on the wrong
+device (TREAD's plans were, and crashed every spec config with tread_config on a GPU) and copies on a second
+stream racing the compute stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftune.models import get_family
+from difftune.train import tread
+from difftune.train.offload import BlockStreamer, streamed_blocks
+from test_offload import STACKS, lora_lumina2
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = torch.device("cuda")
+
+
+def forward_backward(transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g), timestep=torch.rand(2, generator=g),
+                  encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+                  encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool))
+    inputs = {k: v.to(CUDA) for k, v in inputs.items()}
+    loss = transformer(**inputs).sample.pow(2).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in transformer.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        sample = transformer(**inputs).sample
+    torch.cuda.synchronize()
+    return loss.detach(), grads, sample
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_side_stream_prefetch_gives_the_resident_loss_gradients_and_samples(checkpointing):
+    expected = forward_backward(lora_lumina2(checkpointing=checkpointing).to(CUDA))
+    transformer = lora_lumina2(checkpointing=checkpointing)
+    streamer = BlockStreamer(transformer, streamed_blocks(transformer, STACKS, None), 1, CUDA, prefetch=True)
+    transformer.to(CUDA)
+    assert streamer.stream is not None  # the side stream, not the synchronous CPU path
+    for _ in range(3):  # a racing copy shows up as a difference in some run, not necessarily the first
+        for p in transformer.parameters():
+            p.grad = None
+        got = forward_backward(transformer)
+        assert torch.equal(expected[0], got[0])
+        assert all(torch.equal(expected[1][n], got[1][n]) for n in expected[1])
+        assert torch.equal(expected[2], got[2])
+    assert streamer.holding() == 0 and streamer.peak == 2
+
+
+@pytest.mark.parametrize("family,kwargs,first", [
+    ("lumina2", dict(hidden_states=torch.zeros(2, 4, 8, 8),
+                     encoder_attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)), False),
+    ("kandinsky5-video", dict(hidden_states=torch.zeros(2, 3, 8, 8, 4)), True),
+])
+def test_tread_plans_are_made_on_the_device(family, kwargs, first):
+    fam = get_family(family)
+    layout = tread.LAYOUTS[fam.tread_layout]
+    transformer = type("T", (), {"config": type("C", (), {"patch_size": 2 if family == "lumina2" else (1, 2, 2)})})
+    plan = layout.plan(transformer, {k: v.to(CUDA) for k, v in kwargs.items()}, 0.5,
+                       torch.Generator(device=CUDA).manual_seed(0), first)
+    assert plan is not None and plan.keep.device.type == "cuda"
