@@ -22,10 +22,14 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# On a GPU machine: the CUDA-only tests and the user's path (bf16, validation, spec configs, streaming) on CUDA.
+# On a GPU machine: the CUDA-only tests and the user's path (bf16, validation, spec configs, streaming) on CUDA,
+# then the features whose tensors move between devices (first group: run on an H100 on 2026-11-24).
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests/test_gpu.py tests/test_bf16.py tests/test_spec_configs.py \
 		tests/test_offload.py tests/test_tread.py
+	$(BIN)/python -m pytest -q -m "not slow" tests/test_crepa.py tests/test_quantization.py tests/test_dora.py \
+		tests/test_ema.py tests/test_prefetch.py tests/test_masked_loss.py tests/test_eval_loss.py \
+		tests/test_regularisation.py tests/test_model_offload.py
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m "slow"

@@ -9,7 +9,8 @@ own rule (train/optimizers.py). What the accelerator holds in each phase follows
 - training: the transformer (base_model_precision; minus what streams with enable_group_offload /
   musubi_blocks_to_swap; divided by N with fsdp_enable), the adapter, its gradients and optimizer state, the EMA
   copy when ema_device is the accelerator, and one micro-batch's saved activations at the largest bucket (plus,
-  with gradient checkpointing, one block recomputed at a time).
+  with gradient checkpointing, one block recomputed at a time; with tread_config, the routed blocks at the image
+  tokens they keep).
 - validation: what training keeps (weights, adapter, optimizer state) plus the VAE and the larger of one block's
   sampling working set (two prompts with guidance) and the VAE decode at validation_resolution.
 - regularisation data and eval datasets (no-grad passes: passes.py): the teacher's target is a training line and
@@ -213,28 +214,65 @@ def block_bytes(table: dict, stack: str, tokens: int, text: int) -> float:
     return a * tokens + b * text + c
 
 
+# the block stack TREAD routes, per Family.tread_layout (train/tread.py LAYOUTS)
+TREAD_STACK = {"joint": "layers", "visual": "visual_transformer_blocks"}
+
+
+def tread_tokens(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: int, fixed: int = 0
+                 ) -> tuple[str, dict[int, int], set[int]]:
+    """(the stack TREAD routes, {block index: image tokens that block sees}, the routes' first blocks) for
+    tread_config, as train/tread.py routes: a route's blocks see what is left once int(ratio x routable) tokens
+    are dropped; `fixed` tokens (image-to-video's input frame) are never routed, nor are caption tokens. A route's
+    first block is given the whole sequence (its hook gathers inside the block), so with gradient checkpointing
+    it keeps a full-size input. ('', {}, set()) without tread_config."""
+    config = getattr(cfg, "tread_config", None)
+    if config is None:
+        return "", {}, set()
+    from difftune.models import get_family
+    from difftune.train.tread import resolve_routes
+
+    stack = TREAD_STACK[get_family(arch.family).tread_layout]
+    seen: dict[int, int] = {}
+    routes = resolve_routes(config.routes, blocks.count.get(stack, 0))  # TreadError names a route off the model
+    for route in routes:
+        seen.update(dict.fromkeys(range(route.start, route.end + 1), tokens - int(route.ratio * (tokens - fixed))))
+    return stack, seen, {route.start for route in routes}
+
+
 def activation_bytes(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: int, text: int,
-                     coefficients: dict) -> tuple[int, int, str]:
-    """(saved activations of one micro-batch, the backward's transient (one block recomputed), explanation)."""
+                     coefficients: dict, fixed: int = 0) -> tuple[int, int, str]:
+    """(saved activations of one micro-batch, the backward's transient (one block recomputed), explanation).
+    With tread_config the routed blocks save (and recompute) at their fewer image tokens; `fixed`: see
+    tread_tokens."""
     mode = "full" if cfg.model_type == "full" else "lora"
     plain = coefficients[mode]
     batch = cfg.train_batch_size
+    routed, seen, starts = tread_tokens(cfg, arch, blocks, tokens, fixed)
 
-    def per_block(table: dict, stack: str) -> float:  # 'outside' may be negative: see measure.per_stack
-        return block_bytes(table, stack, tokens, text) * batch
+    def per_block(table: dict, stack: str, index: int = -1, entering: bool = False) -> float:
+        # 'outside' may be negative: see measure.per_stack. `entering`: the block's input (checkpointed)
+        kept = stack == routed and index in seen and not (entering and index in starts)
+        return block_bytes(table, stack, seen[index] if kept else tokens, text) * batch
 
+    tread_note = ""
+    if seen:
+        kept = "/".join(str(k) for k in sorted(set(seen.values())))
+        tread_note = f"; TREAD: {len(seen)} of {blocks.count[routed]} {routed} at {kept} image tokens"
     if not cfg.gradient_checkpointing:
-        saved = sum(per_block(plain, s) * n for s, n in blocks.count.items()) + per_block(plain, "outside")
-        return int(saved), 0, f"{tokens} image + {text} text tokens x batch {batch}, every block's activations"
+        saved = sum(per_block(plain, s, i) for s, n in blocks.count.items() for i in range(n))
+        saved += per_block(plain, "outside")
+        return int(saved), 0, (f"{tokens} image + {text} text tokens x batch {batch}, every block's activations"
+                               + tread_note)
     interval = getattr(cfg, "gradient_checkpointing_interval", None) or 1
     ckpt = coefficients["checkpointed"]
     saved = per_block(ckpt, "outside")
-    for stack, n in blocks.count.items():
-        checkpointed = math.ceil(n / interval)  # blocks 0, k, 2k, ... are checkpointed
-        saved += per_block(ckpt, stack) * checkpointed + per_block(plain, stack) * (n - checkpointed)
-    transient = max(per_block(plain, s) for s in blocks.count)
+    for stack, n in blocks.count.items():  # blocks 0, k, 2k, ... are checkpointed (ceil(n / k) of them)
+        saved += sum(per_block(ckpt, stack, i, entering=True) if i % interval == 0 else per_block(plain, stack, i)
+                     for i in range(n))
+    transient = max(per_block(plain, s, i) for s, n in blocks.count.items() for i in range(n))
     every = "every block" if interval == 1 else f"every {interval}th block"
-    return int(saved), int(transient), f"{tokens} image + {text} text tokens x batch {batch}, {every} checkpointed"
+    return int(saved), int(transient), (f"{tokens} image + {text} text tokens x batch {batch}, {every} checkpointed"
+                                        + tread_note)
 
 
 # --- the phases -----------------------------------------------------------------------------------------
@@ -295,7 +333,8 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     if fsdp:
         largest = max(blocks.bytes_each.values())
         training.add("FSDP: gathered blocks", 2 * largest, "the running block and the next, whole")
-    saved, transient, act_note = activation_bytes(cfg, arch, blocks, tokens, text, coefficients)
+    fixed = tokens_of(arch, bucket[:2]) if FAMILY_FACTS[cfg.model_family].first_frame(cfg.flavour()) else 0
+    saved, transient, act_note = activation_bytes(cfg, arch, blocks, tokens, text, coefficients, fixed)
     training.add("saved activations", saved, act_note)
     if transient:
         training.add("recomputed block (backward)", transient, "gradient checkpointing recomputes one block at a time")
