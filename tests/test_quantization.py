@@ -18,6 +18,7 @@ from difftune.config import ConfigError, load_config
 from difftune.data.cache import fingerprint
 from difftune.models import get_family
 from difftune.models.quantize import tensor_bytes, weight_bytes
+from difftune.models.quantized_saves import _lean_forward
 from difftune.train.loop import train
 from difftune.train.setup import build_run
 from families import Case
@@ -75,6 +76,10 @@ def test_lora_on_quantized_base_loads_into_the_unquantized_pipeline(
     memory = [e for e in events(run.output_dir) if e["event"] == "info" and "bytes_before" in e]
     assert len(memory) == 1 and memory[0]["bytes_after"] < 0.6 * memory[0]["bytes_before"], memory
     assert precision in memory[0]["message"]
+    # optimum-quanto's and torchao's layers keep only their quantized weight for backward (models/quantized_saves.py)
+    lean = [e for e in events(run.output_dir) if "lean_layers" in e]
+    assert len(lean) == 1 and (lean[0]["lean_layers"] > 0) == (precision != "nf4-bnb"), lean
+    assert sum(getattr(m.forward, "__func__", None) is _lean_forward for m in model.modules()) == lean[0]["lean_layers"]
 
     saved = load_file(result)
     assert sorted(saved) == unquantized_keys[family]

@@ -124,10 +124,12 @@ def build(case: Case, device: torch.device, dtype: torch.dtype) -> torch.nn.Modu
 
 
 def quantize(model: torch.nn.Module, precision: str) -> None:
-    """The frozen base in `precision`, quantized where it is (the GPU), as base_model_precision does.
-    'int4-torchao' is not a trainer precision yet (torchao has no CPU layout for it): measured here to see
-    whether a LoRA trains over torchao's int4 tile-packed layout on a GPU at all."""
+    """The frozen base in `precision`, quantized where it is (the GPU), as base_model_precision does (with
+    `quantize_transformer`'s lean_saves: the quantized layers keep only their quantized weight for backward).
+    'int4-torchao' is not a trainer precision (config/pending.py): kept here to show why (on an H100, torch 2.11:
+    "derivative for aten::_weight_int4pack_mm is not implemented", so no adapter trains over it)."""
     from difftune.models.quantize import QUANTIZERS, quantized_layers
+    from difftune.models.quantized_saves import lean_saves
 
     if precision == "bf16":
         return
@@ -139,6 +141,7 @@ def quantize(model: torch.nn.Module, precision: str) -> None:
         ao.quantize_(model, config, filter_fn=lambda m, fqn: fqn in wanted)
         return
     QUANTIZERS[precision](model, quantized_layers(model))
+    lean_saves(model)
 
 
 def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

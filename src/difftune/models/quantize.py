@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from difftune.models.quantized_saves import lean_saves
+
 
 def _quanto(weights: str) -> Callable[[torch.nn.Module, list[str]], None]:
     def apply(module: torch.nn.Module, names: list[str]) -> None:
@@ -124,8 +126,18 @@ def quantize_transformer(
     transformer: torch.nn.Module, precision: str, via: str, device: torch.device, park: bool,
     emit: Callable[..., Any],
 ) -> None:
-    """Quantize the frozen transformer (base_model_precision). `park`: offload_during_startup."""
+    """Quantize the frozen transformer (base_model_precision), and let its quantized layers keep only their
+    quantized weight for the backward pass (models/quantized_saves.py). `park`: offload_during_startup."""
     quantize_frozen(transformer, precision, via, device, park, emit, "transformer", "base_model_precision")
+    if precision != "no_change":
+        wrapped = lean_saves(transformer)
+        if wrapped:
+            saves = f"{wrapped} quantized linear layers keep only their quantized weight for the backward pass"
+        elif precision == "nf4-bnb":
+            saves = "bitsandbytes keeps only the 4-bit weight for the backward pass"
+        else:  # lean_saves needs torch >= 2.8
+            saves = "the backward pass keeps what the library saves (dequantized weights or layer inputs)"
+        emit("info", message=f"base_model_precision {precision}: {saves}", lean_layers=wrapped)
 
 
 def quantize_text_encoders(
