@@ -13,30 +13,15 @@ import torch
 from difftune.models import get_family
 from difftune.train import tread
 from difftune.train.offload import BlockStreamer, streamed_blocks
-from test_offload import STACKS, lora_lumina2
+from test_offload import STACKS, forward_backward, lora_lumina2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")
 
 
-def forward_backward(transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g), timestep=torch.rand(2, generator=g),
-                  encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
-                  encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool))
-    inputs = {k: v.to(CUDA) for k, v in inputs.items()}
-    loss = transformer(**inputs).sample.pow(2).mean()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in transformer.named_parameters() if p.requires_grad}
-    with torch.no_grad():
-        sample = transformer(**inputs).sample
-    torch.cuda.synchronize()
-    return loss.detach(), grads, sample
-
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_side_stream_prefetch_gives_the_resident_loss_gradients_and_samples(checkpointing):
-    expected = forward_backward(lora_lumina2(checkpointing=checkpointing).to(CUDA))
+    expected = forward_backward(lora_lumina2(checkpointing=checkpointing).to(CUDA), CUDA)
     transformer = lora_lumina2(checkpointing=checkpointing)
     streamer = BlockStreamer(transformer, streamed_blocks(transformer, STACKS, None), 1, CUDA, prefetch=True)
     transformer.to(CUDA)
@@ -44,7 +29,7 @@ def test_side_stream_prefetch_gives_the_resident_loss_gradients_and_samples(chec
     for _ in range(3):  # a racing copy shows up as a difference in some run, not necessarily the first
         for p in transformer.parameters():
             p.grad = None
-        got = forward_backward(transformer)
+        got = forward_backward(transformer, CUDA)
         assert torch.equal(expected[0], got[0])
         assert all(torch.equal(expected[1][n], got[1][n]) for n in expected[1])
         assert torch.equal(expected[2], got[2])

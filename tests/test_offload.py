@@ -41,12 +41,14 @@ def lora_lumina2(precision: str = "no_change", checkpointing: bool = False):
     return transformer
 
 
-def forward_backward(transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """Loss and LoRA gradients of one training forward, and a no-grad (validation) output."""
+def forward_backward(transformer, device: str | torch.device = "cpu"
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Loss and LoRA gradients of one training forward, and a no-grad (validation) output; inputs on `device`."""
     g = torch.Generator().manual_seed(1)
     inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g), timestep=torch.rand(2, generator=g),
                   encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
                   encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool))
+    inputs = {k: v.to(device) for k, v in inputs.items()}
     loss = transformer(**inputs).sample.pow(2).mean()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in transformer.named_parameters() if p.requires_grad}
