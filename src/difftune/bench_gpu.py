@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--profile", action="store_true",
                         help="after each configuration's timed steps, profile one more step and print the 25 "
                              "costliest operators by GPU time, and the step's CPU and GPU time")
-    parser.add_argument("--tread-ratio", type=float, default=0.5, help="TREAD selection ratio of the levers matrix")
+    parser.add_argument("--tread-ratio", type=float, default=0.5, help="TREAD selection ratio (levers, stream, tread)")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (median)")
     parser.add_argument("--warmup", type=int, default=3, help="steps after the first, not measured")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new configurations after this")
@@ -341,6 +341,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (checks the script)")
     parser.add_argument("--out", type=Path, help="also write each row as a JSON line here")
     args = parser.parse_args(argv)
+    read_by = {"checkpointing": ("levers", "tread"), "compiled": ("stream", "tread"), "skip": ("stream",)}
+    for flag, matrices in read_by.items():  # a flag the chosen matrix does not read is an error, not ignored
+        if getattr(args, flag) and args.matrix not in matrices:
+            parser.error(f"--{flag} applies to --matrix {' or '.join(matrices)}, not {args.matrix}")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: run on a GPU machine, or add --tiny to check the script on the CPU")
