@@ -34,16 +34,17 @@ def test_matrix():
     levers = bench_gpu.configurations(argparse.Namespace(matrix="levers", backends=["native"],
                                                          precisions=["int8-quanto", "fp8-torchao"], tread_ratio=0.5,
                                                          checkpointing=False))
-    assert [s.levers() for s in levers] == ["-", "int8-quanto", "fp8-torchao", "TREAD 0.5", "-", "streamed",
-                                            "int8-quanto, streamed"]
+    assert [s.levers() for s in levers] == ["-", "int8-quanto", "fp8-torchao", "TREAD 0.5", "-",
+                                            "activations offloaded", "streamed", "int8-quanto, streamed"]
+    assert all(s.checkpointing for s in levers if s.activations)
     assert all(s.checkpointing for s in levers if s.stream)  # streaming is measured as it is meant to run
 
 
 @pytest.mark.parametrize("name,setup", [
     ("lumina2-512-bs2", dict(precision="int8-quanto")), ("lumina2-512-bs2", dict(tread=0.5)),
     ("k5-video-lite-81f-bs2", dict(precision="int8-torchao")),
-    ("k5-video-lite-81f-bs2", dict(checkpointing=True, stream=True)),
-], ids=["lumina2-int8-quanto", "lumina2-tread", "k5-video-int8-torchao", "k5-video-stream"])
+    ("k5-video-lite-81f-bs2", dict(checkpointing=True, stream=True, activations=True)),
+], ids=["lumina2-int8-quanto", "lumina2-tread", "k5-video-int8-torchao", "k5-video-stream-activations"])
 def test_each_lever_runs_a_step_on_the_tiny_models(name, setup):
     """The levers matrix's rows, one step each: quantized base + LoRA, TREAD, block streaming with checkpointing
     (synchronous on the CPU). A lever that broke would give an error row on the GPU machine and lose its figure."""

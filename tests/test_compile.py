@@ -204,6 +204,17 @@ def test_compiled_lora_training_equals_uncompiled(tmp_path, uncompiled):
     assert graphs() == len(STACKS)
 
 
+def test_compiled_blocks_with_activation_offload_train_as_uncompiled(tmp_path, uncompiled):
+    """gradient_checkpointing_backend 'unsloth' with regional compilation (AOTAutograd's graphs): the offload's hooks
+    sit around the checkpointed call, outside the compiled block; the same losses and LoRA, bit for bit."""
+    images, expected = uncompiled
+    run = build_run(load_config(write_config(tmp_path, images, **BASE, dynamo_backend="aot_eager", dynamo_dynamic=True,
+                                             gradient_checkpointing_backend="unsloth")))
+    train(run)
+    assert_same_training(run.output_dir, expected)
+    assert any(e.get("message", "").startswith("activation offload:") for e in events(run.output_dir))
+
+
 @pytest.mark.slow  # about 70 s on 2 shared cores
 def test_compiled_run_resumes_exactly(tmp_path, monkeypatch, uncompiled):
     """aot_eager (AOTAutograd's forward and backward graphs, no code generation): a compiled run that dies after

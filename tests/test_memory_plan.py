@@ -475,3 +475,36 @@ def test_vae_dtype_sizes_the_vae(real_cfg):
 
     bf16, fp32 = vae_lines(real_cfg), vae_lines(real_cfg.model_copy(update={"vae_dtype": "fp32"}))
     assert bf16 and len(bf16) == len(fp32) and all(b == 2 * a for a, b in zip(bf16, fp32, strict=True))
+
+
+def test_activation_offload_moves_the_checkpointed_inputs_off_the_accelerator(real_cfg):
+    """gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs leave the saved activations; the
+    backward holds two of them (the recomputed block's and the prefetched one)."""
+    offloaded = real_cfg.model_copy(update={"gradient_checkpointing_backend": "unsloth"})
+    arch = A.architecture_of(real_cfg)
+    blocks = _transformer(arch, "bf16", "no_change")[1]
+    coefficients = coefficients_for(arch)[0]
+    tokens, text = tokens_of(arch, (1024, 1024)), 256
+    saved, transient, _ = activation_bytes(real_cfg, arch, blocks, tokens, text, coefficients)
+    saved_off, transient_off, note = activation_bytes(offloaded, arch, blocks, tokens, text, coefficients)
+    batch = real_cfg.train_batch_size
+    entering = [block_bytes(coefficients["checkpointed"], s, tokens, text) * batch for s, n in blocks.count.items()
+                for _ in range(n)]
+    assert saved - saved_off == pytest.approx(sum(entering), rel=1e-6)
+    assert transient_off - transient == pytest.approx(2 * max(entering), rel=1e-6)
+    assert "CPU memory" in note
+    assert predict(offloaded, None).phase("training").total < predict(real_cfg, None).phase("training").total
+
+
+def test_levers_take_activation_offload_after_int8(real_cfg):
+    real_cfg = real_cfg.model_copy(update={"train_batch_size": 8})  # activations, not text caching, set the peak
+    int8 = real_cfg.model_copy(update={"base_model_precision": "int8-quanto"})
+    both = int8.model_copy(update={"gradient_checkpointing_backend": "unsloth"})
+    rungs = ladder(real_cfg, predict(real_cfg, None), 1)
+    keys = [next(iter(r[0].keys() - rungs[i - 1][0].keys()), None) if i else None for i, r in enumerate(rungs)]
+    assert keys.index("gradient_checkpointing_backend") == keys.index("base_model_precision") + 1
+    high, low = predict(int8, None).peak, predict(both, None).peak
+    assert low < high
+    choice = choose(real_cfg, None, (high + low) / 2 / GIB)
+    assert choice.fits and choice.settings().get("gradient_checkpointing_backend") == "unsloth"
+    assert "overlap" in next(s.why for s in choice.steps if s.key == "gradient_checkpointing_backend")

@@ -50,11 +50,13 @@ class Setup:
     precision: str = "bf16"  # the frozen base: bf16, or a base_model_precision quantized on the GPU
     tread: float = 0.0  # TREAD selection ratio over the specs' route (start_layer_idx 2, end_layer_idx -2)
     stream: bool = False  # block streaming: every block's frozen weights in pinned CPU memory, prefetched
+    activations: bool = False  # activation offload (with checkpointing): the blocks' inputs in pinned CPU memory
 
     def levers(self) -> str:
         out = [self.precision] if self.precision != "bf16" else []
         out += [f"TREAD {self.tread}"] if self.tread else []
         out += ["streamed"] if self.stream else []
+        out += ["activations offloaded"] if self.activations else []
         return ", ".join(out) or "-"
 
 
@@ -152,6 +154,7 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
     from difftune.config.schema import TrainConfig
     from difftune.models import get_family
     from difftune.train import attention, throughput, tread
+    from difftune.train.activation_offload import offload_activations
     from difftune.train.checkpointing import enable_checkpointing
     from difftune.train.compile import compile_transformer
     from difftune.train.offload import BlockStreamer, streamed_blocks
@@ -182,6 +185,9 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
         model.to(device)
     if checkpointing:
         enable_checkpointing(model, None)
+    if setup.activations:  # gradient_checkpointing_backend 'unsloth' (checkpointing again, through the offload)
+        offload_activations(NS(gradient_checkpointing_backend="unsloth", gradient_checkpointing_interval=None),
+                            model, device, emit)
     chosen = attention.apply(cfg, model, device, emit)
     compile_transformer(cfg, family.facts.block_stacks, model, emit)
     meter = throughput.build(cfg, family, model, [], False, device, emit)
@@ -274,12 +280,14 @@ def configurations(args: argparse.Namespace) -> list[Setup]:
         ckpt = args.checkpointing  # a model whose activations do not fit without it: every row checkpoints
         out = [Setup(best, checkpointing=ckpt)] + [Setup(best, checkpointing=ckpt, precision=p) for p in args.precisions]
         out += [Setup(best, checkpointing=ckpt, tread=args.tread_ratio)] + ([] if ckpt else [Setup(best, False, True)])
-        out += [Setup(best, checkpointing=True, stream=True),
+        out += [Setup(best, checkpointing=True, activations=True), Setup(best, checkpointing=True, stream=True),
                 Setup(best, checkpointing=True, stream=True, precision=args.precisions[0])]
         return out
     compiled = getattr(args, "compiled", False)
-    if args.matrix == "stream":  # a model that barely fits: checkpointed, resident, streamed, streamed + TREAD
+    if args.matrix == "stream":  # a model that barely fits: checkpointed, resident, streamed, streamed with the
+        # activations offloaded too, streamed + TREAD
         return [Setup(best, compiled, True), Setup(best, compiled, True, stream=True),
+                Setup(best, compiled, True, stream=True, activations=True),
                 Setup(best, compiled, True, stream=True, tread=args.tread_ratio)][getattr(args, "skip", 0):]
     if args.matrix == "tread":
         return [Setup(best, compiled, args.checkpointing), Setup(best, compiled, args.checkpointing,
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="quick: each backend plain, then the first with compile and/or checkpointing; "
                              "full: every combination; levers: the first backend plain, with each of --precisions, "
                              "with TREAD, with checkpointing, streamed (+ the first precision); stream: checkpointed, resident, "
-                             "streamed, streamed with TREAD; tread: without and with TREAD")
+                             "streamed, streamed with activation offload, streamed with TREAD; tread: without and with TREAD")
     parser.add_argument("--precisions", nargs="+", default=["int8-quanto", "int8-torchao", "fp8-torchao"],
                         help="base precisions of the levers matrix (int4-torchao: an experiment, see quantize())")
     parser.add_argument("--checkpointing", action="store_true", help="levers, tread: every row checkpoints")

@@ -45,11 +45,27 @@ class OffloadKeys(BaseModel):
         "streams the whole stack. Empty or 0: off. An alternative to enable_group_offload (not both).", "memory",
         ge=0, advanced=True,
     )
+    gradient_checkpointing_backend: Literal["torch", "unsloth"] = field(
+        "torch", "With gradient_checkpointing: where each checkpointed block's input (the hidden states, what "
+        "checkpointing keeps for the backward pass) waits. 'torch': on the accelerator. 'unsloth' (SimpleTuner's "
+        "name): in CPU memory, copied out on a side CUDA stream as the forward goes and back one block ahead of the "
+        "backward pass, so the accelerator holds about two blocks' inputs instead of one per block: at video sizes "
+        "most of a checkpointed run's peak. Costs pinned CPU memory of that size and PCIe traffic that overlaps "
+        "the compute. Without CUDA it runs synchronously and saves nothing.", "memory", advanced=True,
+    )
 
 
 
 def offload_checks(cfg: Any) -> None:
-    """Raise ValueError for a block-streaming setting difftune cannot run."""
+    """Raise ValueError for a block-streaming or activation-offload setting difftune cannot run."""
+    if cfg.gradient_checkpointing_backend == "unsloth":
+        if not cfg.gradient_checkpointing:
+            raise ValueError("gradient_checkpointing_backend 'unsloth' offloads the inputs that gradient checkpointing "
+                             "keeps; set gradient_checkpointing to true, or gradient_checkpointing_backend to 'torch'")
+        if getattr(cfg, "fsdp_enable", False):
+            raise ValueError("not implemented yet: gradient_checkpointing_backend 'unsloth' with fsdp_enable (not "
+                             "tested sharded); set gradient_checkpointing_backend to 'torch', or train on one GPU "
+                             "with enable_group_offload")
     swap = cfg.musubi_blocks_to_swap or 0
     if not cfg.enable_group_offload and not swap:
         return  # the group_offload_* settings act only with the switch: any value while it is off

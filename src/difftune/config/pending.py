@@ -149,9 +149,6 @@ PENDING_TRAIN_KEYS |= {
     # never segmented (SimpleTuner segments DDPM timesteps only)
     "set_grads_to_none": ((False, True, None), "set_grads_to_none takes true or false"),
     "disable_segmented_timestep_sampling": ((False, True, None), "disable_segmented_timestep_sampling takes true or false"),
-    "gradient_checkpointing_backend": (("torch", None), "offloading activations to the CPU ('unsloth'); "
-                                       "gradient_checkpointing recomputes them ('torch'): set it to 'torch' or "
-                                       "remove it"),
     # optimizer
     "optimizer_cpu_offload_method": (("offload", "none", None), "optimizer state offloading" + _REMOVE),
     "optimizer_offload_gradients": ((False,), "offloading gradients to the CPU" + _REMOVE),

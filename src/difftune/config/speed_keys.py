@@ -193,7 +193,9 @@ def compile_checks(cfg: Any) -> None:
     hooked = [k for k, on in (("crepa_enabled", getattr(cfg, "crepa_enabled", False)),
                               ("fsdp_enable", getattr(cfg, "fsdp_enable", False)),
                               ("tread_config with gradient_checkpointing",
-                               getattr(cfg, "tread_config", None) is not None and cfg.gradient_checkpointing))
+                               getattr(cfg, "tread_config", None) is not None and cfg.gradient_checkpointing),
+                              ("gradient_checkpointing_backend 'unsloth'",
+                               getattr(cfg, "gradient_checkpointing_backend", "torch") == "unsloth"))
               if on]
     if hooked and not cfg.dynamo_use_regional_compilation:
         raise ValueError(f"dynamo_use_regional_compilation false (the whole transformer as one region) with "
@@ -206,6 +208,12 @@ def compile_checks(cfg: Any) -> None:
             raise ValueError(f"dynamo_mode {cfg.dynamo_mode!r} uses CUDA graphs, which replay the weights' recorded "
                              f"addresses, but {moving[0]} moves the weights between calls; use dynamo_mode 'default' "
                              "or 'max-autotune-no-cudagraphs'")
+        if getattr(cfg, "gradient_checkpointing_backend", "torch") == "unsloth":
+            # a compiled block's output lives in the CUDA graph's pool, overwritten by the next replay, while the
+            # side stream may still be copying it out
+            raise ValueError(f"dynamo_mode {cfg.dynamo_mode!r} (CUDA graphs) with gradient_checkpointing_backend "
+                             "'unsloth', whose copies of the blocks' inputs run beside the graphs; use dynamo_mode "
+                             "'default' or 'max-autotune-no-cudagraphs', or gradient_checkpointing_backend 'torch'")
 
 
 def _attention_dtypes(cfg: Any, mech: str) -> None:

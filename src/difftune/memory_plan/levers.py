@@ -9,11 +9,13 @@ of the answer without which it still fits is dropped (a free rung that saved not
 2. gradient_checkpointing (about 30% slower steps)
 3. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
    8-bit optimizer state instead (optimizer adamw8bit)
-4. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
-5. enable_group_offload with the largest group that fits (every block streams: slower still)
-6. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
+4. gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory (copies that
+   overlap the compute)
+5. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
+6. enable_group_offload with the largest group that fits (every block streams: slower still)
+7. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
    this rung is gradient checkpointing plus FSDP)
-7. base_model_precision int4-quanto with block streaming (the largest quality cost)
+8. base_model_precision int4-quanto with block streaming (the largest quality cost)
 
 Every candidate is validated by TrainConfig first, so a combination the trainer refuses is never proposed.
 """
@@ -31,6 +33,8 @@ SPEED = {
     "gradient_checkpointing": "about 30% slower steps (activations are recomputed)",
     "base_model_precision": "small quality cost (frozen weights rounded); int4 larger",
     "optimizer": "8-bit optimizer state: a small quality cost",
+    "gradient_checkpointing_backend": "little: the inputs' copies to and from CPU memory overlap the compute; "
+                                      "needs pinned CPU memory of their size",
     "musubi_blocks_to_swap": "slower: the swapped blocks are copied from CPU memory every step",
     "enable_group_offload": "slower: every block is copied from CPU memory every step",
     "group_offload_blocks_per_group": "",
@@ -90,6 +94,9 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
     elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto"):
         base = {**base, "base_model_precision": "int8-quanto"}
         rungs.append([dict(base)])
+    if _has(cfg, "gradient_checkpointing_backend") and cfg.gradient_checkpointing_backend == "torch":
+        base = {**base, "gradient_checkpointing_backend": "unsloth"}
+        rungs.append([dict(base)])
     if not full:
         stacks = _main_stack_size(cfg)
         if _has(cfg, "musubi_blocks_to_swap") and stacks:
@@ -98,7 +105,10 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
             rungs.append([{**base, "enable_group_offload": True, "group_offload_blocks_per_group": k}
                           for k in (8, 4, 2, 1)])
     if processes > 1 and _has(cfg, "fsdp_enable"):
-        rungs.append([{"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}])
+        fsdp = {"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}
+        if _has(cfg, "gradient_checkpointing_backend"):  # not sharded with activation offload (yet)
+            fsdp["gradient_checkpointing_backend"] = "torch"
+        rungs.append([fsdp])
     if not full and _has(cfg, "enable_group_offload"):
         rungs.append([{**base, "base_model_precision": "int4-quanto", "enable_group_offload": True,
                        "group_offload_blocks_per_group": k} for k in (4, 2, 1)])

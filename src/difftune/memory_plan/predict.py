@@ -266,13 +266,19 @@ def activation_bytes(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: i
     interval = getattr(cfg, "gradient_checkpointing_interval", None) or 1
     ckpt = coefficients["checkpointed"]
     saved = per_block(ckpt, "outside")
-    for stack, n in blocks.count.items():  # blocks 0, k, 2k, ... are checkpointed (ceil(n / k) of them)
-        saved += sum(per_block(ckpt, stack, i, entering=True) if i % interval == 0 else per_block(plain, stack, i)
-                     for i in range(n))
+    # gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory; in the backward
+    # the recomputed block's input and the next one (prefetched) are back (train/activation_offload.py)
+    offloaded = getattr(cfg, "gradient_checkpointing_backend", "torch") == "unsloth"
+    entering = [per_block(ckpt, stack, i, entering=True) for stack, n in blocks.count.items()
+                for i in range(0, n, interval)]  # blocks 0, k, 2k, ... are checkpointed (ceil(n / k) of them)
+    saved += sum(per_block(plain, stack, i) for stack, n in blocks.count.items() for i in range(n) if i % interval)
+    saved += 0 if offloaded else sum(entering)
     transient = max(per_block(plain, s, i) for s, n in blocks.count.items() for i in range(n))
+    transient += 2 * max(entering, default=0) if offloaded else 0
     every = "every block" if interval == 1 else f"every {interval}th block"
+    where = ", their inputs in CPU memory (2 back at a time in the backward)" if offloaded else ""
     return int(saved), int(transient), (f"{tokens} image + {text} text tokens x batch {batch}, {every} checkpointed"
-                                        + tread_note)
+                                        + where + tread_note)
 
 
 # --- the phases -----------------------------------------------------------------------------------------
@@ -337,7 +343,9 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     saved, transient, act_note = activation_bytes(cfg, arch, blocks, tokens, text, coefficients, fixed)
     training.add("saved activations", saved, act_note)
     if transient:
-        training.add("recomputed block (backward)", transient, "gradient checkpointing recomputes one block at a time")
+        training.add("recomputed block (backward)", transient, "gradient checkpointing recomputes one block at a time"
+                     + (", with its input and the next one's back from CPU memory"
+                        if getattr(cfg, "gradient_checkpointing_backend", "torch") == "unsloth" else ""))
     if getattr(cfg, "use_dora", False) and cfg.model_type != "full":  # DoRA's saved products (memory_plan/dora.py)
         from difftune.memory_plan import dora
 

@@ -57,6 +57,10 @@ def _bnb_nf4(module: torch.nn.Module, names: list[str]) -> None:
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   compute_dtype=linear.weight.dtype, quant_type="nf4", device="meta")
         layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4")
+        # On a CPU with AVX512-BF16, bitsandbytes repacks the weight in place at the first no-grad forward (a
+        # layout only its CPU kernel reads, in blocks of 32 output rows: it asserts on other sizes), behind the
+        # back of block streaming, which re-installs the stored bytes. Keep the one layout everywhere.
+        layer.support_avx512bf16_for_cpu = False
         if linear.bias is not None:
             layer.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
         setattr(parent, child, layer.to(linear.weight.device))

@@ -10,6 +10,7 @@ activations recomputed in the backward pass) and the others keep their activatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,14 +23,20 @@ def block_positions(transformer: torch.nn.Module) -> dict[int, int]:
             for index, block in enumerate(module)}
 
 
-def enable_checkpointing(transformer: Any, interval: int | None) -> None:
-    """Turn on checkpointing of every `interval`-th block (None or 1: every block)."""
+def checkpointed(block: torch.nn.Module, *args: Any) -> Any:
+    return checkpoint(block.__call__, *args, use_reentrant=False)
+
+
+def enable_checkpointing(transformer: Any, interval: int | None,
+                         run_checkpointed: Callable[..., Any] = checkpointed) -> None:
+    """Turn on checkpointing of every `interval`-th block (None or 1: every block). `run_checkpointed(block,
+    *args)` runs one checkpointed block (train/activation_offload.py offers another)."""
     every = interval or 1
     positions = block_positions(transformer)
 
     def checkpoint_some(block: torch.nn.Module, *args: Any) -> Any:
         if positions.get(id(block), 0) % every:
             return block(*args)  # keeps its activations
-        return checkpoint(block.__call__, *args, use_reentrant=False)
+        return run_checkpointed(block, *args)
 
     transformer.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_some)

@@ -27,6 +27,7 @@ from difftune.models.flops import Flops
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
 from difftune.models.sources import ModelSource
 from difftune.train import attention, crepa, eval_loss, hub, scripts, throughput, trackers, tread, webhooks
+from difftune.train.activation_offload import offload_activations
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, ranks_of
@@ -271,6 +272,7 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
     params = adapter.parameters()
     streamer = stream_blocks(cfg, family.facts.block_stacks, comps.transformer, params, accelerator.device,
                              events.emit)  # enable_group_offload, musubi_blocks_to_swap: blocks visit in turn
+    offload_activations(cfg, comps.transformer, accelerator.device, events.emit)  # gradient_checkpointing_backend
     if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer in ("adamw", "adamw_schedulefree"):
         events.emit("warning", message=f"full fine-tune of bf16/fp16 weights with optimizer '{cfg.optimizer}' loses "
                                        "small updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
