@@ -151,6 +151,7 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
 
     from peft import LoraConfig
 
+    from difftune.adapters.casts import skip_casts_under_autocast
     from difftune.config.schema import TrainConfig
     from difftune.models import get_family
     from difftune.train import attention, throughput, tread
@@ -178,6 +179,7 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
+    skip_casts_under_autocast(model)  # as the trainer's LoRA (adapters/casts.py)
     streamer = None
     if setup.stream:  # after the adapter, as the trainer does: the LoRA weights stay resident
         blocks = streamed_blocks(model, family.facts.block_stacks, None)

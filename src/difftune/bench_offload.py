@@ -16,6 +16,7 @@ import time
 import torch
 from peft import LoraConfig
 
+from difftune.adapters.casts import skip_casts_under_autocast
 from difftune.bench import machine_info
 from difftune.bench_memory import LUMINA2, materialize
 from difftune.models.registry import FAMILY_FACTS
@@ -39,6 +40,7 @@ def build(config: dict, device: torch.device, checkpointing: bool) -> torch.nn.M
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    skip_casts_under_autocast(model)  # as the trainer's LoRA (adapters/casts.py)
     if checkpointing:
         model.enable_gradient_checkpointing()
     return model

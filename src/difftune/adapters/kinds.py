@@ -16,6 +16,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from difftune.adapters.casts import skip_casts_under_autocast
 from difftune.adapters.dora import dense_weight, start_magnitudes
 from difftune.config import TrainConfig
 from difftune.config.lora_keys import LORA_INIT_WEIGHTS
@@ -56,6 +57,8 @@ class LoraAdapter:
         magnitudes_loaded = self.load_lora_file(Path(cfg.init_lora)) if cfg.init_lora else False
         if cfg.use_dora and not magnitudes_loaded:
             start_magnitudes(transformer)  # adapters/dora.py: fp32, and from an init_lora's B·A
+        # fp32 LoRA under bf16 autocast: peft's bf16 -> fp32 input casts, undone by autocast, are skipped (casts.py)
+        self.input_casts = skip_casts_under_autocast(transformer)
 
     def load_lora_file(self, path: Path) -> bool:
         """Start from an existing LoRA in the diffusers layout (what `save` writes); returns whether it held
