@@ -233,6 +233,7 @@ def reduced_model(arch: Any, mode: str, rank: int = 16, dora: bool = False) -> t
     if mode == "lora":
         from peft import LoraConfig
 
+        from difftune.adapters.casts import skip_casts_under_autocast
         from difftune.models import get_family
 
         targets = get_family(arch.family).lora_target_modules
@@ -242,6 +243,7 @@ def reduced_model(arch: Any, mode: str, rank: int = 16, dora: bool = False) -> t
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
+        skip_casts_under_autocast(model)  # as the trainer's LoRA (adapters/casts.py)
     else:
         model.requires_grad_(True)
     return model
