@@ -17,6 +17,9 @@ from test_train import losses
 
 
 def launch(config, port, processes=2, **popen):
+    # pytest-xdist workers run test files side by side: each gets its own range of rendezvous ports
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    port = port + 200 * worker if port else port
     if processes == 1:
         command = [sys.executable, "-m", "difftune.cli", "train", "--config", str(config)]
     else:

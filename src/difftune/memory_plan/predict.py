@@ -276,7 +276,8 @@ def activation_bytes(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: i
     transient = max(per_block(plain, s, i) for s, n in blocks.count.items() for i in range(n))
     transient += 2 * max(entering, default=0) if offloaded else 0
     every = "every block" if interval == 1 else f"every {interval}th block"
-    where = ", their inputs in CPU memory (2 back at a time in the backward)" if offloaded else ""
+    where = (f", their inputs in CPU memory ({sum(entering) / 2**30:.1f} GiB pinned; 2 back at a time in the "
+             "backward)") if offloaded else ""
     return int(saved), int(transient), (f"{tokens} image + {text} text tokens x batch {batch}, {every} checkpointed"
                                         + where + tread_note)
 

@@ -51,8 +51,9 @@ class Stored:
 class ActivationOffload:
     """Moves checkpointed blocks' inputs to CPU memory and back. `device`: the accelerator."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, emit: Any = None):
         self.device = torch.device(device)
+        self.emit = emit  # events.emit: the bytes stored by the first training forward, once
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last: weakref.ReferenceType | None = None  # the most recent input stored (this step's forward)
         self.stored_bytes = 0  # of the current forward: what the accelerator did not keep
@@ -71,9 +72,22 @@ class ActivationOffload:
 
     def forward_starts(self) -> None:
         """A new training forward: the chain of stored inputs starts again."""
+        if self.emit is not None and self.stored_bytes:
+            self._report(self.stored_bytes)
         self.last = None
         self.most_bytes = max(self.most_bytes, self.stored_bytes)
         self.stored_bytes = 0
+
+    def _report(self, stored: int) -> None:
+        """Once, after the first training forward: what waits in CPU memory per micro-batch, against what the
+        machine has free (a larger bucket stores proportionally more)."""
+        import psutil
+
+        emit, self.emit = self.emit, None
+        free = psutil.virtual_memory().available
+        message = (f"activation offload: {stored / 2**30:.2f} GiB of checkpointed block inputs in CPU memory per "
+                   f"micro-batch of this size ({free / 2**30:.1f} GiB of CPU memory free)")
+        emit("warning" if stored > free / 2 else "info", message=message, offloaded_bytes=stored)
 
     # --- the hooks
 
@@ -136,7 +150,7 @@ def offload_activations(cfg: Any, transformer: torch.nn.Module, device: torch.de
     Call after the adapter attaches (build_adapter turns checkpointing on)."""
     if getattr(cfg, "gradient_checkpointing_backend", "torch") != "unsloth":
         return None
-    offload = ActivationOffload(device)
+    offload = ActivationOffload(device, emit)
     enable_checkpointing(transformer, cfg.gradient_checkpointing_interval, offload.call)
 
     def starts(module: torch.nn.Module, args: Any) -> None:
