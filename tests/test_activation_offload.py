@@ -119,7 +119,6 @@ def test_kandinsky5_offloaded_equals_plain_checkpointing(tmp_path, dataset):
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(gradient_checkpointing=False), "set gradient_checkpointing to true"),
-    (dict(fsdp_enable=True, fsdp_version=2), "not implemented yet: gradient_checkpointing_backend 'unsloth' with fsdp"),
     (dict(compile=True, dynamo_use_regional_compilation=False), "dynamo_use_regional_compilation false"),
     (dict(compile=True, dynamo_mode="reduce-overhead"), "CUDA graphs"),
 ])

@@ -62,6 +62,26 @@ def test_fsdp_lora_two_processes_equal_one(tmp_path, images):
         assert np.abs(a - b).max() <= 1
 
 
+def test_fsdp_lora_with_activation_offload_equals_one_process(tmp_path, images):
+    """gradient_checkpointing_backend 'unsloth' on sharded blocks: FSDP2 gathers each block's weights in its hooks
+    (again when checkpointing recomputes it), the offload moves only the blocks' inputs; the losses and adapter of
+    one process with plain checkpointing and the global batch."""
+    settings = dict(max_train_steps=2, gradient_checkpointing=True)
+    two = write_config(tmp_path / "two", images, train_batch_size=1, fsdp_enable=True,
+                       gradient_checkpointing_backend="unsloth", **settings)
+    one = write_config(tmp_path / "one", images, train_batch_size=2, **settings)
+    finish(launch(two, 29635))
+    finish(launch(one, 0, processes=1))
+    out1, out2 = tmp_path / "one" / "output", tmp_path / "two" / "output"
+    same_run(out1, out2)
+    said = [e["message"] for e in events(out2) if e["event"] == "info"]
+    assert any(m.startswith("FSDP2: ") for m in said) and any(m.startswith("activation offload: each") for m in said)
+    wa, wb = load_file(out1 / "pytorch_lora_weights.safetensors"), load_file(out2 / "pytorch_lora_weights.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.slow  # about 60 s on 2 cores
 def test_fsdp_full_finetune_two_processes_equal_one_and_load(tmp_path, images):
     """A full fine-tune (every weight a DTensor shard), with gradient accumulation (a reduce-scatter per

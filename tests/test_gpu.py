@@ -26,14 +26,20 @@ def test_side_stream_prefetch_gives_the_resident_loss_gradients_and_samples(chec
     streamer = BlockStreamer(transformer, streamed_blocks(transformer, STACKS, None), 1, CUDA, prefetch=True)
     transformer.to(CUDA)
     assert streamer.stream is not None  # the side stream, not the synchronous CPU path
-    for _ in range(3):  # a racing copy shows up as a difference in some run, not necessarily the first
+    repeats(expected, transformer)
+    assert streamer.holding() == 0 and streamer.peak == 2
+
+
+def repeats(expected, transformer, times: int = 3) -> None:
+    """`times` steps of `transformer` give `expected` (loss, gradients, sample) exactly: a copy on the side stream
+    that raced the compute stream shows up as a difference in some step, not necessarily the first."""
+    for _ in range(times):
         for p in transformer.parameters():
             p.grad = None
         got = forward_backward(transformer, CUDA)
         assert torch.equal(expected[0], got[0])
         assert all(torch.equal(expected[1][n], got[1][n]) for n in expected[1])
         assert torch.equal(expected[2], got[2])
-    assert streamer.holding() == 0 and streamer.peak == 2
 
 
 @pytest.mark.parametrize("family,kwargs,first", [
@@ -76,12 +82,6 @@ def test_activation_offload_on_the_side_stream_gives_checkpointing_results_with_
     cfg = SimpleNamespace(gradient_checkpointing_backend="unsloth", gradient_checkpointing_interval=None)
     offload = offload_activations(cfg, transformer, CUDA, lambda *a, **k: None)
     assert offload is not None and offload.stream is not None
-    for _ in range(3):
-        for p in transformer.parameters():
-            p.grad = None
-        got = forward_backward(transformer, CUDA)
-        assert torch.equal(expected[0], got[0])
-        assert all(torch.equal(expected[1][n], got[1][n]) for n in expected[1])
-        assert torch.equal(expected[2], got[2])
+    repeats(expected, transformer)
     assert offload.fetches == 3 * len(transformer.layers)
     assert kept_after_forward(transformer) < kept_after_forward(plain)

@@ -62,10 +62,6 @@ def offload_checks(cfg: Any) -> None:
         if not cfg.gradient_checkpointing:
             raise ValueError("gradient_checkpointing_backend 'unsloth' offloads the inputs that gradient checkpointing "
                              "keeps; set gradient_checkpointing to true, or gradient_checkpointing_backend to 'torch'")
-        if getattr(cfg, "fsdp_enable", False):
-            raise ValueError("not implemented yet: gradient_checkpointing_backend 'unsloth' with fsdp_enable (not "
-                             "tested sharded); set gradient_checkpointing_backend to 'torch', or train on one GPU "
-                             "with enable_group_offload")
     swap = cfg.musubi_blocks_to_swap or 0
     if not cfg.enable_group_offload and not swap:
         return  # the group_offload_* settings act only with the switch: any value while it is off

@@ -7,10 +7,10 @@ of the answer without which it still fits is dropped (a free rung that saved not
 
 1. offload_during_startup (no cost once training runs), with vae_batch_size 1 when caching latents is the peak
 2. gradient_checkpointing (about 30% slower steps)
-3. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
+3. gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory (copies that
+   overlap the compute; no quality cost, so before quantization)
+4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
    8-bit optimizer state instead (optimizer adamw8bit)
-4. gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory (copies that
-   overlap the compute)
 5. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
 6. enable_group_offload with the largest group that fits (every block streams: slower still)
 7. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
@@ -87,15 +87,15 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
     if not cfg.gradient_checkpointing:
         base = {**base, "gradient_checkpointing": True}
         rungs.append([dict(base)])
+    if _has(cfg, "gradient_checkpointing_backend") and cfg.gradient_checkpointing_backend == "torch":
+        base = {**base, "gradient_checkpointing_backend": "unsloth"}
+        rungs.append([dict(base)])
     full = cfg.model_type == "full"
     if full:
         if cfg.optimizer != "adamw8bit":
             rungs.append([{**base, "optimizer": "adamw8bit"}])
     elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto"):
         base = {**base, "base_model_precision": "int8-quanto"}
-        rungs.append([dict(base)])
-    if _has(cfg, "gradient_checkpointing_backend") and cfg.gradient_checkpointing_backend == "torch":
-        base = {**base, "gradient_checkpointing_backend": "unsloth"}
         rungs.append([dict(base)])
     if not full:
         stacks = _main_stack_size(cfg)
@@ -105,10 +105,7 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
             rungs.append([{**base, "enable_group_offload": True, "group_offload_blocks_per_group": k}
                           for k in (8, 4, 2, 1)])
     if processes > 1 and _has(cfg, "fsdp_enable"):
-        fsdp = {"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}
-        if _has(cfg, "gradient_checkpointing_backend"):  # not sharded with activation offload (yet)
-            fsdp["gradient_checkpointing_backend"] = "torch"
-        rungs.append([fsdp])
+        rungs.append([{"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}])
     if not full and _has(cfg, "enable_group_offload"):
         rungs.append([{**base, "base_model_precision": "int4-quanto", "enable_group_offload": True,
                        "group_offload_blocks_per_group": k} for k in (4, 2, 1)])
