@@ -69,3 +69,14 @@ def test_whole_script_on_tiny_models(tmp_path, capsys):
     assert len(rows) == 4 and not [r for r in rows if "error" in r]
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows
     assert "| K5 Video Lite" in capsys.readouterr().out
+
+
+def test_compile_mode_reaches_the_config_and_the_row():
+    """--compile-mode is dynamo_mode of the compiled rows (inductor only: another backend gives the config's error)."""
+    case = bench_gpu.tiny_case(bench_gpu.CASES["lumina2-512-bs2"])
+    with pytest.raises(ValueError, match="dynamo_mode"):
+        bench_gpu.run_config(case, bench_gpu.Setup("native", compiled=True), args(compile_mode="max-autotune-no-cudagraphs"),
+                             torch.device("cpu"))
+    row = bench_gpu.run_config(case, bench_gpu.Setup("native"), args(compile_mode="reduce-overhead"), torch.device("cpu"))
+    assert row["compile"] is False  # uncompiled rows ignore it
+    assert "| reduce-overhead |" in bench_gpu.table([{**row, "compile": "reduce-overhead"}])

@@ -169,6 +169,7 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
     cfg = TrainConfig(model_family=case.family, pretrained_model_name_or_path="bench", output_dir="bench",
                       max_train_steps=1, mixed_precision="bf16" if half else "no", attention_mechanism=mechanism,
                       dynamo_backend=args.compile_backend if compiled else "no",
+                      dynamo_mode=getattr(args, "compile_mode", None) if compiled else None,
                       gradient_checkpointing=checkpointing)
     model = build(case, device, torch.bfloat16 if half else torch.float32)
     quantize(model, setup.precision)
@@ -238,7 +239,7 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
     if getattr(args, "profile", False):
         profile(step, device)
     peak = meter.peak
-    row = {"case": case.note, "attention": LABEL.get(chosen.choice.train, chosen.choice.train), "compile": compiled,
+    row = {"case": case.note, "attention": LABEL.get(chosen.choice.train, chosen.choice.train), "compile": (getattr(args, "compile_mode", None) or True) if compiled else False,
            "checkpointing": checkpointing, "levers": setup.levers(), "step_s": round(median, 4), "first_step_s": round(first, 2),
            "tflop_per_step": round(step_flops / 1e12, 3), "tflops": round(step_flops / median / 1e12, 1),
            "tokens_per_s": round(tokens / median), "mfu": round(step_flops / median / 1e12 / peak, 3) if peak else None,
@@ -316,8 +317,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                      r["error"]] + [""] * 6
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-            cells = [r["case"], r["attention"], "yes" if r["compile"] else "no", "yes" if r["checkpointing"] else "no",
-                     r.get("levers", "-"), f"{r['step_s']:.3f}", f"{r['first_step_s']:.1f}", f"{r['tflop_per_step']:.2f}",
+            compiled = (r["compile"] if isinstance(r["compile"], str) else "yes") if r["compile"] else "no"
+            cells = [r["case"], r["attention"], compiled, "yes" if r["checkpointing"] else "no", r.get("levers", "-"),
+                     f"{r['step_s']:.3f}", f"{r['first_step_s']:.1f}", f"{r['tflop_per_step']:.2f}",
                      f"{r['tflops']:.0f}", mfu, str(r["tokens_per_s"]),
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -348,6 +350,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new configurations after this")
     parser.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                         help="dynamo_backend of the compiled configurations")
+    parser.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune",
+                                                   "max-autotune-no-cudagraphs"),
+                        help="dynamo_mode of the compiled rows (inductor): 'reduce-overhead' replays CUDA graphs")
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (checks the script)")
     parser.add_argument("--out", type=Path, help="also write each row as a JSON line here")
     args = parser.parse_args(argv)
