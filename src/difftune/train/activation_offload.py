@@ -44,8 +44,7 @@ class Stored:
     align: int
     previous: weakref.ReferenceType | None  # the input stored before this one (the next one the backward needs)
     back: torch.Tensor | None = None  # on the accelerator again (copy made or in flight)
-    ready: Any = None  # CUDA event after the side stream's copy
-    copied: Any = None  # CUDA event after the copy to the host
+    ready: Any = None  # CUDA event after the side stream's copy back (the copy out ran before it, same stream)
 
 
 class ActivationOffload:
@@ -100,13 +99,12 @@ class ActivationOffload:
             stored = Stored(host, t.device, align, self.last)
         else:
             compute = torch.cuda.current_stream(self.device)
-            host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+            host = torch.empty_like(t, device="cpu", pin_memory=True)  # the same strides, so the same kernels
             self.stream.wait_stream(compute)  # the block before has written t
             with torch.cuda.stream(self.stream):
                 host.copy_(t.detach(), non_blocking=True)
-                copied = self.stream.record_event()
             t.record_stream(self.stream)  # not reused by the compute stream before the copy has read it
-            stored = Stored(host, t.device, align, self.last, copied=copied)
+            stored = Stored(host, t.device, align, self.last)
         self.last = weakref.ref(stored)
         self.stored_bytes += t.numel() * t.element_size()
         return stored
