@@ -274,7 +274,7 @@ SIMPLETUNER_PENDING = [
     ("optimizer_release_gradients", False, True), ("gradient_precision", None, "fp32"),
     ("prodigy_steps", None, 100), ("ema_cpu_only", False, "sometimes"), ("ema_foreach_disable", False, True),
     ("aspect_bucket_alignment", 16, 64), ("aspect_bucket_rounding", None, 2),
-    ("aspect_bucket_disable_rebuild", True, False), ("allow_dataset_oversubscription", False, True),
+    ("aspect_bucket_disable_rebuild", True, False),
     ("conditioning_multidataset_sampling", "random", "combined"), ("ignore_missing_files", False, True),
     ("delete_unwanted_images", False, True), ("delete_problematic_images", False, True),
     ("preserve_data_backend_cache", False, True), ("override_dataset_config", False, True),

@@ -168,8 +168,6 @@ PENDING_TRAIN_KEYS |= {
     "aspect_bucket_disable_rebuild": ((True, None), "drawing a new 'random' crop aspect every epoch; difftune "
                                       "draws it once per image (as with aspect_bucket_disable_rebuild: true)"
                                       + _REMOVE),
-    "allow_dataset_oversubscription": ((False,), "raising repeats automatically for small datasets; set repeats "
-                                       "on the dataset entries"),
     "conditioning_multidataset_sampling": (("random", None), "several conditioning datasets per dataset; each "
                                            "dataset names one (conditioning_data)" + _REMOVE),
     "ignore_missing_files": ((False,), "keeping files that left the disk in the buckets" + _REMOVE),

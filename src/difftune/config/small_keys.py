@@ -1,10 +1,12 @@
 """SimpleTuner's smaller config keys: `tokenizer_max_length` (the prompt length the text encoder sees),
-`model_card_note` (a note on the model card) and the config-level `text_encoder_batch_size` (the default of every
-text_embeds entry). Mixed into TrainConfig; import-light: no torch.
+`model_card_note` (a note on the model card), the config-level `text_encoder_batch_size` (the default of every
+text_embeds entry) and `allow_dataset_oversubscription` (small datasets' repeats raised to one optimizer step).
+Mixed into TrainConfig; import-light: no torch.
 
 Where they act: models/<family>.py encode prompts and sample at `Components.text_length`, which train/setup.py sets
 after checking the loaded model's own bound (`Family.text_length_limit`); memory_plan/predict.py `text_tokens`;
-train/model_card.py; config/load.py hands text_encoder_batch_size to the text_embeds entries.
+train/model_card.py; config/load.py hands text_encoder_batch_size to the text_embeds entries; data/repeats.py
+raises the repeats (train/setup.build_data), data/report.py says so.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ class SmallKeys(BaseModel):
         None, "Default text_encoder_batch_size of every text_embeds entry that does not set its own: captions per "
         "text-encoder pass while the text cache fills. Also the batch of the default text cache (no text_embeds "
         "entry), else 32. Empty: each entry's own (its write_batch_size).", "memory", gt=0, advanced=True,
+    )
+    allow_dataset_oversubscription: bool = field(
+        False, "Raise the repeats of each dataset too small for one optimizer step, instead of pruning its buckets: "
+        "a dataset with an aspect bucket holding fewer images (with repeats) than train_batch_size x processes x "
+        "gradient_accumulation_steps gets the smallest repeats with which every bucket holds that many. Only "
+        "datasets whose entry leaves repeats out are raised (an entry that sets it, even to 0, keeps it, as in "
+        "SimpleTuner); the data report names each raised dataset, from which repeats to which.", "data",
+        advanced=True,
     )
 
     @model_validator(mode="after")

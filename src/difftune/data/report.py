@@ -9,6 +9,7 @@ from typing import Any
 
 from difftune.data.discovery import Discovery
 from difftune.data.frames import bucket_name
+from difftune.data.repeats import RepeatsChange
 
 
 @dataclass
@@ -18,6 +19,8 @@ class DataReport:
     pruned: dict[tuple[str, tuple[int, ...]], int]  # (dataset, bucket group) -> items left out by pruning
     data: Any = None  # TrainingData, when built
     lines: list[str] = field(default_factory=list)
+    # allow_dataset_oversubscription: datasets whose repeats were raised, or kept because their entry sets them
+    repeats: list[RepeatsChange] = field(default_factory=list)
 
     def render(self) -> str:
         failed_paths = {p for p, _ in self.failed}
@@ -46,9 +49,12 @@ class DataReport:
         for d in (d for d in self.found if d.caption_filter):  # caption_filter_list (data/caption_filter.py)
             out.append(f"  caption_filter_list: {d.dataset_id}: {d.captions_changed} caption(s) changed, "
                        f"{d.captions_emptied} left empty" + (" (see the notes)" if d.captions_emptied else ""))
+        out += [f"  {change.line()}" for change in self.repeats]
+        kept = {change.dataset for change in self.repeats}  # their line above says which repeats would do
         for (dataset, group), n in sorted(self.pruned.items()):
+            more = "" if dataset in kept else ", or allow_dataset_oversubscription to raise the dataset's repeats"
             out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
-                       "(set disable_bucket_pruning to keep them)")
+                       f"(set disable_bucket_pruning to keep them{more})")
         left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
         if left:
             out.append(f"  left out ({len(left)}):")

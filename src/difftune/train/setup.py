@@ -19,6 +19,7 @@ from difftune.adapters.kinds import Adapter, build_adapter
 from difftune.config import RunConfig, TrainConfig
 from difftune.data.batches import TrainingData
 from difftune.data.latents import CachedSample
+from difftune.data.repeats import RepeatsPlan, StepSize, plan_repeats
 from difftune.data.report import DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
@@ -118,37 +119,46 @@ def set_text_length(cfg: TrainConfig, family: Family, comps: Components, source:
 def build_data(
     run_cfg: RunConfig, family: Family, cached: Cached, events: Events, encode: Any = None,
     ranks: Ranks | None = None,
-) -> tuple[TrainingData, dict[tuple[str, tuple[int, ...]], int]]:
-    """Items with repeats, bucket pruning per dataset, the sampler and the batch source. With several
-    processes the sampler draws global batches (train_batch_size per process) and each takes a slice."""
+) -> tuple[TrainingData, RepeatsPlan]:
+    """Items with repeats (raised for small datasets by allow_dataset_oversubscription), bucket pruning per
+    dataset (data/repeats.py), the sampler and the batch source. With several processes the sampler draws global
+    batches (train_batch_size per process) and each takes a slice."""
     ranks = ranks or Ranks()
     cfg = run_cfg.train
-    global_batch = cfg.train_batch_size * ranks.count
+    step = StepSize(cfg.train_batch_size, ranks.count, cfg.gradient_accumulation_steps)
+    global_batch = step.global_batch
     datasets = run_cfg.datasets.images
     lost = sorted({ds.id for ds in datasets} - {c.sample.dataset_id for c in cached.samples})
     if lost:
         raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no image that could be decoded; "
                         "see the warnings above for each file")
-    repeats = {ds.id: ds.repeats for ds in datasets}
     counts: dict[tuple[str, tuple[int, ...]], int] = {}
+    trained = {ds.id for ds in datasets}
     for c in cached.samples:
-        if c.sample.dataset_id not in repeats:  # an eval dataset's (train/eval_loss.py): never trained on
+        if c.sample.dataset_id not in trained:  # an eval dataset's (train/eval_loss.py): never trained on
             continue
         key = (c.sample.dataset_id, c.sample.group)
         counts[key] = counts.get(key, 0) + 1
-    pruned = {k: n for k, n in counts.items()
-              if n * (1 + repeats[k[0]]) < global_batch and not cfg.disable_bucket_pruning}
+    plan = plan_repeats(counts, {ds.id: ds.repeats for ds in datasets}, step,
+                        oversubscribe=cfg.allow_dataset_oversubscription,
+                        explicit={ds.id for ds in datasets if "repeats" in ds.model_fields_set},
+                        keep_small=cfg.disable_bucket_pruning)
     items: list[CachedSample] = []
     parts = []
     for ds in datasets:
-        mine = [c for c in cached.samples if c.sample.dataset_id == ds.id and (ds.id, c.sample.group) not in pruned]
+        mine = [c for c in cached.samples
+                if c.sample.dataset_id == ds.id and (ds.id, c.sample.group) not in plan.pruned]
         start = len(items)
-        items += [c for c in mine for _ in range(1 + ds.repeats)]
+        items += [c for c in mine for _ in range(1 + plan.repeats[ds.id])]
         parts.append((list(range(start, len(items))), [c.sample.group for c in items[start:]], ds.probability))
     if not items:
+        fix = "raise repeats on the dataset entries (or remove it there: allow_dataset_oversubscription raises " \
+            "only repeats an entry leaves out)" if cfg.allow_dataset_oversubscription else \
+            "set allow_dataset_oversubscription (raises each small dataset's repeats) or repeats on the dataset entries"
         raise DataError(
             f"every aspect bucket holds fewer images than one global batch ({global_batch}); "
-            "lower train_batch_size, add images, or set disable_bucket_pruning"
+            f"lower train_batch_size, add images, {fix}, or set disable_bucket_pruning"
+            + "".join(f"\n  {change.line()}" for change in plan.changes)
         )
     # Partial batches cannot be split evenly between processes: with several, only full ones are used.
     keep_partial = cfg.disable_bucket_pruning and ranks.count == 1
@@ -160,7 +170,7 @@ def build_data(
         rank=ranks.index, ranks=ranks.count, first_frame=family.facts.first_frame(cfg.flavour()),
         regularisation=frozenset(ds.id for ds in datasets if ds.is_regularisation_data),
     )
-    return data, pruned
+    return data, plan
 
 
 def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
@@ -227,9 +237,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     record_peak_memory(events, "caching", device)
     apply_torch_options(cfg, comps.vae)  # after caching: cached latents never depend on tiling
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
-    data, pruned = build_data(run_cfg, family, cached, events, encode, ranks)
+    data, repeats = build_data(run_cfg, family, cached, events, encode, ranks)
     eval_set = eval_loss.prepare(run_cfg, family, cached, encode, events)  # held out: never in `data`
-    report = DataReport(found, cached.failed, pruned, data).render()
+    report = DataReport(found, cached.failed, repeats.pruned, data, repeats=repeats.changes).render()
     events.write(report)
     events.emit("data_report", quiet=True, text=report)
     return Prepared(family, comps, data, cached.validation, eval_set)
