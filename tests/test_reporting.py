@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import json
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +36,20 @@ def tiny_clip(tmp_path_factory) -> Path:
     return build_tiny_clip(tmp_path_factory.mktemp("clip") / "tiny-clip")
 
 
-def wandb_records(run_dir: Path) -> list:
-    """The records of an offline W&B run, read from its .wandb file (a LevelDB-style log of protobuf
-    records: 7-byte file header, 32 KiB blocks, each record chunk with a 7-byte header)."""
+def wandb_records(run_dir: Path, wait_s: float = 60.0) -> list:
+    """The records of an offline W&B run, read from its .wandb file once wandb's own process has written the run's
+    exit record (it writes the file after `finish()` returns; on a loaded machine, later)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _read_wandb(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _read_wandb(run_dir: Path) -> list:
+    """The .wandb file is a LevelDB-style log of protobuf records: 7-byte file header, 32 KiB blocks, each record
+    chunk with a 7-byte header."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
@@ -49,7 +61,7 @@ def wandb_records(run_dir: Path) -> list:
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):  # the end, or a record still being written
             break
         chunk += data[pos + 7:pos + 7 + length]
         pos += 7 + length
