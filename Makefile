@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/difftune demo --dir demo
 
 # Test files spread over the CPU's cores (at most 4 workers; a file stays on one worker, so its module fixtures are
-# built once): 2 cores take ~12 min instead of ~15.
+# built once; each worker gets its share of the cores, tests/conftest.py): 2 cores take ~8 min instead of ~15.
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses 4 --dist loadfile
 
