@@ -114,6 +114,7 @@ def test_kandinsky5_offloaded_equals_plain_checkpointing(tmp_path, dataset):
     plain, expected = run("plain")
     offload, got = run("offload", **UNSLOTH)
     assert losses(offload.output_dir) == losses(plain.output_dir) and len(losses(plain.output_dir)) == 2
+    assert any(e.get("offloaded_bytes") for e in events(offload.output_dir))  # the path ran (text and visual blocks)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 

@@ -76,6 +76,7 @@ def test_fsdp_lora_with_activation_offload_equals_one_process(tmp_path, images):
     same_run(out1, out2)
     said = [e["message"] for e in events(out2) if e["event"] == "info"]
     assert any(m.startswith("FSDP2: ") for m in said) and any(m.startswith("activation offload: each") for m in said)
+    assert any(e.get("offloaded_bytes") for e in events(out2))  # the inputs did go to CPU memory (after step 1)
     wa, wb = load_file(out1 / "pytorch_lora_weights.safetensors"), load_file(out2 / "pytorch_lora_weights.safetensors")
     assert wa.keys() == wb.keys()
     for key in wa:
