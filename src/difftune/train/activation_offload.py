@@ -56,7 +56,6 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last: weakref.ReferenceType | None = None  # the most recent input stored (this step's forward)
         self.stored_bytes = 0  # of the current forward: what the accelerator did not keep
-        self.most_bytes = 0  # the most stored by one forward since the start
         self.fetches = 0  # inputs brought back (tests: the path ran)
 
     def call(self, block: torch.nn.Module, *args: Any) -> Any:
@@ -74,7 +73,6 @@ class ActivationOffload:
         if self.emit is not None and self.stored_bytes:
             self._report(self.stored_bytes)
         self.last = None
-        self.most_bytes = max(self.most_bytes, self.stored_bytes)
         self.stored_bytes = 0
 
     def _report(self, stored: int) -> None:
