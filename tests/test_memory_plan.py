@@ -508,3 +508,21 @@ def test_levers_take_activation_offload_before_int8(real_cfg):
     choice = choose(real_cfg, None, (high + low) / 2 / GIB)
     assert choice.fits and choice.settings() == {"gradient_checkpointing_backend": "unsloth"}
     assert "overlap" in choice.steps[0].why
+
+
+def test_optimizer_offload_moves_the_state_off_the_accelerator_and_is_the_full_fine_tunes_last_rung(real_cfg):
+    """optimizer_cpu_offload_method 'cpu': the training and validation phases lose exactly the optimizer state; a
+    full fine-tune that 8-bit state does not fit gets it (Lumina2 at 1024 px in 16 GiB, the spec's full fine-tune)."""
+    full = real_cfg.model_copy(update={"model_type": "full", "optimizer": "adamw_bf16"})
+    offloaded = full.model_copy(update={"optimizer_cpu_offload_method": "cpu"})
+    plain, off = predict(full, None), predict(offloaded, None)
+    state = next(line.bytes for line in plain.phase("training").lines if line.label.startswith("optimizer state"))
+    assert state == 3 * next(line.bytes for line in plain.phase("training").lines if line.label == "gradients")
+    line = next(line for line in off.phase("training").lines if line.label.startswith("optimizer state"))
+    assert line.bytes == 0 and "CPU memory" in line.note
+    for phase in ("training", "validation"):
+        assert plain.phase(phase).total - off.phase(phase).total == state
+    assert predict(full.model_copy(update={"optimizer": "adamw8bit"}), None).peak > 16 * GIB > off.peak
+    choice = choose(full, None, 16)
+    assert choice.fits and choice.settings() == {"optimizer_cpu_offload_method": "cpu"}
+    assert not choose(real_cfg, None, 16).settings().get("optimizer_cpu_offload_method")  # LoRA: never proposed

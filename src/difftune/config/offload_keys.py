@@ -1,13 +1,14 @@
-"""The block-streaming keys (`enable_group_offload`, `group_offload_*`, `musubi_blocks_to_swap`), mixed into
-TrainConfig, and their cross-key checks, called from TrainConfig's validator. The streaming itself is
-train/offload.py. Import-light: no torch.
+"""The offload keys, mixed into TrainConfig, and their cross-key checks, called from TrainConfig's validator: block
+streaming (`enable_group_offload`, `group_offload_*`, `musubi_blocks_to_swap`: train/offload.py), activation offload
+(`gradient_checkpointing_backend`: train/activation_offload.py) and optimizer offload
+(`optimizer_cpu_offload_method`: train/optimizer_offload.py). Import-light: no torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from difftune.config.fields import field
 
@@ -53,6 +54,20 @@ class OffloadKeys(BaseModel):
         "most of a checkpointed run's peak. Costs pinned CPU memory of that size and PCIe traffic that overlaps "
         "the compute. Without CUDA it runs synchronously and saves nothing.", "memory", advanced=True,
     )
+    optimizer_cpu_offload_method: Literal["none", "cpu"] = field(
+        "none", "'cpu': the optimizer's state and its step live in CPU memory. Each step copies the (reduced and "
+        "clipped) gradients there, runs the chosen optimizer on the CPU and copies the weights back, so the "
+        "accelerator never holds the state: for a full fine-tune (AdamW's state is 2-3x the weights), at the cost "
+        "of a slower step (the CPU's optimizer step and PCIe copies). Costs pinned CPU memory of twice the trained "
+        "weights plus the state. Not with fsdp_enable (it shards the state instead), mixed_precision fp16 or "
+        "adamw_schedulefree. Without CUDA it runs with plain copies and saves nothing. SimpleTuner's key (it only "
+        "has 'none').", "memory", advanced=True,
+    )
+
+    @field_validator("optimizer_cpu_offload_method", mode="before")
+    @classmethod
+    def _no_offload_method(cls, value: Any) -> Any:
+        return "none" if value is None else value
 
 
 
@@ -62,6 +77,8 @@ def offload_checks(cfg: Any) -> None:
         if not cfg.gradient_checkpointing:
             raise ValueError("gradient_checkpointing_backend 'unsloth' offloads the inputs that gradient checkpointing "
                              "keeps; set gradient_checkpointing to true, or gradient_checkpointing_backend to 'torch'")
+    if cfg.optimizer_cpu_offload_method == "cpu":
+        optimizer_offload_checks(cfg)
     swap = cfg.musubi_blocks_to_swap or 0
     if not cfg.enable_group_offload and not swap:
         return  # the group_offload_* settings act only with the switch: any value while it is off
@@ -82,3 +99,18 @@ def offload_checks(cfg: Any) -> None:
         raise ValueError(f"{key} with model_type 'full' is not supported: only frozen weights stream, and a full "
                          f"fine-tune trains every weight; use model_type 'lora', or turn {key} off")
 
+
+
+def optimizer_offload_checks(cfg: Any) -> None:
+    """optimizer_cpu_offload_method 'cpu' with settings it cannot serve."""
+    if getattr(cfg, "fsdp_enable", False):
+        raise ValueError("optimizer_cpu_offload_method 'cpu' and fsdp_enable: FSDP already divides the optimizer "
+                         "state between the processes; keep one (set optimizer_cpu_offload_method to 'none')")
+    if cfg.mixed_precision == "fp16":
+        raise ValueError("optimizer_cpu_offload_method 'cpu' with mixed_precision 'fp16': the loss scaler unscales "
+                         "the gradients through the optimizer's own (CPU) weights; use mixed_precision 'bf16', or "
+                         "set optimizer_cpu_offload_method to 'none'")
+    if cfg.optimizer == "adamw_schedulefree":
+        raise ValueError("optimizer_cpu_offload_method 'cpu' with optimizer 'adamw_schedulefree': its averaged "
+                         "weights would be switched on the CPU copies, not on the model that samples and saves; "
+                         "choose another optimizer, or set optimizer_cpu_offload_method to 'none'")

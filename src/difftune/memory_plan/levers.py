@@ -10,7 +10,8 @@ of the answer without which it still fits is dropped (a free rung that saved not
 3. gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory (copies that
    overlap the compute; no quality cost, so before quantization)
 4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
-   8-bit optimizer state instead (optimizer adamw8bit)
+   8-bit optimizer state instead (optimizer adamw8bit), then, when that is not enough, its own optimizer stepping
+   in CPU memory (optimizer_cpu_offload_method 'cpu': slower steps, no quality cost)
 5. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
 6. enable_group_offload with the largest group that fits (every block streams: slower still)
 7. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
@@ -39,6 +40,8 @@ SPEED = {
     "enable_group_offload": "slower: every block is copied from CPU memory every step",
     "group_offload_blocks_per_group": "",
     "fsdp_enable": "communication between the processes every step",
+    "optimizer_cpu_offload_method": "slower steps: the optimizer runs on the CPU, the gradients and weights cross "
+                                    "PCIe every step; needs CPU memory for the state and twice the weights (pinned)",
 }
 
 
@@ -94,6 +97,8 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
     if full:
         if cfg.optimizer != "adamw8bit":
             rungs.append([{**base, "optimizer": "adamw8bit"}])
+        if _has(cfg, "optimizer_cpu_offload_method") and cfg.optimizer_cpu_offload_method == "none":
+            rungs.append([{**base, "optimizer_cpu_offload_method": "cpu"}])  # the optimizer the user chose, on the CPU
     elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto"):
         base = {**base, "base_model_precision": "int8-quanto"}
         rungs.append([dict(base)])

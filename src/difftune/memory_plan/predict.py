@@ -334,7 +334,12 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
         training.add(what, resident / shards, stream_note or (f"sharded over {shards}" if fsdp else "frozen"))
         training.add(f"adapter ({trainable / 1e6:.1f}M parameters, fp32)", adapter_bytes / shards)
     training.add("gradients", grads / shards)
-    training.add(f"optimizer state ({cfg.optimizer})", opt / shards)
+    if getattr(cfg, "optimizer_cpu_offload_method", "none") == "cpu":  # train/optimizer_offload.py: it steps there
+        training.add(f"optimizer state ({cfg.optimizer})", 0, f"{opt / GIB:.2f} GiB in CPU memory "
+                     "(optimizer_cpu_offload_method 'cpu')")
+        opt = 0
+    else:
+        training.add(f"optimizer state ({cfg.optimizer})", opt / shards)
     if ema:
         training.add("EMA copy (fp32)", ema)
     if fsdp:

@@ -39,6 +39,7 @@ from difftune.train.lr_schedule import build_lr_scheduler, learning_rate
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
+from difftune.train.optimizer_offload import host_step
 from difftune.train.optimizers import build_optimizer
 from difftune.train.plan import DataError, discover_all, fetch_sources, size_rules
 from difftune.train.throughput import Throughput
@@ -288,9 +289,11 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
                                        "small updates to rounding; use optimizer 'adamw_bf16' (Kahan summation)")
     aligner = crepa.attach(cfg, family, comps, accelerator.device)  # crepa_enabled: its projector trains too
     rate = learning_rate(cfg, ranks.count, events.emit)  # lr_scale, lr_scale_sqrt: the rate that trains
-    optimizer = build_optimizer(cfg.optimizer, params + (aligner.parameters() if aligner else []), rate,
-                                (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_weight_decay, cfg.adam_epsilon,
-                                cfg.optimizer_settings())  # optimizer_config
+    build = lambda trained: build_optimizer(cfg.optimizer, trained, rate, (cfg.adam_beta1, cfg.adam_beta2),  # noqa: E731
+                                            cfg.adam_weight_decay, cfg.adam_epsilon, cfg.optimizer_settings())
+    # optimizer_config above; optimizer_cpu_offload_method 'cpu': built over CPU copies, stepping there
+    optimizer = host_step(cfg, params + (aligner.parameters() if aligner else []), build, accelerator.device,
+                          events.emit)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = build_lr_scheduler(cfg, optimizer, steps, rate)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
     # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
