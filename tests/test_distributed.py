@@ -56,8 +56,12 @@ def images(tmp_path):
     return folder
 
 
-def test_two_processes_equal_one_with_the_global_batch(tmp_path, images):
-    two = write_config(tmp_path / "two", images, max_train_steps=4, train_batch_size=1, lr_scheduler="linear")
+@pytest.mark.parametrize("offload", [{}, {"optimizer_cpu_offload_method": "cpu"}], ids=["plain", "optimizer-offload"])
+def test_two_processes_equal_one_with_the_global_batch(tmp_path, images, offload):
+    """With optimizer offload, each process steps its CPU copies with the gradients DDP averaged (the copy is made
+    after the backward pass, not in a hook before the all-reduce): still the one-process run."""
+    two = write_config(tmp_path / "two", images, max_train_steps=4, train_batch_size=1, lr_scheduler="linear",
+                       **offload)
     one = write_config(tmp_path / "one", images, max_train_steps=4, train_batch_size=2, lr_scheduler="linear")
     finish(launch(two, 29601))
     finish(launch(one, 0, processes=1))
@@ -69,6 +73,7 @@ def test_two_processes_equal_one_with_the_global_batch(tmp_path, images):
         torch.testing.assert_close(wa[key], wb[key], atol=1e-6, rtol=1e-5)
     log = (tmp_path / "two" / "output" / "events.jsonl").read_text()
     infos = [e["message"] for e in map(json.loads, log.splitlines()) if e["event"] == "info"]
+    assert any("optimizer steps in CPU memory" in m for m in infos) == bool(offload)
     text = next(m for m in infos if m.startswith("text cache"))
     latent = next(m for m in infos if m.startswith("latent cache"))
     shares = json.loads(latent.split("per process: ")[1].rstrip(")"))
