@@ -269,7 +269,7 @@ SIMPLETUNER_PENDING = [
     ("slider_lora_target", False, True),
     ("init_lokr_norm", None, 0.001), ("train_text_encoder", False, True),
     ("set_grads_to_none", False, "sometimes"), ("disable_segmented_timestep_sampling", False, "sometimes"),
-    ("optimizer_offload_gradients", False, True), ("fuse_optimizer", False, True),
+    ("fuse_optimizer", False, True),
     ("optimizer_release_gradients", False, True), ("gradient_precision", None, "fp32"),
     ("prodigy_steps", None, 100), ("ema_cpu_only", False, "sometimes"), ("ema_foreach_disable", False, True),
     ("aspect_bucket_alignment", 16, 64), ("aspect_bucket_rounding", None, 2),

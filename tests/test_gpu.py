@@ -117,3 +117,40 @@ def test_optimizer_offload_steps_on_pinned_copies_and_gives_the_cpu_optimizers_w
         assert all(torch.isfinite(o) for o in outputs)
     assert all(t.device.type == "cpu" for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     assert torch.cuda.memory_allocated() <= before
+
+
+def test_offloaded_gradients_leave_the_device_in_the_backward_pass():
+    """optimizer_offload_gradients on CUDA: after backward the device holds no gradient, the pinned CPU copies equal
+    the gradients a plain backward makes, and the step gives the weights a CPU optimizer gives."""
+    from difftune.train.optimizer_offload import HostStepOptimizer
+    from difftune.train.optimizers import build_optimizer
+
+    def build(params):
+        return build_optimizer("adamw", params, 1e-2, (0.9, 0.999), 0.0, 1e-8)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).to(CUDA)
+    reference = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).to(CUDA)
+    reference.load_state_dict(model.state_dict())
+    cpu_reference = [torch.nn.Parameter(p.detach().cpu()) for p in reference.parameters()]
+    plain = build(cpu_reference)
+    optimizer = HostStepOptimizer(list(model.parameters()), build, CUDA, offload_gradients=True)
+    x = torch.randn(64, 512, device=CUDA)
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        norm = optimizer.clip(1.0, "norm")
+        expected = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
+        assert torch.allclose(norm, expected.cpu(), rtol=1e-5)
+        for h, r, c in zip(optimizer.hosts, reference.parameters(), cpu_reference, strict=True):
+            assert torch.allclose(h.grad, r.grad.cpu(), rtol=1e-5, atol=1e-7)
+            c.grad = h.grad.clone()
+        plain.step()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.zero_grad()
+        assert all(torch.equal(c.cuda(), p) for c, p in zip(cpu_reference, model.parameters(), strict=True))
+        with torch.no_grad():  # the reference follows the offloaded weights, so every step compares one step
+            for r, p in zip(reference.parameters(), model.parameters(), strict=True):
+                r.copy_(p)

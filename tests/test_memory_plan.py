@@ -526,3 +526,19 @@ def test_optimizer_offload_moves_the_state_off_the_accelerator_and_is_the_full_f
     choice = choose(full, None, 16)
     assert choice.fits and choice.settings() == {"optimizer_cpu_offload_method": "cpu"}
     assert not choose(real_cfg, None, 16).settings().get("optimizer_cpu_offload_method")  # LoRA: never proposed
+
+
+def test_offloaded_gradients_leave_the_training_phase_and_are_the_next_alternative(real_cfg):
+    full = real_cfg.model_copy(update={"model_type": "full", "optimizer": "adamw_bf16",
+                                       "optimizer_cpu_offload_method": "cpu"})
+    both = full.model_copy(update={"optimizer_offload_gradients": True})
+    grads = next(line.bytes for line in predict(full, None).phase("training").lines if line.label == "gradients")
+    line = next(line for line in predict(both, None).phase("training").lines if line.label == "gradients")
+    assert grads > 0 and line.bytes == 0 and "CPU memory" in line.note
+    assert predict(full, None).phase("training").total - predict(both, None).phase("training").total == grads
+    plain = full.model_copy(update={"optimizer_cpu_offload_method": "none"})
+    limit = (predict(both, None).peak + predict(full, None).peak) / 2 / GIB  # only the gradients' rung fits
+    choice = choose(plain, None, limit)
+    assert choice.fits and choice.settings() == {"optimizer_cpu_offload_method": "cpu",
+                                                 "optimizer_offload_gradients": True}
+    assert choose(plain, None, limit, processes=2).settings().get("optimizer_offload_gradients") is None

@@ -10,6 +10,7 @@ import torch
 
 from conftest import config_problems, write_config
 from difftune.config import load_config
+from difftune.train import loop
 from difftune.train.loop import train
 from difftune.train.optimizer_offload import HostStepOptimizer, host_step
 from difftune.train.optimizers import build_optimizer
@@ -78,6 +79,57 @@ def test_checkpoints_resume_across_turning_offload_on_or_off(tmp_path, dataset, 
     assert all(torch.equal(plain[1][k], resumed[1][k]) for k in plain[1])
 
 
+GRADIENTS = dict(OFF, optimizer_offload_gradients=True)  # with gradient_accumulation_steps 1
+
+
+@pytest.mark.parametrize("method", ["norm", "value"])
+def test_offloaded_gradients_equal_training_without_offload(tmp_path, dataset, method, monkeypatch):
+    """The gradients leave during the backward pass; clipping (by norm or by value) runs on the CPU copies."""
+    common = {**FULL, "gradient_accumulation_steps": 1, "grad_clip_method": method,
+              "max_grad_norm": 0.01 if method == "norm" else 1e-4}
+    plain = trained(tmp_path, dataset, "plain", **common)
+    seen: list[int] = []  # gradients left on the device when the loop clips
+    real = loop.clip_gradients
+
+    def counting(accelerator, params, *args):
+        seen.append(sum(p.grad is not None for p in params))
+        return real(accelerator, params, *args)
+
+    monkeypatch.setattr(loop, "clip_gradients", counting)
+    offloaded = trained(tmp_path, dataset, "offload", **common, **GRADIENTS)
+    assert_same(plain, offloaded)
+    assert seen == [0, 0, 0, 0]  # the device held none of them at the end of any backward pass
+    said = next(e["message"] for e in events(offloaded[0].output_dir) if e.get("offloaded_bytes"))
+    assert "optimizer_offload_gradients" in said
+
+
+def test_offloaded_gradients_leave_in_the_backward_and_a_non_finite_one_is_measured():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64)
+    reference = torch.nn.Linear(64, 64)
+    reference.load_state_dict(layer.state_dict())
+    optimizer = HostStepOptimizer(list(layer.parameters()), _build, CPU, offload_gradients=True)
+    x = torch.randn(8, 64)
+    layer(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    assert all(p.grad is None for p in layer.parameters())
+    assert all(torch.equal(h.grad, r.grad) for h, r in zip(optimizer.hosts, reference.parameters(), strict=True))
+    expected = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
+    assert torch.equal(optimizer.clip(1.0, "norm"), expected)
+    assert all(torch.equal(h.grad, r.grad) for h, r in zip(optimizer.hosts, reference.parameters(), strict=True))
+    optimizer.zero_grad()
+    (layer(x) * float("nan")).sum().backward()
+    assert not torch.isfinite(optimizer.clip(1.0, "norm"))  # the loop then skips the step
+
+
+def test_offloaded_gradients_refuse_several_processes():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(optimizer_cpu_offload_method="cpu", optimizer_offload_gradients=True, optimizer="adamw")
+    with pytest.raises(ValueError, match="before the processes could average it"):
+        host_step(cfg, [_pair()[0]], _build, CPU, lambda *a, **k: None, processes=2)
+
+
 @pytest.mark.parametrize("optimizer,rate", [("prodigy", 1.0), ("adamw8bit", 1e-3)])
 def test_lora_with_other_optimizers_equals_training_without(tmp_path, dataset, optimizer, rate):
     """Prodigy's step size is one estimate over all the weights: one inner optimizer keeps it so."""
@@ -143,9 +195,13 @@ def test_off_builds_the_plain_optimizer():
     (dict(fsdp_enable=True), ["fsdp_enable", "optimizer_cpu_offload_method"]),
     (dict(mixed_precision="fp16"), ["mixed_precision 'fp16'", "'bf16'"]),
     (dict(optimizer="adamw_schedulefree", lr_scheduler="constant"), ["adamw_schedulefree", "another optimizer"]),
+    (dict(optimizer_offload_gradients=True, gradient_accumulation_steps=2), ["gradient_accumulation_steps 2",
+                                                                             "set gradient_accumulation_steps to 1"]),
+    (dict(optimizer_offload_gradients=True, optimizer_cpu_offload_method="none"), ["optimizer_cpu_offload_method to "
+                                                                                   "'cpu' too"]),
 ])
 def test_settings_it_cannot_serve_are_refused_before_loading(tmp_path, dataset, overrides, needles):
-    problems = config_problems(write_config(tmp_path, dataset, model_type="full", **OFF, **overrides))
+    problems = config_problems(write_config(tmp_path, dataset, model_type="full", **{**OFF, **overrides}))
     assert all(n in problems for n in needles), problems
 
 

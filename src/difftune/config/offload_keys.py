@@ -64,6 +64,14 @@ class OffloadKeys(BaseModel):
         "has 'none').", "memory", advanced=True,
     )
 
+    optimizer_offload_gradients: bool = field(
+        False, "With optimizer_cpu_offload_method 'cpu': each gradient is copied to CPU memory as the backward pass "
+        "makes it and freed on the accelerator, which then never holds the gradients either (for a full "
+        "fine-tune, the size of the weights again); clipping runs on the CPU copies. One micro-batch per step "
+        "(gradient_accumulation_steps 1) on one process only, since the gradients leave before they could be "
+        "accumulated or averaged.", "memory", advanced=True,
+    )
+
     @field_validator("optimizer_cpu_offload_method", mode="before")
     @classmethod
     def _no_offload_method(cls, value: Any) -> Any:
@@ -79,6 +87,9 @@ def offload_checks(cfg: Any) -> None:
                              "keeps; set gradient_checkpointing to true, or gradient_checkpointing_backend to 'torch'")
     if cfg.optimizer_cpu_offload_method == "cpu":
         optimizer_offload_checks(cfg)
+    elif cfg.optimizer_offload_gradients:
+        raise ValueError("optimizer_offload_gradients sends the gradients to an optimizer that steps in CPU memory; "
+                         "set optimizer_cpu_offload_method to 'cpu' too, or remove optimizer_offload_gradients")
     swap = cfg.musubi_blocks_to_swap or 0
     if not cfg.enable_group_offload and not swap:
         return  # the group_offload_* settings act only with the switch: any value while it is off
@@ -110,6 +121,11 @@ def optimizer_offload_checks(cfg: Any) -> None:
         raise ValueError("optimizer_cpu_offload_method 'cpu' with mixed_precision 'fp16': the loss scaler unscales "
                          "the gradients through the optimizer's own (CPU) weights; use mixed_precision 'bf16', or "
                          "set optimizer_cpu_offload_method to 'none'")
+    if cfg.optimizer_offload_gradients and cfg.gradient_accumulation_steps > 1:
+        raise ValueError(f"optimizer_offload_gradients with gradient_accumulation_steps "
+                         f"{cfg.gradient_accumulation_steps}: each gradient leaves the accelerator after its "
+                         "micro-batch, so nothing would accumulate; set gradient_accumulation_steps to 1 (a larger "
+                         "train_batch_size), or optimizer_offload_gradients to false")
     if cfg.optimizer == "adamw_schedulefree":
         raise ValueError("optimizer_cpu_offload_method 'cpu' with optimizer 'adamw_schedulefree': its averaged "
                          "weights would be switched on the CPU copies, not on the model that samples and saves; "

@@ -150,9 +150,6 @@ PENDING_TRAIN_KEYS |= {
     "set_grads_to_none": ((False, True, None), "set_grads_to_none takes true or false"),
     "disable_segmented_timestep_sampling": ((False, True, None), "disable_segmented_timestep_sampling takes true or false"),
     # optimizer
-    "optimizer_offload_gradients": ((False,), "freeing the gradients on the accelerator during the backward pass "
-                                    "(optimizer_cpu_offload_method 'cpu' copies them out after it, once they are "
-                                    "reduced and clipped)" + _REMOVE),
     "fuse_optimizer": ((False,), "fused offloaded optimizers" + _REMOVE),
     "optimizer_release_gradients": ((False,), "releasing gradients inside the optimizer step" + _REMOVE),
     "gradient_precision": ((None, "unmodified"), "a forced gradient precision; each gradient keeps its "

@@ -11,7 +11,8 @@ of the answer without which it still fits is dropped (a free rung that saved not
    overlap the compute; no quality cost, so before quantization)
 4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
    8-bit optimizer state instead (optimizer adamw8bit), then, when that is not enough, its own optimizer stepping
-   in CPU memory (optimizer_cpu_offload_method 'cpu': slower steps, no quality cost)
+   in CPU memory (optimizer_cpu_offload_method 'cpu': slower steps, no quality cost), then its gradients too
+   (optimizer_offload_gradients, one micro-batch per step)
 5. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
 6. enable_group_offload with the largest group that fits (every block streams: slower still)
 7. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
@@ -42,6 +43,8 @@ SPEED = {
     "fsdp_enable": "communication between the processes every step",
     "optimizer_cpu_offload_method": "slower steps: the optimizer runs on the CPU, the gradients and weights cross "
                                     "PCIe every step; needs CPU memory for the state and twice the weights (pinned)",
+    "optimizer_offload_gradients": "the gradients leave as the backward pass makes them: one micro-batch per step, "
+                                   "one process",
 }
 
 
@@ -97,8 +100,10 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
     if full:
         if cfg.optimizer != "adamw8bit":
             rungs.append([{**base, "optimizer": "adamw8bit"}])
-        if _has(cfg, "optimizer_cpu_offload_method") and cfg.optimizer_cpu_offload_method == "none":
-            rungs.append([{**base, "optimizer_cpu_offload_method": "cpu"}])  # the optimizer the user chose, on the CPU
+        if _has(cfg, "optimizer_cpu_offload_method") and not cfg.optimizer_offload_gradients:
+            # the optimizer the user chose, on the CPU; then its gradients too (one micro-batch, one process)
+            offload = {**base, "optimizer_cpu_offload_method": "cpu"}
+            rungs.append([offload] + ([{**offload, "optimizer_offload_gradients": True}] if processes == 1 else []))
     elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto"):
         base = {**base, "base_model_precision": "int8-quanto"}
         rungs.append([dict(base)])

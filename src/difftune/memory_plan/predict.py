@@ -333,7 +333,10 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     else:
         training.add(what, resident / shards, stream_note or (f"sharded over {shards}" if fsdp else "frozen"))
         training.add(f"adapter ({trainable / 1e6:.1f}M parameters, fp32)", adapter_bytes / shards)
-    training.add("gradients", grads / shards)
+    if getattr(cfg, "optimizer_offload_gradients", False):  # each leaves the accelerator as the backward makes it
+        training.add("gradients", 0, f"{grads / GIB:.2f} GiB in CPU memory (optimizer_offload_gradients)")
+    else:
+        training.add("gradients", grads / shards)
     if getattr(cfg, "optimizer_cpu_offload_method", "none") == "cpu":  # train/optimizer_offload.py: it steps there
         training.add(f"optimizer state ({cfg.optimizer})", 0, f"{opt / GIB:.2f} GiB in CPU memory "
                      "(optimizer_cpu_offload_method 'cpu')")

@@ -126,7 +126,7 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
             run.accelerator.backward(loss / accum)
         losses.append(loss.detach().float())
         seen.append(batch)
-    norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method)
+    norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method, run.optimizer)
     read = torch.stack([*losses, _scalar(norm, losses[0].device)])
     *values, norm_value = read.tolist()  # the step's one device sync
     total = run.ranks.mean(sum(values) / accum)  # every process logs, and decides on non-finite steps, alike

@@ -401,13 +401,18 @@ def train_mode(optimizer: Any) -> None:
         optimizer.train()
 
 
-def clip_gradients(accelerator: Any, params: list, max_grad_norm: float | None, method: str = "norm") -> Any:
+def clip_gradients(accelerator: Any, params: list, max_grad_norm: float | None, method: str = "norm",
+                   optimizer: Any = None) -> Any:
     """Apply `max_grad_norm` and return the gradients' global norm before clipping (measured in any case,
     so a non-finite gradient is seen). 'norm': scale all gradients so their global norm is at most
-    max_grad_norm. 'value': clamp each element to [-max_grad_norm, max_grad_norm]."""
+    max_grad_norm. 'value': clamp each element to [-max_grad_norm, max_grad_norm]. An optimizer that took the
+    gradients off the device during the backward pass (optimizer_offload_gradients) clips them where they are."""
     if method not in ("norm", "value"):
         raise ValueError(f"grad_clip_method {method!r}: use 'norm' or 'value'")
     limit = max_grad_norm if max_grad_norm is not None else math.inf
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the optimizer
+    if getattr(inner, "offload_gradients", False):
+        return inner.clip(limit, method)
     norm = accelerator.clip_grad_norm_(params, limit if method == "norm" else math.inf)  # inf: only measures
     if method == "value" and math.isfinite(limit):
         accelerator.clip_grad_value_(params, limit)

@@ -293,7 +293,7 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
                                             cfg.adam_weight_decay, cfg.adam_epsilon, cfg.optimizer_settings())
     # optimizer_config above; optimizer_cpu_offload_method 'cpu': built over CPU copies, stepping there
     optimizer = host_step(cfg, params + (aligner.parameters() if aligner else []), build, accelerator.device,
-                          events.emit)
+                          events.emit, ranks.count)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = build_lr_scheduler(cfg, optimizer, steps, rate)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
     # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
