@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.difftune-installed
 
-.PHONY: setup demo test test-gpu test-slow test-browser test-ui lint bench bench-memory bench-tread bench-gpu plan-calibrate clean
+.PHONY: setup demo test test-gpu test-slow test-browser test-ui lint bench bench-memory bench-tread bench-gpu bench-host-optimizer plan-calibrate clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,10 @@ bench-tread: setup
 # without compile and checkpointing (random init, no download; BENCHMARKS.md, issue 17). Needs a CUDA device.
 bench-gpu: setup
 	$(BIN)/python -m difftune.bench_gpu
+
+# How fast each optimizer steps on the CPU: the cost of optimizer_cpu_offload_method 'cpu' (BENCHMARKS.md).
+bench-host-optimizer: setup
+	$(BIN)/python -m difftune.bench_host_optimizer
 
 plan-calibrate: setup  # re-measure src/difftune/memory_plan/coefficients.py (CPU, minutes)
 	$(BIN)/python -m difftune.memory_plan.measure

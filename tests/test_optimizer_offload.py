@@ -211,3 +211,12 @@ def test_values(tmp_path, dataset):
         assert cfg.optimizer_cpu_offload_method == expected
     problems = config_problems(write_config(tmp_path / "bad", dataset, optimizer_cpu_offload_method="torchao"))
     assert "optimizer_cpu_offload_method" in problems and "'cpu'" in problems
+
+
+def test_host_optimizer_bench_prints_a_rate_for_every_optimizer(capsys):
+    from difftune import bench_host_optimizer
+
+    bench_host_optimizer.main(["--tensors", "2", "--size", "5000", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "M/s" not in line]
+    assert len(rows) == len(bench_host_optimizer.CASES)
+    assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:])
