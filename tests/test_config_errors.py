@@ -205,3 +205,26 @@ def test_dataset_ids_are_folder_names(tmp_path, dataset, bad):
     """An id names its default cache folder (cache/vae/<family>/<id>): it cannot hold a path."""
     with pytest.raises(ConfigError, match="names a cache folder"):
         load_config(write_config(tmp_path, dataset, dataset={"id": bad}))
+
+
+def test_files_saved_with_a_byte_order_mark_read_as_without(tmp_path, dataset):
+    """Windows editors save "UTF-8 with BOM": the config, the dataset list and caption files read as if it were not
+    there (the mark never becomes part of a caption's text embedding)."""
+    from difftune.data.captions import from_textfile
+
+    config = write_config(tmp_path, dataset)
+    for path in (config, tmp_path / "config" / "multidatabackend.json"):
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_config(config).train.model_family == "lumina2"
+    image = next(dataset.glob("*.png"))
+    image.with_suffix(".txt").write_bytes(b"\xef\xbb\xbfbom caption\r\nsecond line\r\n")
+    assert from_textfile(image).captions == ("bom caption", "second line")
+
+
+@pytest.mark.parametrize("name", ["unconditional", "Validation"])
+def test_prompt_library_names_taken_by_the_runs_own_samples_are_refused(tmp_path, dataset, name):
+    """The empty prompt's sample is `...-unconditional-WxH.png` and validation_prompt's label is 'validation': a
+    library entry of either name would overwrite that file or share that label."""
+    (tmp_path / "prompts.json").write_text(json.dumps({"cat": "a cat", name: "a prompt of mine"}))
+    found = problems(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "prompts.json")))
+    assert f"['{name}']" in found and "rename those entries" in found

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import expand_home, field
 from difftune.config.source_aws_keys import AwsSource
 from difftune.config.source_csv_keys import CsvSource
 from difftune.config.source_huggingface_keys import HuggingfaceSource
@@ -21,6 +21,11 @@ class ParquetCaptions(BaseModel):
 
     path: str = field(..., "Parquet (.parquet) or JSON Lines (.jsonl) file; relative paths are tried "
                       "against instance_data_dir first.", "data")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_from_home(cls, v: object) -> object:
+        return expand_home(v)
     filename_column: str = field("filename", "Column holding each image's file name (or id).", "data")
     caption_column: str = field("caption", "Column holding the caption (a string or a list of captions).", "data")
     fallback_caption_column: str | None = field(None, "Column used when the caption is empty.", "data")
@@ -236,6 +241,12 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
         advanced=True,
     )
 
+    @field_validator("instance_data_dir", "cache_dir_vae", "cache_dir", "csv_file", "csv_cache_dir", "dataset_name",
+                     mode="before")
+    @classmethod
+    def _entry_paths_from_home(cls, v: object) -> object:
+        return expand_home(v)  # `~/data` is the home folder's data, as in a shell
+
     @field_validator("crop_style", mode="before")
     @classmethod
     def _entry_crop_style_centre(cls, v: object) -> object:
@@ -334,6 +345,11 @@ class TextEmbedsDataset(BaseModel):
     def _id(cls, v: str) -> str:
         return safe_id(v)
 
+    @field_validator("cache_dir", "caption_filter_list", mode="before")
+    @classmethod
+    def _paths_from_home(cls, v: object) -> object:
+        return expand_home(v)  # a filter list's file path; a list of filters is left alone
+
     id: str = field(..., "Unique name of the entry.", "data", min_length=1)
     type: Literal["local"] = field("local", "Where the cache lives; only 'local'.", "data")
     dataset_type: Literal["text_embeds"] = field("text_embeds", "Kind of entry.", "data")
@@ -396,6 +412,11 @@ class ConditioningDataset(BaseModel):
     @classmethod
     def _id(cls, v: str) -> str:
         return safe_id(v)
+
+    @field_validator("instance_data_dir", mode="before")
+    @classmethod
+    def _paths_from_home(cls, v: object) -> object:
+        return expand_home(v)
 
     id: str = field(..., "Unique name of the dataset; training sets name it in conditioning_data.", "data",
                     min_length=1)

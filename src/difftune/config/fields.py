@@ -7,6 +7,7 @@ re-declares a field by hand.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import Field
@@ -25,3 +26,12 @@ def field(
     if choices is not None:
         extra["enum"] = choices
     return Field(default, description=description, json_schema_extra=extra, **kwargs)
+
+
+def expand_home(value: Any) -> Any:
+    """A path written with `~` (`~/data`, `~user/data`) as the shell would expand it; anything else unchanged.
+    The path keys' validators call it, so every later reader (checks, loaders, hub calls) gets the real folder,
+    never a `~` taken literally (a folder named `~` under the working folder, or a hub id that fails)."""
+    if isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    return value

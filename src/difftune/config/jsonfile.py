@@ -47,7 +47,7 @@ def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = N
     if path.is_dir():
         raise JsonFileError(f"{path}: is a folder, not a {what} file; give the path of the JSON file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not JSON
     except (OSError, UnicodeDecodeError) as e:
         raise JsonFileError(f"{path}: cannot read {what}: {e}") from e
     if not text.strip():

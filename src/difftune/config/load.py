@@ -308,8 +308,8 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
         folder = Path(resume).expanduser()
         if not folder.is_dir():
             problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} does not exist "
-                            f"(or is not a folder); use 'latest' or the path of a checkpoint folder under "
-                            f"{Path(train.output_dir) / 'checkpoints'}")
+                            f"(or is not a folder); use 'latest', the path or the name of a checkpoint folder under "
+                            f"{Path(train.output_dir) / 'checkpoints'}, or null (or 'none') to start afresh")
         elif not (folder / "training_state.json").is_file():
             problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} is not a complete "
                             "checkpoint (no training_state.json); use 'latest' or another checkpoint folder")

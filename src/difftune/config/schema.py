@@ -21,7 +21,7 @@ from difftune.config.eval_keys import EvalKeys
 from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
-from difftune.config.fields import field
+from difftune.config.fields import expand_home, field
 from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
@@ -365,7 +365,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         0, "Write a resumable checkpoint every N optimizer steps (0: only at the end).", "output", ge=0
     )
     resume_from_checkpoint: str | None = field(
-        None, "'latest' to continue from the newest complete checkpoint in output_dir, or a checkpoint path.",
+        None, "'latest' to continue from the newest complete checkpoint in output_dir, or a checkpoint: its path, or "
+        "its folder name under output_dir/checkpoints (checkpoint-0000400). Empty, null or 'none': start afresh.",
         "output",
     )
     report_to: Literal["none", "wandb", "tensorboard", "all"] = field(
@@ -394,6 +395,31 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                                            "account.", "output")
     hub_private: bool = field(False, "Create the hub repository as private (when it does not exist yet).",
                               "output", advanced=True)
+
+    @field_validator("output_dir", "data_backend_config", "pretrained_model_name_or_path",
+                     "pretrained_transformer_model_name_or_path", "pretrained_vae_model_name_or_path",
+                     "user_prompt_library", "lycoris_config", "init_lora", "webhook_config",
+                     "crepa_encoder", "evaluation_clip_model", mode="before")
+    @classmethod
+    def _paths_from_home(cls, value: Any) -> Any:
+        return expand_home(value)  # `~/out` is the home folder's out, as in a shell
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume_off_or_from_home(cls, value: Any) -> Any:
+        if value is False or isinstance(value, str) and value.strip().lower() in ("", "none", "null", "false"):
+            return None  # what users type to switch a file's 'latest' off (SimpleTuner's default is none)
+        return expand_home(value)
+
+    @model_validator(mode="after")
+    def _resume_by_folder_name(self) -> TrainConfig:
+        """A checkpoint named as the folder the user sees under output_dir/checkpoints."""
+        resume = self.resume_from_checkpoint
+        if resume not in (None, "latest") and not Path(resume).is_dir():
+            named = Path(self.output_dir) / "checkpoints" / resume
+            if named.is_dir():
+                self.resume_from_checkpoint = str(named)
+        return self
 
     @field_validator("lora_target_modules", "fsdp_transformer_layer_cls_to_wrap", mode="before")
     @classmethod

@@ -45,4 +45,13 @@ def prompt_library(path: str) -> dict[str, str]:
     bad = [k for k in data if not re.fullmatch(r"[\w.-]+", k)]
     if bad:
         raise ValueError(f"prompt library {path}: names {bad} must be letters, digits, '_', '-' or '.' (used in file names)")
+    # the samples of validation_prompt and of the empty prompt carry these names: an entry of the same name would
+    # overwrite the other's file (unconditional) or share its label in the trackers (validation)
+    reserved = [k for k in data if k.lower() in RESERVED_PROMPT_NAMES]
+    if reserved:
+        raise ValueError(f"prompt library {path}: the names {reserved} are taken by the samples of validation_prompt "
+                         "and of the empty prompt ('validation', 'unconditional'); rename those entries")
     return data
+
+
+RESERVED_PROMPT_NAMES = ("validation", "unconditional")

@@ -39,6 +39,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load, save
 
+from difftune.files import as_created
+
 CHECKSUM = "difftune.crc32"  # metadata keys of an entry (safetensors metadata is str -> str)
 LAYOUT = "difftune.layout"
 # A compressed entry: MAGIC, the safetensors header's length and the deflated data's length (8 bytes each,
@@ -205,6 +207,7 @@ class TensorCache:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
+        as_created(fd)
         os.close(fd)
         try:
             blob = save(tensors, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
@@ -279,6 +282,7 @@ def clean_leftovers(folder: Path) -> None:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
+    as_created(fd)  # mkstemp makes 0600: a shared cache must be readable by its other users (files.py)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

@@ -41,7 +41,7 @@ def from_textfile(path: Path, split_lines: bool = True) -> CaptionResult:
     if not txt.is_file():
         return CaptionResult(None, f"no caption file {txt.name} (caption_strategy textfile needs one beside each image)")
     try:
-        text = txt.read_text(encoding="utf-8")
+        text = txt.read_text(encoding="utf-8-sig")  # -sig: an editor's byte-order mark is not caption text
     except (OSError, UnicodeDecodeError) as e:
         return CaptionResult(None, f"caption file {txt.name} unreadable: {e}")
     if not split_lines:  # disable_multiline_split: the whole file is one caption, its line breaks kept
@@ -108,7 +108,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         raise ValueError(f"parquet caption table {path} not found; fix parquet.path")
     if path.suffix.lower() in (".jsonl", ".json"):
         rows = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

@@ -30,6 +30,7 @@ from difftune.data.buckets import SizeRule, aspect_problem, bucket_for, downsamp
 from difftune.data.captions import CaptionRule, CaptionTable, caption
 from difftune.data.frames import FrameRule, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
+from difftune.files import as_created
 
 SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
 
@@ -131,6 +132,7 @@ class MetadataCache:
         self.entries = {k: v for k, v in self.entries.items() if k in self.seen}  # removed files go
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        as_created(fd)
         with os.fdopen(fd, "w") as f:
             json.dump(self.entries, f)
         os.replace(tmp, self.path)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from difftune.files import tree_as_created
 from difftune.train.fsdp import load_optimizer, save_optimizer
 from difftune.train.optimizers import train_mode
 
@@ -58,6 +59,7 @@ def save_adapter(run: Run, folder: Path) -> Path:
     tmp.mkdir()
     try:
         produced = run.adapter.save(tmp)
+        tree_as_created(tmp)  # safetensors writes 0600: readable by others as any file (files.py)
         _fsync_tree(tmp)
         for item in sorted(tmp.iterdir()):
             final = folder / item.name
@@ -109,6 +111,7 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
     # the transformer these weights train on (a resume from another one is warned about: check_transformer_source)
     if getattr(run, "comps", None) is not None:
         (tmp / SOURCE_FILE).write_text(json.dumps(run.comps.origin().transformer_identity()))
+    tree_as_created(tmp)
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (for example at the end): replace it whole
         # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it

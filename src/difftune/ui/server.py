@@ -34,6 +34,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from difftune.files import as_created
 from difftune.ui import form_schema
 from difftune.ui.checking import check, datasets_location
 from difftune.ui.limits import BadJson, BodyLimit, parse_json
@@ -98,6 +99,7 @@ def _error(status: int, message: str, **extra: Any) -> JSONResponse:
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    as_created(fd)  # the user's config: the mode their editor would give it
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
         f.write("\n")

@@ -1,0 +1,36 @@
+"""Files difftune writes get the permissions any program's files get: 0666 less the umask (0644 with the usual 022).
+
+Two ways of writing leave them private (0600) instead: `tempfile.mkstemp`, which the atomic writes use (write a
+temporary file, then rename it into place), and safetensors' `save_file` (0.8 creates its files 0600). A trained LoRA
+that a ComfyUI server running as another user cannot read, or a shared cache_dir other users get PermissionError
+from, is not what anyone asked for; so whatever is renamed into place gets the ordinary mode first."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _umask() -> int:
+    # there is no getter: set and restore, once, at import (before any thread of ours exists)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+CREATE_MODE = 0o666 & ~_umask()
+
+
+def as_created(target: int | str | Path) -> None:
+    """Give a file (path, or an open descriptor) the mode a plain `open(path, "w")` would have given it."""
+    if isinstance(target, int):
+        os.fchmod(target, CREATE_MODE)
+    else:
+        os.chmod(target, CREATE_MODE)
+
+
+def tree_as_created(folder: Path) -> None:
+    """Every file under `folder` (checkpoints and results are assembled in a temporary folder, then renamed)."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            as_created(Path(root) / name)
