@@ -33,3 +33,25 @@ def test_a_long_caption_is_cut_and_leaves_its_batch_alone(family, flavour, lengt
     torch.testing.assert_close(short, alone[0]["prompt_embeds"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(together[1]["prompt_embeds"], long_alone[0]["prompt_embeds"], rtol=1e-5, atol=1e-5)
     assert together[1]["prompt_embeds"].shape[0] == length  # cut to the length, not dropped
+
+
+def test_the_run_names_cut_captions_once_instead_of_diffusers_padded_batch(tmp_path, capfd):
+    """diffusers' Lumina2 pipeline warns with the cut-off tail of the whole padded batch (a megabyte of <pad> once):
+    the run prints one warning naming the long caption instead, and the short captions are not affected."""
+    import json
+
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.demo import make_dataset
+    from difftune.train.setup import build_run
+
+    images = tmp_path / "images"
+    make_dataset(images, count=4)
+    first = sorted(images.glob("*.txt"))[0]
+    first.write_text(LONG)
+    build_run(load_config(write_config(tmp_path, images, max_train_steps=1, caption_strategy="textfile")))
+    err = capfd.readouterr().err
+    assert "<pad>" not in err and "truncated because" not in err
+    said = [json.loads(line) for line in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
+    warnings = [e["message"] for e in said if e["event"] == "warning" and "prompt length" in e["message"]]
+    assert len(warnings) == 1 and "1 caption(s)" in warnings[0] and "'word0 red cat" in warnings[0]

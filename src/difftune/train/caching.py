@@ -26,6 +26,7 @@ from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs, un
 from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.registry import FAMILY_FACTS
+from difftune.train import long_captions
 from difftune.train.crepa import drop_vae_encoder
 from difftune.train.distributed import Ranks
 from difftune.train.events import Events
@@ -150,6 +151,27 @@ def fill_caches(
     text_caches: dict[str, TensorCache] = {}
     for module in comps.text_modules():
         module.to(device)
+    with long_captions.watching() as long:  # captions over the prompt length: one warning, not diffusers' flood
+        encode = long.wrap(lambda prompts, images: family.encode_text(comps, prompts, images=images))
+        encoded, text_failed, total, distinct = _fill_text(run_cfg, datasets, found, text_caches, text_identity,
+                                                           encode, events, ranks)
+    if (said := long.message()) is not None:
+        events.emit("warning", message=f"text cache: {said}")
+    validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found) if ranks.main else []
+    per_process = ranks.gather(encoded)
+    new = sum(per_process)
+    events.emit("info", message=f"text cache: {total} captions, {distinct} distinct: "
+                + counts(distinct - new - len(text_failed), new, len(text_failed), per_process))
+    comps.text = {}  # the text encoders' job is done: free the memory before training
+    _free(device)
+    return _fill_latents(run_cfg, family, comps, found, rules, device, events, ranks, identity, text_caches,
+                         text_failed, validation)
+
+
+def _fill_text(run_cfg: RunConfig, datasets: list, found: list[Discovery], text_caches: dict[str, TensorCache],
+               text_identity: dict, encode, events: Events, ranks: Ranks) -> tuple[int, list, int, int]:
+    """The datasets' captions, each process its share, then a second pass that retries only failures."""
+    cfg = run_cfg.train
     encoded, text_failed, total, distinct = 0, [], 0, 0
     all_jobs = {}
     for ds, d in zip(datasets, found, strict=True):
@@ -161,21 +183,23 @@ def fill_caches(
         total, distinct = total + len(jobs), distinct + len(unique)
         mine = ranks.shard(unique)
         n, _ = fill_text_cache(  # failures are reported by the second pass
-            cache, mine, lambda prompts, images: family.encode_text(comps, prompts, images=images), batch,
-            on_progress=progress(events, f"text embeddings ({ds.id})", len(mine)),
+            cache, mine, encode, batch, on_progress=progress(events, f"text embeddings ({ds.id})", len(mine)),
         )
         encoded += n
     ranks.barrier()
     for cache, batch, unique in all_jobs.values():  # after the others' shares: only failures are retried
-        n, bad = fill_text_cache(cache, unique, lambda p, i: family.encode_text(comps, p, images=i), batch)
+        n, bad = fill_text_cache(cache, unique, encode, batch)
         encoded, text_failed = encoded + n, text_failed + bad
-    validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found) if ranks.main else []
-    per_process = ranks.gather(encoded)
-    new = sum(per_process)
-    events.emit("info", message=f"text cache: {total} captions, {distinct} distinct: "
-                + counts(distinct - new - len(text_failed), new, len(text_failed), per_process))
-    comps.text = {}  # the text encoders' job is done: free the memory before training
-    _free(device)
+    return encoded, text_failed, total, distinct
+
+
+def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: list[Discovery],
+                  rules: list[SizeRule], device: torch.device, events: Events, ranks: Ranks, identity: dict,
+                  text_caches: dict[str, TensorCache], text_failed: list, validation: list) -> Cached:
+    """Each dataset's latents (or its on-the-fly plan), with the VAE alone on the accelerator. `identity`: the
+    family's, taken while the text encoders were still loaded."""
+    cfg = run_cfg.train
+    datasets = run_cfg.datasets.discovered()
 
     if cfg.vae_enable_patch_conv and not _patch_conv(comps.vae):
         raise ValueError(f"vae_enable_patch_conv: the VAE of {comps.source} has no 3D convolution to split; "
