@@ -44,7 +44,9 @@ def test_matrix():
     ("lumina2-512-bs2", dict(precision="int8-quanto")), ("lumina2-512-bs2", dict(tread=0.5)),
     ("k5-video-lite-81f-bs2", dict(precision="int8-torchao")),
     ("k5-video-lite-81f-bs2", dict(checkpointing=True, stream=True, activations=True)),
-], ids=["lumina2-int8-quanto", "lumina2-tread", "k5-video-int8-torchao", "k5-video-stream-activations"])
+    ("lumina2-512-bs2", dict(checkpointing=True, full="offload+grads")),
+], ids=["lumina2-int8-quanto", "lumina2-tread", "k5-video-int8-torchao", "k5-video-stream-activations",
+        "lumina2-full-optimizer-offload-grads"])
 def test_each_lever_runs_a_step_on_the_tiny_models(name, setup):
     """The levers matrix's rows, one step each: quantized base + LoRA, TREAD, block streaming with checkpointing
     (synchronous on the CPU). A lever that broke would give an error row on the GPU machine and lose its figure."""

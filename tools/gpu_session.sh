@@ -11,10 +11,13 @@
 #   pro      K5 Video Pro 81f bs1 checkpointed: resident, streamed, streamed + activation offload (the 24 GB goal
 #            of issue 14), streamed + TREAD
 #   compile  compiled steps: K5 Image and Video Lite (+ TREAD), Lumina2 512² with dynamo_mode reduce-overhead
+#   fullft   Lumina2 1024² bs1 full fine-tune (adamw_bf16, checkpointed): optimizer on the GPU, stepping in CPU
+#            memory (optimizer_cpu_offload_method 'cpu'), and with optimizer_offload_gradients; then the CPU
+#            optimizer rates of that machine (make bench-host-optimizer)
 # Rows are also written as JSON lines under $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: tools/gpu_session.sh tests-1|tests-2|levers|pro|compile}
+part=${1:?usage: tools/gpu_session.sh tests-1|tests-2|levers|pro|compile|fullft}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python=$(command -v python || command -v python3)
@@ -40,5 +43,8 @@ case "$part" in
     pro) bench --cases k5-video-pro-81f-bs1 --matrix stream ;;
     compile) bench --cases k5-image-1024-bs1 k5-video-lite-81f-bs2 --matrix tread --compiled --checkpointing
              bench --cases lumina2-512-bs2 --matrix quick --compile-mode reduce-overhead ;;
+    fullft) python -m difftune.bench_gpu --steps 2 --warmup 0 --out "$out/$part.jsonl" --cases lumina2-1024-bs1 \
+                --matrix fullft
+            python -m difftune.bench_host_optimizer --repeats 2 ;;
     *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -51,9 +51,12 @@ class Setup:
     tread: float = 0.0  # TREAD selection ratio over the specs' route (start_layer_idx 2, end_layer_idx -2)
     stream: bool = False  # block streaming: every block's frozen weights in pinned CPU memory, prefetched
     activations: bool = False  # activation offload (with checkpointing): the blocks' inputs in pinned CPU memory
+    full: str = ""  # a full fine-tune (adamw_bf16) instead of LoRA: "" no, "gpu", "offload" (optimizer on the CPU),
+    # "offload+grads" (optimizer_offload_gradients too)
 
     def levers(self) -> str:
-        out = [self.precision] if self.precision != "bf16" else []
+        out = [f"full fine-tune, optimizer {self.full}"] if self.full else []
+        out += [self.precision] if self.precision != "bf16" else []
         out += [f"TREAD {self.tread}"] if self.tread else []
         out += ["streamed"] if self.stream else []
         out += ["activations offloaded"] if self.activations else []
@@ -173,14 +176,18 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
                       gradient_checkpointing=checkpointing)
     model = build(case, device, torch.bfloat16 if half else torch.float32)
     quantize(model, setup.precision)
-    model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True,
-                                 target_modules=family.lora_target_modules if isinstance(family.lora_target_modules,
-                                                                                         str)
-                                 else list(family.lora_target_modules)))
+    if setup.full:  # every weight trains, in its dtype (bf16 on the GPU), as model_type 'full' does
+        model.requires_grad_(True)
+    else:
+        model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True,
+                                     target_modules=family.lora_target_modules
+                                     if isinstance(family.lora_target_modules, str)
+                                     else list(family.lora_target_modules)))
     params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    skip_casts_under_autocast(model)  # as the trainer's LoRA (adapters/casts.py)
+    if not setup.full:
+        for p in params:
+            p.data = p.data.float()
+        skip_casts_under_autocast(model)  # as the trainer's LoRA (adapters/casts.py)
     streamer = None
     if setup.stream:  # after the adapter, as the trainer does: the LoRA weights stay resident
         blocks = streamed_blocks(model, family.facts.block_stacks, None)
@@ -195,7 +202,7 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
     compile_transformer(cfg, family.facts.block_stacks, model, emit)
     meter = throughput.build(cfg, family, model, [], False, device, emit)
     model.train()
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    optimizer = full_optimizer(setup.full, params, device) if setup.full else torch.optim.AdamW(params, lr=1e-5)
     g = torch.Generator(device=device).manual_seed(0)
     if setup.tread:  # the specs' route; a tiny test model (under 5 blocks) routes all but its first block
         small = tread.block_count(family, model) < 5
@@ -217,6 +224,8 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
             pred = family.predict(model, x_t, sigmas, text, None)
         loss = (pred.float() - (noise - x0)).pow(2).mean()
         loss.backward()
+        if setup.full.endswith("grads"):  # the loop's clipping, where the gradients now are
+            optimizer.clip(1.0, "norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -247,6 +256,20 @@ def run_config(case: Case, setup: Setup, args: argparse.Namespace, device: torch
     if streamer is not None:
         row["streamed_gib"] = round(streamer.streamed_bytes() / 2**30, 2)
     return row  # the model and optimizer go with this frame; main() then empties the caches
+
+
+def full_optimizer(kind: str, params: list, device: torch.device) -> Any:
+    """A full fine-tune's optimizer (adamw_bf16, the spec's advice), on the device or stepping in CPU memory
+    (train/optimizer_offload.py), as optimizer_cpu_offload_method / optimizer_offload_gradients build it."""
+    from difftune.train.optimizer_offload import HostStepOptimizer
+    from difftune.train.optimizers import build_optimizer
+
+    def build(trained: list) -> Any:
+        return build_optimizer("adamw_bf16", trained, 1e-5, (0.9, 0.999), 0.01, 1e-8)
+
+    if kind == "gpu":
+        return build(params)
+    return HostStepOptimizer(params, build, device, offload_gradients=kind.endswith("grads"))
 
 
 def profile(step: Any, device: torch.device) -> None:
@@ -292,6 +315,8 @@ def configurations(args: argparse.Namespace) -> list[Setup]:
         return [Setup(best, compiled, True), Setup(best, compiled, True, stream=True),
                 Setup(best, compiled, True, stream=True, activations=True),
                 Setup(best, compiled, True, stream=True, tread=args.tread_ratio)][getattr(args, "skip", 0):]
+    if args.matrix == "fullft":  # a full fine-tune, checkpointed: optimizer on the GPU, on the CPU, + its gradients
+        return [Setup(best, False, True, full=kind) for kind in ("gpu", "offload", "offload+grads")]
     if args.matrix == "tread":
         return [Setup(best, compiled, args.checkpointing), Setup(best, compiled, args.checkpointing,
                                                                  tread=args.tread_ratio)]
@@ -331,11 +356,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(DEFAULT_CASES))
     parser.add_argument("--backends", nargs="+", default=None,
                         help="attention_mechanism values; default: 'auto' and 'native' (when auto picks another)")
-    parser.add_argument("--matrix", choices=("quick", "full", "levers", "stream", "tread"), default="quick",
+    parser.add_argument("--matrix", choices=("quick", "full", "levers", "stream", "tread", "fullft"), default="quick",
                         help="quick: each backend plain, then the first with compile and/or checkpointing; "
                              "full: every combination; levers: the first backend plain, with each of --precisions, "
                              "with TREAD, with checkpointing, streamed (+ the first precision); stream: checkpointed, resident, "
-                             "streamed, streamed with activation offload, streamed with TREAD; tread: without and with TREAD")
+                             "streamed, streamed with activation offload, streamed with TREAD; tread: without and with TREAD; "
+                             "fullft: a full fine-tune (adamw_bf16, checkpointed) with the optimizer on the GPU, on the CPU "
+                             "(optimizer_cpu_offload_method), and with its gradients too")
     parser.add_argument("--precisions", nargs="+", default=["int8-quanto", "int8-torchao", "fp8-torchao"],
                         help="base precisions of the levers matrix (int4-torchao: an experiment, see quantize())")
     parser.add_argument("--checkpointing", action="store_true", help="levers, tread: every row checkpoints")
