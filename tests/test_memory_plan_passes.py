@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig
 
 from conftest import write_config
+from difftune.adapters.casts import skip_casts_under_autocast
 from difftune.config import load_config
 from difftune.demo import make_dataset
 from difftune.memory_plan import architecture as A
@@ -50,6 +51,7 @@ def loaded(cfg, use_dora: bool):
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    skip_casts_under_autocast(model)  # as adapters/kinds.py: plain LoRA layers skip peft's input cast, DoRA's keep it
     return model
 
 
@@ -108,6 +110,56 @@ def test_dora_off_changes_nothing(tiny):
                      for li in p.lines]
 
 
+class Attention(torch.nn.Module):
+    """A self-attention as the families write it (Lumina2's names): q, k and v read one input, to_out.0 the
+    flash attention's output."""
+
+    def __init__(self, width: int, inner: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(width, inner, bias=False) for _ in range(3))
+        self.to_out = torch.nn.ModuleList([torch.nn.Linear(inner, width, bias=False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.to_out[0](out.transpose(1, 2).flatten(2))
+
+
+def test_dora_layer_bytes_exact_on_an_attention():
+    """What the loss's graph keeps after a DoRA attention's forward (computed for real: bf16 base, fp32 adapter,
+    bf16 autocast, the trainer's skipped LoRA casts), above the trainer's LoRA: dora.layer_bytes to the byte (the
+    products, the kept input casts of k, v and to_out.0, the fp32 scale vectors)."""
+    from peft import get_peft_model
+
+    batch, tokens, width, inner, heads = 2, 12, 48, 64, 4
+    kept = {}
+    for use_dora in (False, True):
+        torch.manual_seed(0)
+        model = get_peft_model(Attention(width, inner, heads).to(torch.bfloat16),
+                               LoraConfig(r=4, lora_alpha=4, use_dora=use_dora,
+                                          target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        skip_casts_under_autocast(model)
+        x = torch.randn(batch, tokens, width, dtype=torch.bfloat16, requires_grad=True)
+        meter = measure.KeptBytes(model, ())
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(meter.pack,
+                                                                                                   lambda t: t):
+            loss = model(x).float().square().mean()
+        kept[use_dora] = meter.kept()["outside"]
+        assert loss.requires_grad
+    rows = batch * tokens
+    products = 2 * rows * (3 * inner + width) * 2  # base and LoRA outputs, bf16
+    casts = rows * (2 * width + inner) * 2  # bf16 copies of k's, v's and to_out.0's inputs (q's was kept already)
+    vectors = 3 * (3 * inner + width) * 4  # fp32 m/|W+sBA|, that - 1, |W+sBA|
+    assert kept[True] - kept[False] == products + casts + vectors
+    assert kept[True] - kept[False] == sum(dora.layer_bytes(name, rows, n_in, n_out, 2) for name, n_in, n_out in (
+        ("to_q", width, inner), ("to_k", width, inner), ("to_v", width, inner), ("to_out.0", inner, width)))
+
+
 @pytest.mark.parametrize("n_in,n_out", [(2304, 768), (768, 2304), (2304, 2304)])
 def test_dora_weight_norm_transient(n_in, n_out):
     """One real-width DoRA layer's forward (bf16 base, fp32 adapter, bf16 autocast): its peak of live tensors
@@ -133,8 +185,9 @@ def test_dora_weight_norm_transient(n_in, n_out):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,flavour", [("lumina2", "2.0"), ("kandinsky5-image", "t2i-lite-sft")])
 def test_dora_real_size_blocks_match_measurement(family, flavour):
-    """At real width, 2 blocks per stack, computed under ShapesOnly: each block's DoRA products (kept by the
-    graph) within 15% of the rule (under a minute each on the CPU)."""
+    """At real width, 2 blocks per stack, computed under ShapesOnly: what each block's DoRA keeps in the graph above
+    the trainer's LoRA (its products and kept input casts) within 15% of the rule (under a minute each on the
+    CPU; the rule gives it to the byte, dora.py's docstring)."""
     from types import SimpleNamespace as NS
 
     name, config = A.real_architecture(family, flavour)

@@ -2,21 +2,42 @@
 with the adapter: fp32, with gradients and optimizer state).
 
 peft's DoRA layer (peft/tuners/lora/dora.py, with no LoRA dropout) computes each adapted layer's output as
-`result + (m / |W + s·B·A| - 1) * base_result + m / |W + s·B·A| * lora_result * s`. Two products with the
-trainable scale m / |W + s·B·A| keep their other factor for the backward: the base layer's output and the LoRA
-branch's output, each [rows, out_features] in the compute dtype. Plain LoRA keeps neither (its branch is only
-scaled by a constant). So DoRA saves 2 · rows · out_features · dtype bytes more per adapted layer and sample.
+`result + (m / |W + s·B·A| - 1) * base_result + m / |W + s·B·A| * lora_result * s`. What the loss's graph keeps
+for that, per adapted layer, above a plain LoRA layer of the trainer (whose input cast is skipped under
+autocast, adapters/casts.py), found with torch.autograd.graph.saved_tensors_hooks on one layer (bf16 base, fp32
+adapter, bf16 autocast) and in whole blocks:
+
+- the products: the two products with the trainable scale m / |W + s·B·A| keep their other factor, the base
+  layer's output and the LoRA branch's output, each [rows, out_features] in the compute dtype: 2 · rows · out
+  elements. Plain LoRA keeps neither (its branch is only scaled by a constant).
+- the input cast: DoRA layers keep peft's input cast (casts.py: the norms meet the input before the autocast
+  matmul), so `lora_A` gets x.to(fp32), which autocast casts back to a fresh bf16 [rows, in_features] copy, and
+  that copy is what `lora_A` keeps for its weight's gradient: rows · in elements of the compute dtype, one per
+  layer (the fp32 copy is not kept: a cast's backward needs no input). A LoRA layer with the cast skipped keeps
+  its input itself, one storage shared with whatever else keeps it. So the copy is new memory except where
+  the LoRA layer's saved input was kept for that layer alone: the query projection's input (to_q, to_query).
+  Self-attention's q, k and v read one tensor, which skipped LoRA kept once (so two of the three copies are new,
+  counted on k and v); a cross-attention's query reads the image stream alone; the output projection reads the
+  attention's output, which the attention kernel keeps anyway (flash attention keeps its output); a
+  cross-attention's k and v read the text context every block shares (skipped LoRA kept it once for the whole
+  model: one text copy fewer model-wide than counted here). Other target modules are counted one copy each: at
+  most one copy too many per input they share. In fp32 (no autocast) the casts are no-ops: no copy.
+- three fp32 vectors of out_features: m / |W + s·B·A|, that minus 1 (each kept by the other product), and
+  |W + s·B·A| (kept by the division, for m's gradient); whatever the rows.
+
 Measured at real width (memory_plan/measure.py KeptBytes: what the loss's graph still holds after the forward),
-Lumina2 2.0, 2 blocks per stack, at 256 and 576 image tokens and 64 text tokens: +6.07 / +13.57 MiB per
-noise_refiner block, +7.57 / +15.07 MiB per joint block, +1.57 MiB per context_refiner block; this rule gives
-6.0 / 13.5, 7.5 / 15.0 and 1.5 (tests/test_memory_plan.py checks the rule against a measurement).
+2 blocks per stack, 576 image and 64 text tokens, DoRA minus the trainer's LoRA per block, this rule gives each
+figure to the byte: Lumina2 2.0 context_refiner / noise_refiner / layers 2.414 / 21.164 / 23.508 MiB (the
+products alone, the rule before the casts were counted: 1.5 / 13.5 / 15.0), K5 Image Lite text / visual blocks
+3.555 / 47.109 MiB (products 2.5 / 35.0). tests/test_memory_plan_passes.py checks it at real width and, to the
+byte, on one attention computed for real.
 
 The weight norm |W + s·B·A| is recomputed at every forward, detached: peft builds B·A as lora_B(lora_A(eye))
 with an fp32 identity of in_features² (and its compute-dtype copy under autocast), then W + s·B·A densely. That
 graph dies inside the layer's forward: a transient of one layer at a time, `norm_working_set`, added once.
 
 The rows of each layer come from the family's FLOP count (`Flops.rows_of`: which tokens each module multiplies).
-With gradient checkpointing a checkpointed block keeps its inputs only: its DoRA products exist again while the
+With gradient checkpointing a checkpointed block keeps its inputs only: its DoRA tensors exist again while the
 backward recomputes it, one block at a time (added to the recomputed block); a stack the model does not
 checkpoint (Lumina2's refiners) keeps them.
 """
@@ -53,12 +74,23 @@ def _latent_shape(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...]) -> tu
 
 def per_layer_bytes(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], text: int,
                     dtype_bytes: int) -> dict[str, int]:
-    """{module path: bytes DoRA saves there for the micro-batch} (module docstring)."""
+    """{module path: bytes DoRA keeps there for the micro-batch, above the trainer's LoRA} (layer_bytes)."""
     from difftune.models import get_family
 
     flops = get_family(arch.family).forward_flops(arch.config, _latent_shape(cfg, arch, bucket), text)
-    return {name: 2 * flops.rows_of(name) * out * dtype_bytes
-            for name, _in, out in adapted_layers(arch, cfg_targets(cfg))}
+    return {name: layer_bytes(name, flops.rows_of(name), n_in, n_out, dtype_bytes)
+            for name, n_in, n_out in adapted_layers(arch, cfg_targets(cfg))}
+
+
+QUERY_PROJECTIONS = ("to_q", "to_query")  # their input is kept for them alone by the trainer's LoRA too
+
+
+def layer_bytes(name: str, rows: int, n_in: int, n_out: int, dtype_bytes: int) -> int:
+    """Bytes one adapted layer's DoRA keeps above the trainer's LoRA layer (module docstring): the two products,
+    the kept input cast's copy (not for a query projection, nor in fp32) and three fp32 vectors."""
+    products = 2 * rows * n_out * dtype_bytes
+    cast = 0 if dtype_bytes >= 4 or name.rsplit(".", 1)[-1] in QUERY_PROJECTIONS else rows * n_in * dtype_bytes
+    return products + cast + 3 * n_out * 4
 
 
 def cfg_targets(cfg: Any) -> Any:
@@ -83,7 +115,7 @@ def norm_working_set(cfg: Any, arch: A.Architecture, dtype_bytes: int) -> int:
 
 def add_training(cfg: Any, arch: A.Architecture, blocks: A.Blocks, coefficients: dict, bucket: tuple[int, ...],
                  text: int, dtype_bytes: int, training: Any) -> None:
-    """DoRA's lines of the training phase: its saved products, and the weight norm's transient."""
+    """DoRA's lines of the training phase: what its layers keep (layer_bytes), and the weight norm's transient."""
     layers = per_layer_bytes(cfg, arch, bucket, text, dtype_bytes)
     checkpointing = bool(cfg.gradient_checkpointing)
     interval = getattr(cfg, "gradient_checkpointing_interval", None) or 1
@@ -100,7 +132,8 @@ def add_training(cfg: Any, arch: A.Architecture, blocks: A.Blocks, coefficients:
         else:
             saved += everything
     saved += sum(size for name, size in layers.items() if not any(name.startswith(f"{s}.") for s in blocks.count))
-    training.add("DoRA: saved products", saved, "m/|W+sBA| times the base and LoRA outputs, per adapted layer")
+    training.add("DoRA: saved products", saved, "m/|W+sBA| times the base and LoRA outputs, and the input casts "
+                 "DoRA keeps, per adapted layer")
     if recomputed:
         training.add("DoRA: recomputed block's products", recomputed, "gradient checkpointing: one block at a time")
     training.add("DoRA: weight norm (one layer)", norm_working_set(cfg, arch, dtype_bytes),
