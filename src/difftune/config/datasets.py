@@ -123,7 +123,7 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
         "image, and then train like a local folder.", "data",
     )
     dataset_type: Literal["image", "video", "eval"] = field(
-        "image", "Kind of entry: 'image', or 'video' (.mp4, .mov, .webm, .mkv; see the video block), or 'eval': "
+        "image", "Kind of entry: 'image', or 'video' (.mp4, .mov, .webm, .mkv, .avi, .m4v, .mpg, .mpeg; see the video block), or 'eval': "
         "held-out images (clips, with a video block) never trained on, cached like the others, on which the "
         "evaluation loss is measured (eval_timesteps; eval_loss_disable turns it off).", "data"
     )

@@ -78,6 +78,46 @@ def too_small(width: int, height: int, rule: SizeRule) -> bool:
     return rule.minimum_image_size is not None and measure(width, height, rule.resolution_type) < rule.minimum_image_size
 
 
+# The unit of resolution, minimum_image_size, maximum_image_size and target_downsample_size per resolution_type.
+UNITS = {"pixel": "pixels of the short edge", "pixel_area": "pixels of the side of a square of equal area",
+         "area": "megapixels"}
+
+
+def in_unit(width: int, height: int, resolution_type: str) -> str:
+    """An image's size with its measure in the unit of `resolution`: '96x96 = 0.00922 MP', '96x64 (short edge 64 px)'."""
+    value = measure(width, height, resolution_type)
+    if resolution_type == "area":
+        return f"{width}x{height} = {value:.3g} MP"
+    if resolution_type == "pixel":
+        return f"{width}x{height} (short edge {value:g} px)"
+    return f"{width}x{height} (a square of equal area has {value:.0f} px sides)"
+
+
+def unit_of(rule: SizeRule) -> str:
+    return f"{UNITS.get(rule.resolution_type, rule.resolution_type)}, as resolution_type is '{rule.resolution_type}'"
+
+
+def too_small_problem(width: int, height: int, rule: SizeRule) -> str | None:
+    """Why an image is below minimum_image_size, in the rule's unit, or None."""
+    if not too_small(width, height, rule):
+        return None
+    return f"{in_unit(width, height, rule.resolution_type)} is below minimum_image_size {rule.minimum_image_size:g} " \
+           f"({unit_of(rule)})"
+
+
+def minimum_above_resolution(rule: SizeRule) -> str | None:
+    """A warning when minimum_image_size is above resolution (both in one unit): every image smaller than the
+    minimum is left out, though the training size is smaller still; often a minimum written in another unit
+    (pixels with resolution_type 'area')."""
+    if rule.minimum_image_size is None or rule.minimum_image_size <= rule.resolution:
+        return None
+    short = "MP" if rule.resolution_type == "area" else "px"
+    return (f"minimum_image_size {rule.minimum_image_size:g} is above resolution {rule.resolution:g}, both in "
+            f"{unit_of(rule)}: every image below {rule.minimum_image_size:g} {short} is left out, though the training "
+            f"size is {rule.resolution:g} {short}; lower minimum_image_size (in the same unit) unless that is what you "
+            "want")
+
+
 def downsample_first(width: int, height: int, rule: SizeRule) -> tuple[int, int] | None:
     """Size to bring an oversized image to before bucketing (maximum_image_size), or None."""
     if rule.maximum_image_size is None or rule.target_downsample_size is None:

@@ -13,6 +13,11 @@ cannot be listed is reported the same way. Neither stops the scan.
 Images far below their bucket: without `minimum_image_size`, an image that would have to be enlarged
 MAX_UPSCALE times or more to cover its bucket is left out (a 8x8 image says nothing at 1024 px), and
 one enlarged more than NOTE_UPSCALE times is used with a note in the report.
+
+Files of a type the dataset does not read (a .psd among images, an image among clips, a container PyAV was not
+asked to read) are counted per extension and named in the report, so none is dropped without a word; caption
+files and tables (COMPANION_SUFFIXES) are not. PyAV decodes more containers than the common four: .avi, .m4v,
+.mpg and .mpeg are read as clips too (tests/test_video_extensions.py makes each with PyAV and trains on it).
 """
 
 from __future__ import annotations
@@ -20,21 +25,33 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftune.data.buckets import SizeRule, aspect_problem, bucket_for, downsample_first, too_small
+from difftune.data.buckets import (
+    SizeRule,
+    aspect_problem,
+    bucket_for,
+    downsample_first,
+    minimum_above_resolution,
+    too_small_problem,
+)
 from difftune.data.captions import CaptionRule, CaptionTable, caption
-from difftune.data.frames import FrameRule, plan_clip, resampled_count
+from difftune.data.frames import TEMPORAL, FrameRule, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 from difftune.files import as_created
 
 SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv"}  # = data.video.VIDEO_EXTENSIONS (PyAV imported on demand)
+# Clips PyAV demuxes and decodes (PyAV is imported on demand; each was checked with clips PyAV wrote): the one list
+VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv", ".avi", ".m4v", ".mpg", ".mpeg"}
+# Beside the images or clips but never read as them: caption files and caption or metadata tables. Any other file
+# of a type the dataset does not read is named in the report.
+COMPANION_SUFFIXES = {".txt", ".json", ".jsonl", ".parquet", ".csv"}
 MAX_UPSCALE = 8.0  # left out from this enlargement on (when minimum_image_size is not set)
 NOTE_UPSCALE = 2.0  # a note in the report above this one
 
@@ -79,6 +96,35 @@ class Discovery:
     caption_filter: bool = False  # its captions go through caption_filter_list (for the report)
     captions_changed: int = 0  # by those filters
     captions_emptied: int = 0
+    root: Path | None = None  # the folder scanned
+    reads: frozenset[str] = frozenset()  # the extensions it reads
+    video: bool = False
+    unread: dict[str, list[Path]] = field(default_factory=dict)  # extension -> files of a type it does not read
+
+    def unread_reasons(self) -> list[tuple[Path, str]]:
+        """One (first file, reason) per extension not read, for the report."""
+        kind, reads = "video" if self.video else "image", ", ".join(sorted(self.reads))
+        out = []
+        for suffix, files in sorted(self.unread.items()):
+            name = suffix or "a file without an extension"
+            more = f" (nor {len(files) - 1} more {suffix or 'such'} file(s))" if len(files) > 1 else ""
+            hint = ""
+            if self.video and suffix in IMAGE_EXTENSIONS:
+                hint = "; images go in an image dataset"
+            elif not self.video and suffix in VIDEO_SUFFIXES:
+                hint = "; clips go in a dataset_type 'video' entry"
+            out.append((files[0], f"{name} is not read{more}; {kind} datasets read {reads}{hint}"))
+        return out
+
+    def why_empty(self) -> str:
+        """Why a dataset has no usable file, for the error that says so."""
+        if self.skipped:
+            return "see each file's reason below"
+        why = f"no {'/'.join(sorted(self.reads))} file in {self.root}"
+        unread = sum(len(files) for files in self.unread.values())
+        if unread:
+            why += f", only {unread} file(s) of other types, not read (see below)"
+        return why
 
 
 class MetadataCache:
@@ -208,6 +254,16 @@ def upscale(width: int, height: int, bucket: tuple[int, int]) -> float:
     return max(bucket[0] / width, bucket[1] / height)
 
 
+def input_aspect_note(input_size: tuple[int, int], size: tuple[int, int], bucket: tuple[int, int]) -> str | None:
+    """A note when an image-to-image input image's aspect differs from its target's (by more than 1%): it is
+    resized to cover the target's bucket and cropped to it (data/latents.py), so part of it is cut off."""
+    (iw, ih), (w, h) = input_size, size
+    if iw < 1 or ih < 1 or abs(math.log((iw / ih) / (w / h))) <= 0.01:
+        return None
+    return (f"its input image is {iw}x{ih} (aspect {iw / ih:.2f}), the image {w}x{h} ({w / h:.2f}): the input image "
+            f"is resized to cover the {bucket[0]}x{bucket[1]} bucket and cropped to it, so part of it is cut off")
+
+
 def choice_for(path: Path, seed: int) -> float:
     """A fixed number in [0, 1) per file and seed (for crop_aspect 'random')."""
     digest = hashlib.sha256(f"{seed}|aspect|{path}".encode()).digest()
@@ -229,9 +285,23 @@ class DatasetSpec:
     write_metadata: bool = True  # several processes: only one writes the shared metadata file
     frames: FrameRule | None = None  # a video dataset's frame rule
     mask_root: Path | None = None  # its loss masks' folder (conditioning_type 'mask')
+    # image-to-video: the frame rule as the dataset sets it, when the flavour's floor (the first frame is the input
+    # image: train/plan.py) raised `frames.min_frames`; to say which of the two leaves a clip out
+    frames_as_set: FrameRule | None = None
 
 
-def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, result: Discovery):
+def first_frame_problem(available: int, own: int, rule: FrameRule) -> str:
+    """Why image-to-video's floor of frames leaves out a clip the dataset's own rule keeps (`own` frames)."""
+    at = f"{available} frame(s) at {rule.frame_rate:g} fps"
+    if available >= (rule.min_frames or 0) and own < available:  # resolution_frames: rounded down below the floor
+        step = f"frame_interval {rule.frame_interval}" if rule.frame_interval != TEMPORAL else "4k+1"
+        at += f" round down to {own} ({step})"
+    return (f"{at}: image-to-video needs at least {rule.min_frames} frames (the first frame is the input image, "
+            "the frames after it are trained)")
+
+
+def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, result: Discovery,
+                as_set: FrameRule | None = None):
     """((width, height), frames) of a usable clip, or None after recording why it is left out."""
     info, problem, probed = metadata.video(path, rel)
     result.probed += probed
@@ -241,7 +311,11 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
     available = resampled_count(info.frames, info.span, info.fps, rule.frame_rate)
     plan = plan_clip(available, info.fps, rule)
     if plan.frames is None:
-        result.skipped.append((path, plan.problem or "unusable"))
+        problem = plan.problem or "unusable"
+        own = plan_clip(available, info.fps, as_set) if as_set is not None else None
+        if own is not None and own.frames is not None:  # only image-to-video's floor leaves it out
+            problem = first_frame_problem(available, own.frames, rule)
+        result.skipped.append((path, problem))
         return None
     notes = [plan.note] if plan.note else []
     if info.variable_rate:
@@ -254,17 +328,25 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
 
 
 def discover(spec: DatasetSpec) -> Discovery:
-    result = Discovery(spec.dataset_id, caption_filter=spec.captions.filters is not None)
+    suffixes = VIDEO_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
+    result = Discovery(spec.dataset_id, caption_filter=spec.captions.filters is not None, root=spec.root,
+                       reads=frozenset(suffixes), video=spec.frames is not None)
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
     masks = pair_index(spec.mask_root) if spec.mask_root is not None else None
     metadata = MetadataCache(spec.metadata_file)
-    suffixes = VIDEO_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
     listing = walk(spec.root)
     result.skipped += listing.errors
     if listing.hidden:
         result.notes.append((spec.root, f"{listing.hidden} hidden file(s) or folder(s) (name starting with '.') "
                                         "not used"))
-    for path in (p for p in listing.files if p.suffix.lower() in suffixes):
+    if (warning := minimum_above_resolution(spec.rule)) is not None:
+        result.notes.append((spec.root, warning))
+    for path in listing.files:
+        suffix = path.suffix.lower()
+        if suffix not in suffixes:
+            if suffix not in COMPANION_SUFFIXES:
+                result.unread.setdefault(suffix, []).append(path)
+            continue
         problem = filesystem_problem(path)
         if problem is None:
             try:
@@ -303,7 +385,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         return captioned.problem or "no caption"
     frames = 0
     if spec.frames is not None:  # clips are always probed: frame counts and rates come from the file
-        clip = clip_frames(path, rel, metadata, spec.frames, result)
+        clip = clip_frames(path, rel, metadata, spec.frames, result, spec.frames_as_set)
         if clip is None:
             return None  # clip_frames recorded why
         (width, height), frames = clip
@@ -318,9 +400,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         width, height = size
     if width < 1 or height < 1:
         return f"{width}x{height}: no pixels"
-    problem = aspect_problem(width, height, rule)
-    if too_small(width, height, rule):
-        problem = f"{width}x{height} is below minimum_image_size {rule.minimum_image_size:g}"
+    problem = too_small_problem(width, height, rule) or aspect_problem(width, height, rule)
     if problem:
         return problem
     down = downsample_first(width, height, rule)
@@ -339,6 +419,13 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         if mask_size != (width, height):
             notes.append(f"its loss mask is {mask_size[0]}x{mask_size[1]}, the image {width}x{height}: the mask is "
                          "stretched to the image's size, then resized and cropped with it")
+    if conditioning is not None:
+        try:
+            input_size = probe_size(conditioning)
+        except (BadImage, OSError) as e:
+            return f"its conditioning image {conditioning}: {e}"
+        if (note := input_aspect_note(input_size, (width, height), bucket)) is not None:
+            notes.append(note)
     if factor > NOTE_UPSCALE:
         notes.append(f"{width}x{height} is enlarged {factor:.1f}x to its {bucket[0]}x{bucket[1]} bucket: it will "
                      "look blurry (minimum_image_size leaves such images out)")

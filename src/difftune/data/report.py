@@ -21,6 +21,9 @@ class DataReport:
     lines: list[str] = field(default_factory=list)
     # allow_dataset_oversubscription: datasets whose repeats were raised, or kept because their entry sets them
     repeats: list[RepeatsChange] = field(default_factory=list)
+    # `difftune check` (no TrainingData): bucket group -> items with repeats, as training will bucket them
+    planned: dict[tuple[int, ...], int] | None = None
+    plan_note: str | None = None  # for how many processes the buckets were planned (`difftune check`)
 
     def render(self) -> str:
         failed_paths = {p for p, _ in self.failed}
@@ -39,6 +42,11 @@ class DataReport:
             if self.data.regularisation:  # is_regularisation_data (train/regularisation.py)
                 out.append(f"  regularisation data: {', '.join(sorted(self.data.regularisation))} (trained towards the "
                            "base model's prediction, the adapter switched off)")
+        elif self.planned:
+            sizes = ", ".join(f"{bucket_name(*g)}: {n}" for g, n in sorted(self.planned.items()))
+            out.append(f"  buckets (with repeats): {sizes}")
+        if self.plan_note:
+            out.append(f"  {self.plan_note}")
         masked = [f"{d.dataset_id} (from {d.masks!r})" for d in self.found if d.masks]
         if masked:  # conditioning_type 'mask' (train/masked_loss.py)
             out.append(f"  loss masks: {', '.join(masked)}: the loss is weighted by each image's mask")
@@ -59,6 +67,11 @@ class DataReport:
         if left:
             out.append(f"  left out ({len(left)}):")
             out += [f"    {p}: {r}" for p, r in left]
+        unread = [item for d in self.found for item in d.unread_reasons()]
+        if unread:  # files of a type the dataset does not read, one line per extension
+            count = sum(len(files) for d in self.found for files in d.unread.values())
+            out.append(f"  not read ({count} file(s) of other types):")
+            out += [f"    {p}: {r}" for p, r in unread]
         notes = [(p, r) for d in self.found for p, r in d.notes]
         if notes:
             out.append(f"  notes ({len(notes)}):")

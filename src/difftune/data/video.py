@@ -21,7 +21,6 @@ import av
 import numpy as np
 from PIL import Image
 
-VIDEO_EXTENSIONS = {".mp4", ".mov", ".webm", ".mkv"}
 EPSILON = 1e-4  # seconds: a frame stamped this much after a requested time still counts as "at" it
 _TRANSPOSE = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180, 270: Image.Transpose.ROTATE_270}
 _GAP = 2  # pixels between the frames of a contact sheet

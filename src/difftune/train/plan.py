@@ -1,14 +1,21 @@
 """Data planning before any model loads: size rules, caption rules and discovery of every enabled
-dataset, with `max_num_samples` applied.
+dataset, with `max_num_samples` applied, then the bucket plan (repeats, pruning: data/repeats.py) that
+train/setup.build_data makes again from the files that decoded.
 
-Import-light on purpose (no diffusers, no peft): `difftune check` and the early failures of
-`difftune train` run through here.
+Import-light on purpose (no diffusers, no peft): `difftune check`, `difftune plan` and the early failures of
+`difftune train` run through here. The bucket plan before caching uses every discovered file; caching can only
+lose files, so a plan that fails here fails in training too, and one that passes here may still fail there
+(files that do not decode). Without a process count (check, plan) it is planned for WORLD_SIZE processes, 1 when
+unset, which prunes least.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from difftune.config import ImageDataset, RunConfig, TrainConfig, caption_filter_keys
@@ -16,14 +23,26 @@ from difftune.config.datasets import REMOTE_TYPES
 from difftune.data.buckets import SizeRule
 from difftune.data.caption_filter import CaptionFilter
 from difftune.data.captions import CaptionRule, CaptionTable
-from difftune.data.discovery import DatasetSpec, Discovery, discover
+from difftune.data.discovery import DatasetSpec, Discovery, Sample, discover
 from difftune.data.frames import FrameRule
+from difftune.data.repeats import Bucket, RepeatsPlan, StepSize, plan_repeats
 from difftune.data.report import DataReport
 from difftune.models.registry import FAMILY_FACTS
 
 
 class DataError(Exception):
     """The datasets cannot train (for example a dataset with no usable image)."""
+
+
+class NothingToTrain(DataError):
+    """Every bucket holds fewer items than one global batch; `plan` has the pruned buckets."""
+
+    def __init__(self, message: str, plan: RepeatsPlan):
+        super().__init__(message)
+        self.plan = plan
+
+
+I2V_MIN_FRAMES = 5  # image-to-video trains the frames after the first latent frame (the input image)
 
 
 def size_rule(ds: ImageDataset, pixel_multiple: int) -> SizeRule:
@@ -60,8 +79,17 @@ def frame_rule(run_cfg: RunConfig, ds: ImageDataset) -> FrameRule | None:
     fps = v.frame_rate if v.frame_rate is not None else run_cfg.train.video_fps()
     least = v.min_frames
     if FAMILY_FACTS[run_cfg.train.model_family].first_frame(run_cfg.train.flavour()):
-        least = max(least or 0, 5)  # image-to-video trains frames after the first latent frame: 5 at least
+        least = max(least or 0, I2V_MIN_FRAMES)  # image-to-video trains frames after the first latent frame
     return FrameRule(v.num_frames, fps, v.bucket_strategy, least, v.max_frames, v.frame_interval)
+
+
+def frame_rule_as_set(run_cfg: RunConfig, ds: ImageDataset) -> FrameRule | None:
+    """The dataset's own frame rule when image-to-video's floor raised its min_frames (so a clip the floor leaves
+    out is reported as such, not as below a min_frames the user never set), else None."""
+    rule = frame_rule(run_cfg, ds)
+    if rule is None or ds.video is None or rule.min_frames == ds.video.min_frames:
+        return None
+    return replace(rule, min_frames=ds.video.min_frames)
 
 
 def downloaded_captions(strategy: str) -> str:
@@ -101,7 +129,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
-        mask_root=Path(masks) if masks else None,
+        mask_root=Path(masks) if masks else None, frames_as_set=frame_rule_as_set(run_cfg, ds),
     )
 
 
@@ -126,9 +154,95 @@ def encoded_in_training(train: TrainConfig, ds: ImageDataset) -> bool:
     return train.vae_cache_disable or ds.vae_cache_disable or ds.vae_cache_clear_each_epoch
 
 
-def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True) -> list[Discovery]:
-    """Every dataset's usable files. `fetch`: download remote datasets first (process 0 of a run does it before
+def world_size() -> int:
+    """The processes a run started here would have: WORLD_SIZE (set by accelerate launch and torchrun), else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def bucket_counts(run_cfg: RunConfig, samples: Iterable[Sample]) -> dict[Bucket, int]:
+    """Items per (dataset, bucket group) of each training dataset (an eval dataset's are never trained on)."""
+    trained = {ds.id for ds in run_cfg.datasets.images}
+    counts: dict[Bucket, int] = {}
+    for sample in samples:
+        if sample.dataset_id in trained:
+            key = (sample.dataset_id, sample.group)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def plan_buckets(run_cfg: RunConfig, samples: Iterable[Sample], processes: int) -> RepeatsPlan:
+    """Each training dataset's repeats and the buckets pruned (data/repeats.py) for `processes` processes: what
+    train/setup.build_data trains on. Raises NothingToTrain when every bucket is pruned."""
+    cfg = run_cfg.train
+    datasets = run_cfg.datasets.images
+    step = StepSize(cfg.train_batch_size, processes, cfg.gradient_accumulation_steps)
+    counts = bucket_counts(run_cfg, samples)
+    plan = plan_repeats(counts, {ds.id: ds.repeats for ds in datasets}, step,
+                        oversubscribe=cfg.allow_dataset_oversubscription,
+                        explicit={ds.id for ds in datasets if "repeats" in ds.model_fields_set},
+                        keep_small=cfg.disable_bucket_pruning)
+    if len(plan.pruned) == len(counts):  # no item left to train on
+        fix = "raise repeats on the dataset entries (or remove it there: allow_dataset_oversubscription raises " \
+            "only repeats an entry leaves out)" if cfg.allow_dataset_oversubscription else \
+            "set allow_dataset_oversubscription (raises each small dataset's repeats) or repeats on the dataset entries"
+        raise NothingToTrain(
+            f"every aspect bucket holds fewer images than one global batch ({step.global_batch}); "
+            f"lower train_batch_size, add images, {fix}, or set disable_bucket_pruning"
+            + "".join(f"\n  {change.line()}" for change in plan.changes), plan)
+    return plan
+
+
+def planned_buckets(found: list[Discovery], plan: RepeatsPlan) -> dict[tuple[int, ...], int]:
+    """Items per bucket group with repeats, over the buckets training keeps (the data report's buckets line)."""
+    return dict(Counter(
+        s.group for d in found if d.dataset_id in plan.repeats for s in d.samples
+        if (d.dataset_id, s.group) not in plan.pruned for _ in range(1 + plan.repeats[d.dataset_id])
+    ))
+
+
+def plan_note(run_cfg: RunConfig, processes: int) -> str:
+    batch = run_cfg.train.train_batch_size
+    said = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "WORLD_SIZE is not set: set it to plan a run on more"
+    return (f"buckets planned for {processes} process(es) ({said}): one global batch is {batch * processes} "
+            f"(train_batch_size {batch} x {processes})")
+
+
+def planned(run_cfg: RunConfig, found: list[Discovery], processes: int) -> RepeatsPlan:
+    """plan_buckets on the discovered files; when it fails, training's message followed by the data report."""
+    try:
+        return plan_buckets(run_cfg, (s for d in found for s in d.samples), processes)
+    except NothingToTrain as e:
+        report = DataReport(found, [], e.plan.pruned, repeats=e.plan.changes, plan_note=plan_note(run_cfg, processes))
+        said = str(e).splitlines()
+        raise DataError("\n".join([*said, *(line for line in report.render().splitlines() if line not in said)])) \
+            from e
+
+
+def check_data(run_cfg: RunConfig) -> str:
+    """What `difftune check` says about the data: the data report with the buckets and the pruning training
+    would make (for WORLD_SIZE processes, 1 when unset), or training's DataError, without loading any model."""
+    processes = world_size()
+    found = discover_datasets(run_cfg)
+    plan = planned(run_cfg, found, processes)
+    return DataReport(found, [], plan.pruned, repeats=plan.changes, planned=planned_buckets(found, plan),
+                      plan_note=plan_note(run_cfg, processes)).render()
+
+
+def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True,
+                 processes: int | None = None) -> list[Discovery]:
+    """Every dataset's usable files, after checking that training would have a bucket to train on (`processes`:
+    the run's; None: world_size()). `fetch`: download remote datasets first (process 0 of a run does it before
     the others discover; the web UI never downloads)."""
+    found = discover_datasets(run_cfg, write_metadata, fetch)
+    planned(run_cfg, found, processes or world_size())
+    return found
+
+
+def discover_datasets(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True) -> list[Discovery]:
+    """Every dataset's usable files (no bucket plan); an error when a dataset has none."""
     if fetch:
         fetch_sources(run_cfg)
     found = [
@@ -141,11 +255,13 @@ def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = 
         d.crops_each_epoch = ds.vae_cache_clear_each_epoch
         d.on_the_fly = encoded_in_training(run_cfg.train, ds)
         d.masks = ds.conditioning_data if run_cfg.datasets.mask_dir(ds) else None
-    empty = [d.dataset_id for d in found if not d.samples]
+    empty = [d for d in found if not d.samples]
     if empty:
         report = DataReport(found, [], {})
+        why = empty[0].why_empty() if len(empty) == 1 else \
+            "; ".join(f"{d.dataset_id!r}: {d.why_empty()}" for d in empty)
         raise DataError(
-            f"dataset(s) {', '.join(map(repr, empty))} have no usable image or clip (see each file's reason "
-            f"below); add captioned files or disable the dataset\n{report.render()}"
+            f"dataset(s) {', '.join(repr(d.dataset_id) for d in empty)} have no usable image or clip ({why}); "
+            f"add captioned files or disable the dataset\n{report.render()}"
         )
     return found

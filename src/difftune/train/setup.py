@@ -19,7 +19,7 @@ from difftune.adapters.kinds import Adapter, build_adapter
 from difftune.config import RunConfig, TrainConfig
 from difftune.data.batches import TrainingData
 from difftune.data.latents import CachedSample
-from difftune.data.repeats import RepeatsPlan, StepSize, plan_repeats
+from difftune.data.repeats import RepeatsPlan, StepSize
 from difftune.data.report import DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
@@ -41,7 +41,7 @@ from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
 from difftune.train.optimizer_offload import host_step
 from difftune.train.optimizers import build_optimizer
-from difftune.train.plan import DataError, discover_all, fetch_sources, size_rules
+from difftune.train.plan import DataError, discover_all, fetch_sources, plan_buckets, size_rules
 from difftune.train.throughput import Throughput
 from difftune.train.torch_options import apply_torch_options
 
@@ -133,17 +133,9 @@ def build_data(
     if lost:
         raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no image that could be decoded; "
                         "see the warnings above for each file")
-    counts: dict[tuple[str, tuple[int, ...]], int] = {}
-    trained = {ds.id for ds in datasets}
-    for c in cached.samples:
-        if c.sample.dataset_id not in trained:  # an eval dataset's (train/eval_loss.py): never trained on
-            continue
-        key = (c.sample.dataset_id, c.sample.group)
-        counts[key] = counts.get(key, 0) + 1
-    plan = plan_repeats(counts, {ds.id: ds.repeats for ds in datasets}, step,
-                        oversubscribe=cfg.allow_dataset_oversubscription,
-                        explicit={ds.id for ds in datasets if "repeats" in ds.model_fields_set},
-                        keep_small=cfg.disable_bucket_pruning)
+    # the same plan `difftune check` and discover_all make before any model loads (train/plan.py), now on the
+    # files that decoded; it raises when every bucket holds fewer items than one global batch
+    plan = plan_buckets(run_cfg, [c.sample for c in cached.samples], ranks.count)
     items: list[CachedSample] = []
     parts = []
     for ds in datasets:
@@ -152,15 +144,6 @@ def build_data(
         start = len(items)
         items += [c for c in mine for _ in range(1 + plan.repeats[ds.id])]
         parts.append((list(range(start, len(items))), [c.sample.group for c in items[start:]], ds.probability))
-    if not items:
-        fix = "raise repeats on the dataset entries (or remove it there: allow_dataset_oversubscription raises " \
-            "only repeats an entry leaves out)" if cfg.allow_dataset_oversubscription else \
-            "set allow_dataset_oversubscription (raises each small dataset's repeats) or repeats on the dataset entries"
-        raise DataError(
-            f"every aspect bucket holds fewer images than one global batch ({global_batch}); "
-            f"lower train_batch_size, add images, {fix}, or set disable_bucket_pruning"
-            + "".join(f"\n  {change.line()}" for change in plan.changes)
-        )
     # Partial batches cannot be split evenly between processes: with several, only full ones are used.
     keep_partial = cfg.disable_bucket_pruning and ranks.count == 1
     sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=keep_partial,
@@ -199,7 +182,8 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     if ranks.main:  # datasets of type huggingface, csv or aws are downloaded once, by one process
         fetch_sources(run_cfg, lambda message: events.emit("info", message=message))
     ranks.barrier()
-    found = discover_all(run_cfg, write_metadata=ranks.main, fetch=False)
+    # fails before any model loads where no bucket holds one global batch (the plan build_data makes again below)
+    found = discover_all(run_cfg, write_metadata=ranks.main, fetch=False, processes=ranks.count)
     for path, reason in (item for d in found for item in d.skipped):
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
     events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} usable files "

@@ -19,6 +19,7 @@ from typing import Any
 from difftune.config import ConfigError, TrainConfig, load_config
 from difftune.config.datasets import DATASET_MODELS
 from difftune.config.load import _validate
+from difftune.data.discovery import VIDEO_SUFFIXES
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
 
@@ -27,7 +28,6 @@ TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_rank")
 DATASET_QUESTIONS = ("instance_data_dir", "caption_strategy", "instance_prompt", "resolution")
 RUN_QUESTIONS = ("max_train_steps", "learning_rate", "validation_prompt", "validation_resolution", "output_dir")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv")
 
 
 class Cancelled(Exception):

@@ -23,13 +23,13 @@ from typing import Any
 
 from difftune.config.datasets import ImageDataset
 from difftune.config.source_aws_keys import AWS_DEFAULT_POOL
+from difftune.data.discovery import VIDEO_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 from difftune.data.sources import MANIFEST, SourceError, open_folder, partial, save_manifest
 from difftune.data.sources import PARTIAL as PART_SUFFIX  # noqa: F401 (the name the tests give a leftover)
 
 MAX_THREADS = 8  # downloads at once (fewer with a smaller aws_max_pool_connections)
 SAVE_EVERY_S = 5.0  # the manifest is rewritten this often during a download, so a killed run loses little
-VIDEO_EXTENSIONS = {".mp4", ".mov", ".webm", ".mkv"}  # = data.video.VIDEO_EXTENSIONS (PyAV imported on demand)
 CHUNK = 1 << 20
 # Where boto3 found the credentials (botocore's Credentials.method), for messages.
 _CREDENTIAL_SOURCES = {
@@ -147,7 +147,7 @@ def mask(key_id: str) -> str:
 
 
 def _media_extensions(ds: ImageDataset) -> set[str]:
-    return VIDEO_EXTENSIONS if ds.video is not None else IMAGE_EXTENSIONS
+    return VIDEO_SUFFIXES if ds.video is not None else IMAGE_EXTENSIONS
 
 
 def wanted(bucket: Bucket, objects: list[dict[str, Any]], say: Callable[[str], None]) -> list[Item]:
@@ -224,7 +224,7 @@ def reusable(folder: Path, item: Item, record: Any) -> bool:
 
 def _check_media(path: Path, suffix: str) -> str | None:
     """Why a downloaded file is no usable image (clip), or None."""
-    if suffix in VIDEO_EXTENSIONS:
+    if suffix in VIDEO_SUFFIXES:
         from difftune.data.video import BadVideo, probe_video
 
         try:
