@@ -28,12 +28,13 @@ def test_lr_schedules(tmp_path, dataset, name):
                                              lr_warmup_steps=2, learning_rate=1e-3))))
     curve = lrs(tmp_path / "output")
     assert len(curve) == 8
-    # every schedule warms up, 'constant' too (diffusers' 'constant' would drop lr_warmup_steps): the lr logged
-    # after step 1 is half way up the 2-step warmup; it then reaches the peak
-    assert curve[0] == pytest.approx(5e-4) and curve[1] == pytest.approx(1e-3)
+    # every schedule warms up, 'constant' too (diffusers' 'constant' would drop lr_warmup_steps): each step logs
+    # the rate it trained with, so step 1 trains at the warm-up's first rate (0), step 2 half way up the 2-step
+    # warm-up, and step 3 at the peak
+    assert curve[0] == 0.0 and curve[1] == pytest.approx(5e-4) and curve[2] == pytest.approx(1e-3)
     assert max(curve) == pytest.approx(1e-3)
     if name.startswith("constant"):
-        assert curve[1:] == [pytest.approx(1e-3)] * 7
+        assert curve[2:] == [pytest.approx(1e-3)] * 6
     if name in ("linear", "cosine", "polynomial"):
         assert curve[-1] < curve[2]
 

@@ -578,3 +578,94 @@ def test_sigkill_resumes_exactly_with_tread_and_rollouts(tmp_path, tmp_path_fact
         if reference.proc.poll() is None:
             reference.proc.kill()
             reference.proc.wait()
+
+
+# ------------------------------------------------------------------------------ SIGTERM and the lock
+
+
+def test_sigterm_saves_and_resumes_exactly_and_a_second_run_is_refused(tmp_path, images, reference):
+    """SIGTERM (kill, timeout, docker stop, preemption) stops a run as Ctrl-C does. Sent after a step that neither
+    checkpoints nor validates (>= 5), the run ends the step in progress, saves an interrupted checkpoint of it,
+    logs a stopped event that names SIGTERM and exits with 143; relaunched, it resumes there and ends exactly as
+    the uninterrupted run. Meanwhile a second `difftune train` into the same output_dir stops at once, before
+    loading any model, naming the folder and the first run's pid."""
+    chain = Chain(tmp_path, write_config(tmp_path, images, **COMMON))
+    proc = launch(chain.config, chain.stdout)
+    intruder, intruder_log = None, tmp_path / "intruder.txt"
+    started = time.monotonic()
+    try:
+        while True:
+            events = chain.log.read()
+            loading = any(e["event"] == "info" and e["message"].startswith("loading ") for e in events)
+            if intruder is None and loading:  # the first run holds the lock from before it loads its model
+                intruder = launch(chain.config, intruder_log)
+            s = step_events(events)[-1]["step"] if step_events(events) else None
+            plain = s is not None and s >= 5 and s % CKPT_EVERY and s % VAL_EVERY and events[-1]["event"] == "step"
+            if plain and intruder is not None:
+                # paused (still alive, lock held) until the intruder has given up: a tiny run is over in a second
+                proc.send_signal(signal.SIGSTOP)
+                intruder.wait(timeout=LAUNCH_TIMEOUT_S)
+                proc.send_signal(signal.SIGTERM)  # acted on where the run was paused: mostly inside step s + 1
+                proc.send_signal(signal.SIGCONT)
+                break
+            assert proc.poll() is None, f"the run ended before it could be signalled:\n{tail(chain.stdout)}"
+            assert time.monotonic() - started < LAUNCH_TIMEOUT_S, tail(chain.stdout)
+            time.sleep(POLL_S)
+        rc = proc.wait(timeout=120)
+    finally:
+        for p in (proc, intruder):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert intruder.returncode == 2, tail(intruder_log)
+    said = tail(intruder_log)
+    assert f"output_dir {chain.out.resolve()} is in use by another training run (pid {proc.pid})" in said, said
+    assert "loading" not in said and "Traceback" not in said, said
+    assert rc == 128 + signal.SIGTERM, tail(chain.stdout)
+    assert "terminated by SIGTERM; the last checkpoint can be resumed" in tail(chain.stdout)
+    events = chain.log.read()
+    assert [e["pid"] for e in events if e["event"] == "start"] == [proc.pid]  # nothing from the intruder
+    last_step = step_events(events)[-1]["step"]
+    assert last_step >= s  # the step in progress (if any) was finished, not cut
+    saved = [e for e in events if e["event"] == "checkpoint"][-1]
+    assert (saved["step"], saved.get("reason")) == (last_step, "terminated by SIGTERM")
+    assert {k: events[-1].get(k) for k in ("event", "step", "reason")} == {
+        "event": "stopped", "step": last_step, "reason": "terminated by SIGTERM"}
+    chain.resume_step = check_checkpoints(chain.ckpt_root)
+    assert chain.resume_step == last_step
+    chain.run(None)  # checks that it resumed from that checkpoint
+    assert_same_as_reference(chain, reference)
+
+
+@pytest.mark.slow  # about 60 s on 2 cores: two torchrun launches and a reference
+def test_sigterm_to_torchrun_stops_every_process_after_the_same_step(tmp_path, images):
+    """torchrun passes a SIGTERM on to each trainer: both finish the step in progress, meet in the interrupted
+    checkpoint's collectives, and the run resumes from it with the losses of the uninterrupted one."""
+    from test_distributed import finish
+    from test_distributed import launch as torchrun
+    from test_train import losses
+
+    common = dict(max_train_steps=8, train_batch_size=1, checkpoint_step_interval=4, resume_from_checkpoint="latest")
+    finish(torchrun(write_config(tmp_path / "ref", images, **common), 29731))
+    cut = write_config(tmp_path / "cut", images, **common)
+    proc = torchrun(cut, 29732)
+    log = EventLog(tmp_path / "cut" / "output" / "events.jsonl")
+    started = time.monotonic()
+    try:
+        while not (step_events(log.read()) and step_events(log.events)[-1]["step"] >= 2):
+            assert proc.poll() is None and time.monotonic() - started < LAUNCH_TIMEOUT_S, proc.stdout.read()[-3000:]
+            time.sleep(POLL_S)
+        proc.send_signal(signal.SIGTERM)
+        said = proc.communicate(timeout=120)[0]  # torchrun itself exits 1, reporting the signal it got
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    events = log.read()
+    last = step_events(events)[-1]["step"]
+    assert [(e["event"], e["step"], e.get("reason")) for e in events[-2:]] == [
+        ("checkpoint", last, "terminated by SIGTERM"), ("stopped", last, "terminated by SIGTERM")], said[-3000:]
+    assert not [e for e in events if e["event"] == "error"]
+    finish(torchrun(cut, 29733))
+    a, b = losses(tmp_path / "ref" / "output"), losses(tmp_path / "cut" / "output")
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)

@@ -163,8 +163,10 @@ def test_training_follows_the_curve_across_a_resume(tmp_path, dataset, monkeypat
     events = [json.loads(line) for line in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
     logged = [(e["step"], e["lr"]) for e in events if e["event"] == "step"]
     assert [step for step, _ in logged] == [1, 2, 3, 3, 4, 5]  # steps 1-3, then 3-5 again from the step-2 checkpoint
-    for step, lr in logged:  # the rate after `step` steps: warm-up over, (1e-3 - 1e-4)·(1 - (step - 1)/4)² + 1e-4
-        assert lr == pytest.approx(1e-4 + 9e-4 * (1 - (step - 1) / 4) ** 2, rel=1e-6), step
+    # the rate each step trained with, the one after step - 1 steps: 0 for step 1 (the warm-up's start), then
+    # (1e-3 - 1e-4)·(1 - (step - 2)/4)² + 1e-4
+    for step, lr in logged:
+        assert lr == pytest.approx(0.0 if step == 1 else 1e-4 + 9e-4 * (1 - (step - 2) / 4) ** 2, rel=1e-6), step
 
 
 def test_constant_with_a_warmup_warms_up():

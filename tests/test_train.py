@@ -182,3 +182,102 @@ def test_resaved_checkpoint_survives_a_kill_between_renames(tmp_path):
     clean_partial(tmp_path)
     assert find_latest(tmp_path).name == "checkpoint-0000012"
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-0000010", "checkpoint-0000012"]
+
+
+# --- SIGTERM on the command line (train/run_lock.py), the logged rate, a fresh run over old checkpoints
+
+
+def events_of(output_dir) -> list[dict]:
+    return [json.loads(x) for x in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_mid_step_finishes_the_step_then_saves_and_resumes_exactly(tmp_path, monkeypatch):
+    """Under the command line's handler, a SIGTERM that arrives during step 4's first micro-batch lets step 4
+    end and be logged, then saves an interrupted checkpoint of step 4 (the rolling one of step 3 is older) and
+    logs a stopped event that says so; resumed, the run has the uninterrupted run's losses. The handler that was
+    there before is put back."""
+    import os
+    import signal
+
+    from difftune.train.run_lock import Terminated, sigterm_stops
+
+    images = tmp_path / "images"
+    make_dataset(images, count=6)
+    common = dict(max_train_steps=6, checkpoint_step_interval=3, lr_scheduler="linear", lr_warmup_steps=2,
+                  train_batch_size=2, gradient_accumulation_steps=2, resume_from_checkpoint="latest")
+    train(build_run(load_config(write_config(tmp_path / "a", images, **common))))
+    expected = losses(tmp_path / "a" / "output")
+
+    cut = write_config(tmp_path / "b", images, **common)
+    real_micro = loop.micro_step
+
+    def signalled(run, batch):
+        if run.state.step == 3 and run.state.micro == 0:  # step 4, its first of two micro-batches
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_micro(run, batch)
+
+    monkeypatch.setattr(loop, "micro_step", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated), sigterm_stops():
+        train(build_run(load_config(cut)))
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.setattr(loop, "micro_step", real_micro)
+    out = tmp_path / "b" / "output"
+    log = events_of(out)
+    assert [e["step"] for e in log if e["event"] == "step"] == [1, 2, 3, 4]
+    saved = [e for e in log if e["event"] == "checkpoint"]
+    assert [(e["step"], e.get("reason")) for e in saved] == [(3, None), (4, "terminated by SIGTERM")]
+    assert {k: log[-1][k] for k in ("event", "step", "reason")} == {"event": "stopped", "step": 4,
+                                                                     "reason": "terminated by SIGTERM"}
+    train(build_run(load_config(cut)))
+    resumed = losses(out)
+    assert [e["message"] for e in events_of(out) if e["event"] == "info" and "resumed" in e["message"]][-1] \
+        .endswith("at step 4")
+    assert sorted(resumed) == sorted(expected)
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+
+
+def test_step_one_logs_the_warm_up_rate_it_trained_with(tmp_path, dataset, monkeypatch):
+    """A one-step warm-up: step 1 trains at the warm-up's first rate, 0, and is logged so; the LoRA it saves is
+    still the untrained one (lora_B zero). A library run (no command line) leaves SIGTERM's handler alone."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    handlers = []
+    real_micro = loop.micro_step
+
+    def watched(run, batch):
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        return real_micro(run, batch)
+
+    monkeypatch.setattr(loop, "micro_step", watched)
+    before = signal.getsignal(signal.SIGTERM)
+    run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=2, lr_warmup_steps=2,
+                                             lr_scheduler="constant", learning_rate=1e-3)))
+    train(run)
+    assert [e["lr"] for e in events_of(run.output_dir) if e["event"] == "step"] == [0.0, pytest.approx(5e-4)]
+    assert handlers and all(h is before for h in handlers)
+    one = build_run(load_config(write_config(tmp_path / "one", dataset, max_train_steps=1, lr_warmup_steps=1,
+                                             lr_scheduler="constant")))
+    train(one)
+    assert [e["lr"] for e in events_of(one.output_dir) if e["event"] == "step"] == [0.0]
+    weights = load_file(one.output_dir / "pytorch_lora_weights.safetensors")
+    ups = [t for k, t in weights.items() if "lora_B" in k]
+    assert ups and all(not t.any() for t in ups)
+
+
+def test_a_fresh_run_over_old_checkpoints_warns(tmp_path, dataset):
+    """resume_from_checkpoint unset in an output_dir that holds checkpoints: the run starts from step 0 (as asked)
+    and the event log warns that it will overwrite them."""
+    path = write_config(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=1)
+    train(build_run(load_config(path)))
+    assert not [e for e in events_of(tmp_path / "output") if e["event"] == "warning"]
+    train(build_run(load_config(path)))
+    log = events_of(tmp_path / "output")
+    second = log[next(i for i, e in enumerate(log) if e["event"] == "done"):]  # the second run's events
+    (warning,) = [e["message"] for e in second if e["event"] == "warning"]
+    assert "2 checkpoint(s) up to checkpoint-0000002" in warning and "starts from step 0" in warning
+    assert "resume_from_checkpoint" in warning
+    assert [e["step"] for e in log if e["event"] == "start"] == [0, 0]

@@ -122,6 +122,8 @@ def test_edit_an_existing_config_keeps_what_was_not_asked(tmp_path, dataset):
     assert code == 0, transcript
     assert "lora_rank [4]" in transcript and f"instance_data_dir [{dataset}]" in transcript  # current values
     assert "gradient_checkpointing" in asked.split()  # asked one by one after refusing the offer
+    assert "Predicted peak as configured" in transcript  # the planner ran, and its imports said nothing
+    assert not any(noise in transcript for noise in ("Failed to load", "Enum subclass", "kernels-community", "requires torchvision"))
     config = json.loads(path.read_text())
     assert config["seed"] == 1234 and config["lora_rank"] == 4 and config["use_dora"] is True  # kept
     assert config["max_train_steps"] == 30 and config["learning_rate"] == 2e-4

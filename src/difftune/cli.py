@@ -53,14 +53,12 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
 
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
-    from difftune.data.report import DataReport
-    from difftune.train.plan import discover_all
+    from difftune.train.plan import check_data
 
-    found = discover_all(run_cfg)
-    print(DataReport(found, [], {}).render())
+    print(check_data(run_cfg))  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)
     for note in run_cfg.notes():
         print(f"note: {note}")
-    print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.model_source() or 'tiny-random'})")
+    print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.flavour()}{', ' + run_cfg.train.model_source() if run_cfg.train.model_source() else ''})")
     return 0
 
 
@@ -109,14 +107,26 @@ def result_line(cfg: TrainConfig, path: Path) -> str:
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
-    quiet_libraries()
-    for note in run_cfg.notes():
-        print(f"note: {note}")
-    from difftune.train.loop import train
-    from difftune.train.setup import build_run
+    from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
 
-    run = build_run(run_cfg)
-    result = train(run)
+    # SIGTERM stops like Ctrl-C (an interrupted checkpoint); a second run into the same output_dir is refused
+    # before any model loads (train/run_lock.py)
+    try:
+        with sigterm_stops(), output_dir_lock(Path(run_cfg.train.output_dir)):
+            quiet_libraries()
+            for note in run_cfg.notes():
+                print(f"note: {note}")
+            from difftune.train.loop import train
+            from difftune.train.setup import build_run
+
+            run = build_run(run_cfg)
+            result = train(run)
+    except OutputDirInUse as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Terminated as e:
+        print(f"{e.reason}; the last checkpoint can be resumed with resume_from_checkpoint latest", file=sys.stderr)
+        return 128 + e.signum  # the shell's status for a process ended by that signal
     print(result_line(run_cfg.train, result))
     written = [p for p in (run.output_dir / "validation").glob("*") if p.suffix in (".png", ".mp4")]
     if run.validation and written:
@@ -137,7 +147,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.memory_plan.render import render
     from difftune.train.plan import discover_all
 
-    found = discover_all(run_cfg)
+    found = discover_all(run_cfg, processes=args.processes)
     try:
         prediction = predict(run_cfg.train, found, args.processes)
         choice = None
@@ -157,13 +167,21 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     import torch
 
     from difftune.train.events import Events
+    from difftune.train.run_lock import Terminated, sigterm_stops
     from difftune.train.setup import prepare_data
 
     output_dir = Path(run_cfg.train.output_dir)
     events = Events(output_dir / "events.jsonl")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prepared = prepare_data(run_cfg, events, device)
-    events.close()
+    try:
+        with sigterm_stops():  # as Ctrl-C: every cache entry is written whole (temp file + rename)
+            prepared = prepare_data(run_cfg, events, device)
+    except Terminated as e:
+        events.emit("stopped", quiet=True, step=0, stage="cache", reason=e.reason)
+        print(f"{e.reason}; the caches written so far are kept and reused", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        events.close()
     print(f"caches complete: {len(prepared.data.items)} training items")
     return 0
 
@@ -188,6 +206,7 @@ def cmd_server(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_configure(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError([f"command line: unexpected {' '.join(rest)!r} for difftune configure"])
+    quiet_libraries()  # the memory step imports the planner, and with it torchao's and the hubs' notices
     from difftune.ui.wizard import run_wizard
 
     return run_wizard(args.path)

@@ -28,6 +28,7 @@ from difftune.train import (
 )
 from difftune.train.checkpoint import (
     clean_partial,
+    complete,
     load_checkpoint,
     resolve_resume,
     save_adapter,
@@ -37,6 +38,7 @@ from difftune.train.commands import poll_commands
 from difftune.train.fsdp import gathered, unsharded
 from difftune.train.memory import record_peak_memory
 from difftune.train.optimizers import clip_gradients, eval_weights
+from difftune.train.run_lock import Terminated, held, stop_reason, take_held
 from difftune.train.setup import Run
 from difftune.train.validation import BASE_LABEL, validate
 
@@ -164,9 +166,13 @@ def sample(run: Run, label: str, base: bool = False) -> list[Path]:
 
 
 def handle_commands(run: Run) -> bool:
-    """Act on queued commands (see train/commands.py); process 0 reads them and tells the others.
-    Returns True when the run must stop."""
-    commands = run.ranks.broadcast(poll_commands(run.output_dir) if run.ranks.main else None)
+    """Act on queued commands (see train/commands.py); process 0 reads them and tells the others. Each process
+    also tells whether it got a SIGTERM (held until here, train/run_lock.py): then every one stops, after the same
+    step. Returns True when the run must stop."""
+    shared = run.ranks.gather((poll_commands(run.output_dir) if run.ranks.main else [], take_held()))
+    if signum := next((signum for _, signum in shared if signum is not None), None):
+        raise Terminated(signum)
+    commands = shared[0][0]
     stop = False
     for command in commands:
         run.events.emit("command", command=command, step=run.state.step)
@@ -183,8 +189,8 @@ def train(run: Run) -> Path:
     """Train to `run.total_steps` (or until a stop command); returns the path of the saved adapter."""
     try:
         return _train(run)
-    except KeyboardInterrupt:
-        run.events.emit("stopped", step=run.state.step, reason="interrupted")
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM on the command line (train/run_lock.py)
+        run.events.emit("stopped", step=run.state.step, reason=stop_reason(e))
         raise
     except BaseException as e:
         run.events.emit("error", step=run.state.step, message=f"{type(e).__name__}: {e}",
@@ -200,23 +206,57 @@ def _train(run: Run) -> Path:
         clean_partial(run.output_dir)
     run.ranks.barrier()
     warn = lambda message: run.events.emit("warning", message=message)  # noqa: E731
-    if cfg.resume_from_checkpoint and (ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint, warn)):
-        load_checkpoint(run, ckpt)
-        run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
+    if cfg.resume_from_checkpoint:
+        if ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint, warn):
+            load_checkpoint(run, ckpt)
+            run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
+    elif earlier := complete(run.output_dir):
+        warn(f"{run.output_dir} holds {len(earlier)} checkpoint(s) up to {earlier[-1].name}, but resume_from_checkpoint "
+             "is not set: this run starts from step 0 and will overwrite them (set resume_from_checkpoint to "
+             "'latest' to continue from the newest instead)")
     run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
                     processes=run.ranks.count, project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
     run.transformer.train()
     if triggers.base_samples_due(run):  # disable_benchmark false / validation_on_startup, not after a resume
         sample(run, BASE_LABEL, base=True)
     batches = prefetch.feed(run)  # read ahead in a thread, copied to the device without blocking
+    try:
+        # Several processes: a SIGTERM is held until handle_commands, where they agree on the step to stop after
+        with held(run.ranks.count > 1):
+            stopped = _steps(run, batches)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM on the command line (train/run_lock.py)
+        checkpoint(run, reason=stop_reason(e))
+        raise
+    finally:
+        batches.close()
+    checkpoint(run)
+    with eval_weights(run), gathered(run):  # schedule-free: the averaged weights are the result
+        adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
+    if run.ema is not None and run.ranks.main:
+        with run.ema.swap():
+            run.events.emit("info", message=f"EMA adapter saved to {save_adapter(run, run.output_dir / 'ema')}")
+    if stopped:
+        run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
+        run.ranks.barrier()
+        return adapter
+    samples = sample(run, f"final-step-{run.state.step:06d}")
+    run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
+    return adapter
+
+
+def _steps(run: Run, batches: Iterator[Batch]) -> bool:
+    """Optimizer steps, each followed by what falls due after it, to `run.total_steps`. Returns True when a stop
+    command ended them early."""
+    cfg = run.cfg
     started = time.perf_counter()
     stopped = False
     bad_steps = 0
     first = run.state.step + 1  # this process's first optimizer step (later than 1 after a resume)
     before = run.state.position  # where the epoch triggers count from (the checkpoint's position after a resume)
-    try:
-        while run.state.step < run.total_steps and not stopped:
+    while run.state.step < run.total_steps and not stopped:
+        with held():  # a SIGTERM waits for the step to end: a checkpoint mid-step would not resume exactly
             began = time.perf_counter()
+            lr = run.lr_scheduler.get_last_lr()[0]  # the rate this step trains with (the step advances it)
             loss = optimizer_step(run, batches)
             # before the first step's memory event resets CUDA's peak counter (train/throughput.py)
             speed = run.throughput.step_fields(time.perf_counter() - began)
@@ -238,35 +278,17 @@ def _train(run: Run) -> Path:
                 continue  # a skipped step triggers nothing; an epoch it ended triggers at the next step
             if run.ema is not None:
                 run.ema.step(step)
-            run.events.emit("step", step=step, loss=loss, lr=run.lr_scheduler.get_last_lr()[0],
-                            elapsed=time.perf_counter() - started, **speed)
-            # Validation before the checkpoint of the same step: a kill while sampling then resumes
-            # from the previous checkpoint and samples again, instead of losing these images.
-            due, before = triggers.due(run, before), run.state.position  # step and epoch intervals
-            if due.validation:
-                sample(run, f"step-{step:06d}")
-            if due.evaluation:  # evaluation_type clip
-                evaluation.evaluate(run)
-            if due.eval_loss:  # dataset_type 'eval': the loss on held-out data
-                eval_loss.evaluate(run)
-            if due.checkpoint or due.rolling_checkpoint:
-                checkpoint(run, rolling=due.rolling_checkpoint)  # checkpointing_rolling_steps: its own series
-            stopped = handle_commands(run)
-    except KeyboardInterrupt:
-        checkpoint(run, reason="interrupted")
-        raise
-    finally:
-        batches.close()
-    checkpoint(run)
-    with eval_weights(run), gathered(run):  # schedule-free: the averaged weights are the result
-        adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
-    if run.ema is not None and run.ranks.main:
-        with run.ema.swap():
-            run.events.emit("info", message=f"EMA adapter saved to {save_adapter(run, run.output_dir / 'ema')}")
-    if stopped:
-        run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
-        run.ranks.barrier()
-        return adapter
-    samples = sample(run, f"final-step-{run.state.step:06d}")
-    run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
-    return adapter
+            run.events.emit("step", step=step, loss=loss, lr=lr, elapsed=time.perf_counter() - started, **speed)
+        # Validation before the checkpoint of the same step: a kill while sampling then resumes
+        # from the previous checkpoint and samples again, instead of losing these images.
+        due, before = triggers.due(run, before), run.state.position  # step and epoch intervals
+        if due.validation:
+            sample(run, f"step-{step:06d}")
+        if due.evaluation:  # evaluation_type clip
+            evaluation.evaluate(run)
+        if due.eval_loss:  # dataset_type 'eval': the loss on held-out data
+            eval_loss.evaluate(run)
+        if due.checkpoint or due.rolling_checkpoint:
+            checkpoint(run, rolling=due.rolling_checkpoint)  # checkpointing_rolling_steps: its own series
+        stopped = handle_commands(run)
+    return stopped

@@ -323,7 +323,9 @@ class Registry:
             (run.folder / "killed").touch()
             pid = run.info.get("pid")
             if process_alive(pid, run.info.get("pid_started")):
-                os.kill(pid, signal.SIGTERM)  # the supervisor passes it on to the trainer
+                # the supervisor passes it on: the trainer saves a checkpoint after its step and exits, or is
+                # SIGKILLed KILL_GRACE_S later (at once when kill is sent again): see Forwarder
+                os.kill(pid, signal.SIGTERM)
             return
         send_command(run.output_dir, command)
         if command == "stop":
@@ -333,6 +335,38 @@ class Registry:
 # --- the supervisor: `python -m difftune.ui.runs RUN_FOLDER CONFIG` --------------------------------
 
 
+KILL_GRACE_S = 10.0  # after "kill": the time the trainer has to finish its step and save, before SIGKILL
+
+
+class Forwarder:
+    """The supervisor's SIGTERM and SIGINT handler: passes the signal on to the trainer, which then finishes its
+    optimizer step, saves an "interrupted" checkpoint and exits (train/run_lock.py). "Kill" must still end it
+    promptly, whatever it is doing (a long step, a hang): a trainer still alive `grace_s` after the first
+    signal, or at a second SIGTERM (kill pressed again), gets SIGKILL."""
+
+    def __init__(self, child: subprocess.Popen, grace_s: float = KILL_GRACE_S):
+        self.child = child
+        self.grace_s = grace_s
+        self.deadline: float | None = None
+
+    def __call__(self, signum: int, _frame: object = None) -> None:
+        if signum == signal.SIGTERM and self.deadline is not None:
+            self.child.kill()
+            return
+        self.child.send_signal(signum)
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+
+    def wait(self) -> int:
+        """The trainer's exit status, once it has ended (SIGKILLed when past the deadline)."""
+        while True:
+            try:
+                return self.child.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    self.child.kill()
+
+
 def supervise(folder: Path, config_path: str) -> int:
     """Run the trainer, its output into log.txt; record its exit status in exit.json."""
     command = [sys.executable, "-m", "difftune.cli", "train", "--config", config_path]
@@ -340,13 +374,10 @@ def supervise(folder: Path, config_path: str) -> int:
         log.write(f"$ {' '.join(command)}\n".encode())
         log.flush()
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-        def forward(signum, _frame):
-            child.send_signal(signum)
-
+        forward = Forwarder(child)
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
-        code = child.wait()
+        code = forward.wait()
     _write_json(folder / "exit.json", {"returncode": code, "time": time.time(), "pid": child.pid})
     return 0
 

@@ -1,0 +1,160 @@
+"""What guards a command-line run from the outside world: SIGTERM and a second run into the same output_dir.
+
+SIGTERM (`kill`, `timeout`, `docker stop`, Slurm or Kubernetes preemption, the web UI's "kill") stops a run the
+way Ctrl-C does: `Terminated` is a KeyboardInterrupt, so every place that saves an "interrupted" checkpoint and
+logs a `stopped` event on Ctrl-C does so on SIGTERM too. Only the command line installs the handler
+(`sigterm_stops`); a program that calls `build_run`/`train` itself keeps its own signal handling.
+
+Unlike Ctrl-C, a SIGTERM that arrives during an optimizer step waits for the step to end (`held`): in the middle
+of one the sampler position and the noise generator have moved on while the weights have not, and a checkpoint
+saved there would resume with other batches and noise than the uninterrupted run. A second SIGTERM stops at once.
+Several processes (torchrun passes SIGTERM on to every worker) hold it through the whole loop until the exchange
+after each step (`loop.handle_commands`): each says whether it got one, and all stop after the same step, where
+the checkpoint's collectives meet. Ctrl-C raises wherever each process is, which can leave them in different
+collectives.
+
+The lock (`output_dir_lock`) is an flock on `output_dir/.difftune.lock`, which holds the pid of the run that took
+it. The kernel releases it when that process ends in any way (SIGKILL and the out-of-memory killer included), so a
+lock file left behind is simply taken over; the file itself stays (removing it would let a run that opened it a
+moment earlier lock a file no longer in the folder while a third locks the new one).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK_FILE = ".difftune.lock"
+# A run that has just logged its end may still be closing its trackers and webhooks (the web UI then already
+# offers to start the next run in that folder): it gets this long to let go before the new run gives up.
+LOCK_WAIT_S = 2.0
+
+
+class Terminated(KeyboardInterrupt):
+    """A run stopped by a signal other than Ctrl-C's (SIGTERM)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.reason = f"terminated by {signal.Signals(signum).name}"
+        super().__init__(self.reason)
+
+
+def stop_reason(error: KeyboardInterrupt) -> str:
+    """What the `stopped` event and the interrupted checkpoint say about how the run was stopped."""
+    return error.reason if isinstance(error, Terminated) else "interrupted"
+
+
+# The handler's state. Python runs signal handlers in the main thread, which is also the one that trains.
+_depth = 0  # of `held` blocks
+_pending: int | None = None  # a SIGTERM that arrived inside one
+
+
+def _on_sigterm(signum: int, _frame: object) -> None:
+    global _pending
+    if _depth and _pending is None:
+        _pending = signum
+        return
+    _pending = None
+    raise Terminated(signum)
+
+
+@contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """The command line's `train` and `cache`: SIGTERM raises `Terminated` (a KeyboardInterrupt) while inside;
+    the handler that was there before is put back afterwards."""
+    global _pending
+    _pending = None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def held(on: bool = True) -> Iterator[None]:
+    """Inside (with `on`), a first SIGTERM is held rather than raised in the middle of the work: it is raised when
+    the outermost `held` block ends (also when the block is left by `continue`), or taken earlier with `take_held`.
+    A second one is raised at once. Without `sigterm_stops` installed it changes nothing."""
+    global _depth, _pending
+    if not on:
+        yield
+        return
+    _depth += 1
+    signum = None
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if not _depth:
+            signum, _pending = _pending, None  # an exception from the block goes on instead
+    if signum is not None:
+        raise Terminated(signum)
+
+
+def take_held() -> int | None:
+    """The SIGTERM held so far (its number), if any; it is then no longer held."""
+    global _pending
+    signum, _pending = _pending, None
+    return signum
+
+
+class OutputDirInUse(RuntimeError):
+    """Another live run holds the output_dir's lock."""
+
+
+def _holder(fd: int) -> str:
+    """The pid written in the lock file, as text for the message."""
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return f"pid {text}" if text.isdigit() else "a process that has not written its pid yet"
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextmanager
+def output_dir_lock(output_dir: Path, main: bool | None = None, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold output_dir's lock while inside, or fail (within `wait_s`) with `OutputDirInUse` naming the folder and
+    the other run's pid. Only process 0 of a multi-process run locks (the processes share the folder): `main`, or
+    unset, the process whose RANK (set by torchrun and accelerate launch, before any model or accelerator exists)
+    is 0."""
+    if main is None:
+        main = os.environ.get("RANK", "0") == "0"
+    if not main:
+        yield
+        return
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        try:
+            while not _try_lock(fd):
+                if time.monotonic() >= deadline:
+                    raise OutputDirInUse(
+                        f"output_dir {output_dir.resolve()} is in use by another training run ({_holder(fd)}); wait "
+                        "for it to end or stop it, or choose another output_dir")
+                time.sleep(0.1)
+        except OSError as e:  # a file system without locks (some network mounts): train, but say so
+            print(f"note: output_dir {output_dir} cannot be locked ({e.strerror}); a second run into it would not "
+                  "be refused", file=sys.stderr)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -1,0 +1,165 @@
+"""The output_dir lock and the web UI supervisor's stop of a trainer: real processes, no model (each test takes
+about a second). The full command-line runs (SIGTERM mid-training, a second `difftune train` refused) are in
+tests/test_kill.py and tests/test_train.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from difftune.train.run_lock import LOCK_FILE, LOCK_WAIT_S, OutputDirInUse, output_dir_lock
+from difftune.ui.runs import Forwarder
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from difftune.train.run_lock import output_dir_lock
+with output_dir_lock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(120)
+"""
+
+
+def holder(output_dir: Path) -> subprocess.Popen:
+    """Another process that takes output_dir's lock and keeps it until killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(output_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_live_holder_refuses_and_a_killed_ones_lock_is_taken_over(tmp_path):
+    out = tmp_path / "output"
+    proc = holder(out)
+    try:
+        assert (out / LOCK_FILE).read_text().strip() == str(proc.pid)
+        began = time.monotonic()
+        with pytest.raises(OutputDirInUse) as info, output_dir_lock(out, wait_s=0.5):
+            pass
+        assert 0.5 <= time.monotonic() - began < 5
+        assert str(info.value) == (f"output_dir {out.resolve()} is in use by another training run (pid {proc.pid}); "
+                                   "wait for it to end or stop it, or choose another output_dir")
+        with output_dir_lock(out, main=False):  # a process other than 0 of a multi-process run does not lock
+            pass
+    finally:
+        proc.kill()  # SIGKILL: the lock file stays, with the dead pid in it
+        proc.wait()
+    assert (out / LOCK_FILE).read_text().strip() == str(proc.pid)
+    with output_dir_lock(out):
+        assert (out / LOCK_FILE).read_text().strip() == str(os.getpid())
+        with pytest.raises(OutputDirInUse, match=f"pid {os.getpid()}"), output_dir_lock(out, wait_s=0):
+            pass  # a second lock in the same process is refused too (one lock per open file)
+    with output_dir_lock(out):  # released on leaving: the next run (the web UI's restart) takes it
+        pass
+
+
+def test_the_process_rank_decides_who_locks(tmp_path, monkeypatch):
+    """torchrun and accelerate launch set RANK: only process 0 takes the lock, the others share the folder."""
+    out = tmp_path / "output"
+    proc = holder(out)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        with output_dir_lock(out):
+            pass
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(OutputDirInUse), output_dir_lock(out, wait_s=0):
+            pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_run_that_is_ending_gets_a_moment_to_let_go(tmp_path):
+    """The web UI offers the next start as soon as a run has logged its end, while it may still be closing its
+    trackers: a lock released within LOCK_WAIT_S is taken, not refused."""
+    out = tmp_path / "output"
+    proc = holder(out)
+    try:
+        threading.Timer(0.5, proc.kill).start()
+        began = time.monotonic()
+        with output_dir_lock(out):
+            assert 0.4 < time.monotonic() - began < LOCK_WAIT_S
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: print("saving", flush=True))  # a trainer busy with a long step
+print("up", flush=True)
+time.sleep(120)
+"""
+
+POLITE = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # saves and exits at once
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def child(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def test_kill_from_the_web_ui_passes_sigterm_on_and_then_sigkills(tmp_path):
+    """The supervisor's handler: a trainer that exits on SIGTERM (saving its checkpoint) ends with its own status; one
+    still alive after the grace period, or sent "kill" a second time, is SIGKILLed."""
+    polite = child(POLITE)
+    forward = Forwarder(polite, grace_s=30)
+    forward(signal.SIGTERM)
+    assert forward.wait() == 143
+
+    stubborn = child(STUBBORN)
+    forward = Forwarder(stubborn, grace_s=1.0)
+    began = time.monotonic()
+    forward(signal.SIGTERM)
+    assert stubborn.stdout.readline().strip() == "saving"  # it got the SIGTERM first
+    assert forward.wait() == -signal.SIGKILL
+    assert 1.0 <= time.monotonic() - began < 10
+
+    again = child(STUBBORN)
+    forward = Forwarder(again, grace_s=60)
+    forward(signal.SIGTERM)
+    assert again.stdout.readline().strip() == "saving"
+    forward(signal.SIGTERM)  # kill pressed again: at once
+    began = time.monotonic()
+    assert forward.wait() == -signal.SIGKILL and time.monotonic() - began < 5
+
+
+def test_a_held_sigterm_is_raised_at_the_block_end_and_a_second_one_at_once():
+    from difftune.train.run_lock import Terminated, held, sigterm_stops, take_held
+
+    def term():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs at the next bytecode; this leaves it time
+
+    reached = []
+    with pytest.raises(Terminated, match="terminated by SIGTERM"), sigterm_stops(), held():
+        term()
+        reached.append("after the first")  # held: the block goes on
+    assert reached == ["after the first"]
+
+    with pytest.raises(Terminated), sigterm_stops(), held():
+        term()
+        with held():  # nested (several processes: the whole loop, and each step in it)
+            pass  # leaving an inner block raises nothing
+        reached.append("after the inner block")
+        term()  # a second one: at once
+        reached.append("never")
+    assert reached[-1] == "after the inner block"
+
+    with sigterm_stops(), held():
+        term()
+        assert take_held() == signal.SIGTERM  # taken (the loop's exchange between processes): no longer raised
+    with held():  # no handler of ours installed: nothing to hold
+        assert take_held() is None
