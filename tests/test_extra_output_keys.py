@@ -284,7 +284,8 @@ def test_the_web_ui_never_starts_a_run_with_a_script(tmp_path, monkeypatch):
     client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
     body = {"path": str(root / "config" / "config.json"),
             "config": json.loads((root / "config" / "config.json").read_text()),
-            "datasets": json.loads((root / "config" / "multidatabackend.json").read_text())}
+            "datasets": json.loads((root / "config" / "multidatabackend.json").read_text()),
+            "overwrite": True}  # a save replaces the files write_config wrote
     answer = client.post("/api/config/check", json=body).json()
     assert {(p["key"], "does not start runs that run commands" in p["message"]) for p in answer["problems"]} == {
         ("post_checkpoint_script", True), ("post_upload_script", True)}

@@ -543,3 +543,22 @@ def test_offloaded_gradients_leave_the_training_phase_and_are_the_next_alternati
     assert choice.fits and choice.settings() == {"optimizer_cpu_offload_method": "cpu",
                                                  "optimizer_offload_gradients": True}
     assert choose(plain, None, limit, processes=2).settings().get("optimizer_offload_gradients") is None
+
+
+def test_building_the_measured_model_prints_no_diffusers_cast_warning(tiny_cfg):
+    """diffusers' ModelMixin.to warns "should be kept in float32" on every dtype cast; the wizard's memory step
+    printed it twice between its questions. The planner casts with torch's own `to` and keeps diffusers' fp32
+    modules itself (as from_pretrained(bf16) does), so the model measured is the same."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(handler)
+    try:
+        model = measure.build_real(A.architecture_of(tiny_cfg.train))
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "kept in float32" in r.getMessage()]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

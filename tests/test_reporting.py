@@ -175,6 +175,8 @@ def test_eval_steps_interval_and_num_eval_images(tmp_path, dataset, tiny_clip):
     assert all(list(e["scores"]) == ["validation-32x32", "portrait-32x32"] for e in evaluations)
     samples = [e for e in log if e["event"] == "sample"]
     assert {e["step"] for e in samples} == {2} and len(samples) == 3
+    # `prompt` names each prompt, `text` is the prompt itself (the web UI's captions show it)
+    assert [(e["prompt"], e["text"]) for e in samples] == [(r.name or "validation", r.prompt) for r in run.validation]
     assert len(list((run.output_dir / "validation").glob("*.png"))) == 3
 
 

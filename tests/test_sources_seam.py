@@ -43,7 +43,8 @@ def test_the_web_ui_refuses_remote_types_and_never_downloads(tmp_path, monkeypat
     client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
     body = {"path": str(root / "config" / "config.json"),
             "config": json.loads((root / "config" / "config.json").read_text()),
-            "datasets": json.loads((root / "config" / "multidatabackend.json").read_text())}
+            "datasets": json.loads((root / "config" / "multidatabackend.json").read_text()),
+            "overwrite": True}  # a save replaces the files write_config wrote
     answer = client.post("/api/config/check", json=body).json()
     assert any("type 'csv': the web UI trains local folders only" in p["message"] for p in answer["problems"])
     assert client.put("/api/config", json=body).status_code == 200

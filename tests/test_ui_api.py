@@ -51,7 +51,8 @@ def no_leftovers(tmp_path):
 def body_of(root: Path) -> dict:
     config = json.loads((root / "config" / "config.json").read_text())
     datasets = json.loads((root / "config" / "multidatabackend.json").read_text())
-    return {"path": str(root / "config" / "config.json"), "config": config, "datasets": datasets}
+    return {"path": str(root / "config" / "config.json"), "config": config, "datasets": datasets,
+            "overwrite": True}  # a save replaces the files write_config wrote
 
 
 def test_schema_is_generated_from_the_config_models(client):
@@ -97,7 +98,7 @@ def test_the_eval_entry_form_leaves_out_what_eval_entries_refuse(client, root):
 def test_open_check_and_save(client, root):
     opened = client.get("/api/config", params={"path": str(root / "config" / "config.json")}).json()
     assert opened["ok"] and opened["config"]["model_family"] == "lumina2" and len(opened["datasets"]) == 2
-    body = body_of(root)
+    body = {**body_of(root), "overwrite": False, "opened": opened["versions"]}  # the files this page opened
     body["config"]["learning_rate"] = 5e-5
     saved = client.put("/api/config", json=body).json()
     assert saved["ok"]
@@ -124,6 +125,19 @@ def test_problems_come_at_their_fields_with_the_messages_of_check(client, root):
     result = client.post("/api/config/check", json=body).json()
     [problem] = result["problems"]
     assert problem["key"] is None and {"max_train_steps", "num_train_epochs"} <= set(problem["mentions"])
+
+
+def test_a_family_name_is_not_taken_for_a_key_it_contains(client, root):
+    """"kandinsky5-video" named the key `video`: the page showed the model_family problem in the image
+    dataset's Video block."""
+    from difftune.config.load import split_problem
+
+    body = body_of(root)
+    del body["config"]["model_family"]
+    [problem] = [p for p in client.post("/api/config/check", json=body).json()["problems"] if p["key"] == "model_family"]
+    assert "kandinsky5-video" in problem["message"] and problem["mentions"] == []
+    assert split_problem("c.json: validation_num_video_frames: 9 is too few for image-to-video; lower "
+                         "video.num_frames or --lora_rank", ("c.json",)).mentions == ("video", "lora_rank")
 
 
 def test_start_refuses_a_config_with_problems(client, root):
@@ -163,6 +177,99 @@ def test_paths_stay_inside_the_roots(client, root, tmp_path):
     problems = client.post("/api/config/check", json=body).json()["problems"]
     assert {(p["scope"], p["key"]) for p in problems} == {("config", "output_dir"), ("datasets", "instance_data_dir")}
     assert all("outside the folders" in p["message"] for p in problems)
+
+
+def test_a_save_never_replaces_a_file_the_page_did_not_open(client, root):
+    """"New" proposed config/config.json with config/multidatabackend.json, and Save replaced both without a
+    word. An existing file is replaced only when it is the one the page opened, unchanged since, or when the
+    user confirmed (`overwrite`); otherwise 409 names it and nothing is written."""
+    config_path, data_path = root / "config" / "config.json", root / "config" / "multidatabackend.json"
+    before = data_path.read_text(), config_path.read_text()
+    fresh = {"model_type": "lora", "model_family": "lumina2", "data_backend_config": str(data_path)}
+    new = {"path": str(root / "config" / "other.json"), "config": fresh, "datasets": [{"id": "image"}]}
+    r = client.put("/api/config", json=new)
+    assert r.status_code == 409 and r.json()["conflicts"] == [str(data_path)] and "already exists" in r.json()["error"]
+    assert (data_path.read_text(), config_path.read_text()) == before and not (root / "config" / "other.json").exists()
+    opened = client.get("/api/config", params={"path": str(config_path)}).json()
+    body = {"path": str(config_path), "config": opened["config"], "datasets": opened["datasets"],
+            "opened": opened["versions"]}
+    assert set(opened["versions"]) == {str(config_path), str(data_path)}
+    saved = client.put("/api/config", json=body)
+    assert saved.status_code == 200, saved.text
+    body["opened"] = saved.json()["versions"]  # what the page keeps after its save
+    assert client.put("/api/config", json=body).status_code == 200
+    data_path.write_text(data_path.read_text() + "\n")  # changed by someone else since
+    r = client.put("/api/config", json=body)
+    assert r.status_code == 409 and r.json()["conflicts"] == [str(data_path)]
+    assert client.put("/api/config", json={**body, "overwrite": True}).status_code == 200  # confirmed
+    assert client.put("/api/config", json={**new, "path": str(root / "new" / "config.json"),
+                                           "config": {**fresh, "data_backend_config": str(root / "new" / "ds.json")}}
+                      ).status_code == 200  # new files need no confirmation
+
+
+def test_check_save_and_start_scan_the_datasets_as_difftune_check_does(client, root):
+    """A dataset folder without images passed the page's check ("difftune check accepts this configuration")
+    while `difftune check` refused it and the run failed seconds after it started."""
+    (root / "empty").mkdir()
+    (root / "empty" / "readme.txt").write_text("no images here")
+    good = body_of(root)
+    body = json.loads(json.dumps(good))
+    body["datasets"][0]["instance_data_dir"] = str(root / "empty")
+    typing = client.post("/api/config/check", json=body).json()
+    assert typing["ok"] and not typing["scanned"]  # the check while typing reads no dataset files
+    for answer in (client.post("/api/config/check", json={**body, "scan": True}).json(),
+                   client.put("/api/config", json=body).json()):
+        assert answer["scanned"] and not answer["ok"]
+        [problem] = answer["problems"]
+        assert (problem["scope"], problem["dataset_index"], problem["key"]) == ("datasets", 0, "instance_data_dir")
+        assert "have no usable image or clip" in problem["message"]
+    with pytest.raises(Exception, match="have no usable image or clip"):  # what `difftune check` says
+        from difftune.train.plan import check_data
+        check_data(load_config(root / "config" / "config.json"))
+    r = client.post("/api/runs", json={"path": body["path"]})
+    assert r.status_code == 422 and r.json()["problems"][0]["key"] == "instance_data_dir"
+    assert client.get("/api/runs").json()["runs"] == []
+    checked = client.post("/api/config/check", json={**good, "scan": True}).json()
+    assert checked["ok"] and checked["scanned"]
+
+
+def test_a_dataset_list_that_is_one_object_is_reported_not_emptied(client, root):
+    config_path, data_path = root / "config" / "config.json", root / "config" / "multidatabackend.json"
+    entry = json.loads(data_path.read_text())[0]
+    data_path.write_text(json.dumps(entry))
+    opened = client.get("/api/config", params={"path": str(config_path)}).json()
+    assert not opened["ok"] and opened["datasets"] == []
+    [problem] = opened["problems"]
+    assert problem["scope"] == "datasets-list" and "must be a JSON list of entries, got dict" in problem["message"]
+    assert str(data_path) not in opened["versions"]  # so a save asks before replacing it
+    body = {"path": str(config_path), "config": opened["config"], "datasets": [], "opened": opened["versions"]}
+    r = client.put("/api/config", json=body)
+    assert r.status_code == 409 and r.json()["conflicts"] == [str(data_path)]
+    assert json.loads(data_path.read_text()) == entry
+    r = client.post("/api/runs", json={"path": str(config_path)})
+    assert r.status_code == 422 and "must be a JSON list" in r.json()["problems"][0]["message"]
+
+
+def test_server_start_up_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    """A missing root, a file as root and a port out of range ended in tracebacks; a busy port printed the URL
+    (which opened whatever held the port) before failing."""
+    import socket
+
+    from difftune.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, words in ((["--root", str(tmp_path / "missing")], "is not a folder"),
+                            (["--root", str(tmp_path / "afile")], "is not a folder"),
+                            (["--port", "99999"], "from 1 to 65535"),
+                            (["--port", str(port)], "nothing was started")):
+            assert main(["server", "--state-dir", str(tmp_path / "state"), *args]) == 2
+            out, err = capsys.readouterr()
+            assert err.startswith("error: ") and words in err and "Traceback" not in err, err
+            assert "open http" not in out
 
 
 def test_token_is_enforced_beyond_loopback(root, tmp_path):
@@ -288,6 +395,116 @@ def test_a_reused_pid_is_not_a_live_run(tmp_path):
     assert run.status()[0] == "failed"
 
 
+def _events(pid: int, steps: int, final: str) -> str:
+    events = [{"event": "start", "total_steps": steps, "step": 0, "pid": pid}]
+    events += [{"event": "step", "step": i, "loss": 1.0 / i, "lr": 1e-3, "time": float(i)} for i in range(1, steps + 1)]
+    events += [{"event": "checkpoint", "step": steps, "path": f"checkpoint-{steps}"}, {"event": final, "message": final}]
+    return "".join(json.dumps({"time": time.time(), **e}) + "\n" for e in events)
+
+
+def test_a_past_run_shows_only_its_own_part_of_a_shared_event_log(tmp_path):
+    """Two runs into one output_dir (a re-run with resume_from_checkpoint 'latest'): the first, done at 5/5, once
+    showed the second's 12 steps, its checkpoints and its failure."""
+    from difftune.ui.runs import Registry
+
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    log = out / "events.jsonl"
+    log.write_text(_events(111, 5, "done"))
+    second_offset = log.stat().st_size
+    log.write_text(log.read_text() + _events(222, 12, "error"))
+
+    def add(run_id: str, offset: int, pid: int, exit_info: dict | None) -> None:
+        folder = state / "runs" / run_id
+        folder.mkdir(parents=True)
+        (folder / "run.json").write_text(json.dumps({"id": run_id, "output_dir": str(out), "config_path": "c.json",
+                                                     "started": time.time(), "events_offset": offset}))
+        if exit_info is not None:
+            (folder / "exit.json").write_text(json.dumps({"returncode": 0, "pid": pid, **exit_info}))
+
+    def first() -> dict:
+        return Registry(state, tmp_path).get("a").summary(detail=True)
+
+    add("a", 0, 111, {})  # ended before exit.json recorded where its events end: the next run's start bounds it
+    add("b", second_offset, 222, {})
+    expected = ("done", 5, 5, 5, 1)
+    summary = first()
+    assert (summary["status"], summary["step"], summary["total_steps"], len(summary["losses"]),
+            len(summary["checkpoints"])) == expected
+    assert Registry(state, tmp_path).get("b").summary()["status"] == "failed"
+    for bound in ({"events_end": second_offset}, None):  # the recorded end; another trainer's start event
+        (state / "runs" / "b").rename(state / f"gone-{bound is None}")  # the second ran as `difftune train`
+        (state / "runs" / "a" / "exit.json").unlink()
+        if bound is not None:
+            (state / "runs" / "a" / "exit.json").write_text(json.dumps({"returncode": 0, "pid": 111, **bound}))
+        summary = first()
+        assert (summary["status"], summary["step"], summary["total_steps"], len(summary["losses"]),
+                len(summary["checkpoints"])) == expected
+        add("b", second_offset, 222, {})
+
+
+def test_the_supervisor_records_where_its_runs_events_end(tmp_path, monkeypatch):
+    """The supervisor's exit.json holds the size of events.jsonl when the trainer ended (the trainer here is a
+    stand-in script: the process edge)."""
+    from difftune.ui import runs
+
+    out, folder = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    folder.mkdir()
+    (folder / "run.json").write_text(json.dumps({"id": "r", "output_dir": str(out), "events_offset": 0}))
+    trainer = tmp_path / "trainer.sh"
+    trainer.write_text("#!/bin/sh\necho '{\"event\": \"start\", \"pid\": '$$'}' >> \"$EVENTS\"\n")
+    trainer.chmod(0o755)
+    monkeypatch.setenv("EVENTS", str(out / "events.jsonl"))
+    monkeypatch.setattr(runs.sys, "executable", str(trainer))
+    runs.supervise(folder, "c.json")
+    size = (out / "events.jsonl").stat().st_size
+    assert json.loads((folder / "exit.json").read_text())["events_end"] == size > 0
+    (out / "events.jsonl").write_text((out / "events.jsonl").read_text() + '{"event": "error"}\n')
+    assert runs.Run(folder).status()[0] == "done"
+
+
+def test_a_past_runs_view_has_its_prompts_saves_and_plain_data_errors(tmp_path):
+    """Sample captions once read "step 40 · validation" (the prompt's name), the run lock was offered as an
+    output, and a data error came with a traceback that hid its message."""
+    run = fake_run(tmp_path, [
+        {"event": "start", "total_steps": 9, "step": 0, "pid": 999999999},
+        {"event": "sample", "step": 3, "path": str(tmp_path / "out" / "validation" / "a.png"), "prompt": "validation",
+         "text": "a red circle"},
+        {"event": "checkpoint", "step": 3, "path": str(tmp_path / "out" / "checkpoint-3")},
+        {"event": "error", "message": "DataError: dataset(s) 'image' have no usable image\nthe data report",
+         "traceback": "Traceback (most recent call last): ..."}], pid=999999999, exit_code=2)
+    (tmp_path / "out" / ".difftune.lock").write_text("")
+    (tmp_path / "out" / "pytorch_lora_weights.safetensors").write_text("x")
+    summary = run.summary(detail=True)
+    assert [(s["prompt"], s["text"]) for s in summary["samples"]] == [("validation", "a red circle")]
+    assert summary["checkpoints"] == [{"step": 3, "path": "checkpoint-3"}]
+    assert [o["path"] for o in summary["outputs"]] == ["pytorch_lora_weights.safetensors"]
+    assert summary["status"] == "failed" and summary["message"].endswith("\nthe data report")
+    assert summary["traceback"] is None  # a crash keeps its traceback (test above); a data error needs none
+
+
+def test_a_damaged_or_removed_run_folder_does_not_break_the_run_list(client, root, tmp_path):
+    """A run.json with "started": "abc" made /api/runs answer 500 until the server restarted, even after the
+    folder was removed."""
+    import shutil
+
+    good = fake_run(tmp_path, [], pid=None, exit_code=0)
+    bad = tmp_path / "state" / "runs" / "r2"
+    bad.mkdir(parents=True)
+    shutil.move(str(good.folder), tmp_path / "state" / "runs" / "r1")  # into the registry's folder
+    info = json.loads((tmp_path / "state" / "runs" / "r1" / "run.json").read_text())
+    info["output_dir"] = str(root / "out")
+    (tmp_path / "state" / "runs" / "r1" / "run.json").write_text(json.dumps(info))
+    (bad / "run.json").write_text(json.dumps({**info, "id": "r2", "started": "abc"}))
+    r = client.get("/api/runs")
+    assert r.status_code == 200 and [run["id"] for run in r.json()["runs"]] == ["r1"]
+    assert client.get("/api/runs/r2").status_code == 404
+    shutil.rmtree(tmp_path / "state" / "runs" / "r1")
+    assert client.get("/api/runs").json()["runs"] == [] and client.get("/api/runs/r1").status_code == 404
+    assert client.get("/favicon.ico").status_code == 204  # no 404 in the browser's console on each load
+
+
 # --- real runs on the tiny model ----------------------------------------------------------------------
 
 
@@ -340,3 +557,14 @@ def test_crashes_and_kills_are_reported_as_failed(lumina2_dir, root, tmp_path, n
     os.kill(start["pid"], signal.SIGKILL)  # what the out-of-memory killer does
     run = wait_for(client, killed_id, lambda r: r["status"] == "failed", timeout=30)
     assert "SIGKILL" in run["message"]
+
+
+def test_the_folder_picker_counts_every_type_discovery_reads(client, root):
+    """The picker's count used four image suffixes: a folder of .tif or .gif images said nothing, clips were never
+    counted. It counts what the data layer reads, in the folder itself."""
+    folder = root / "mixed"
+    folder.mkdir()
+    for name in ("a.tif", "b.GIF", "c.avif", "d.png", "e.mp4", "notes.txt"):  # counted by name, as discovery finds
+        (folder / name).write_bytes(b"")
+    listing = client.get("/api/browse", params={"path": str(folder)}).json()
+    assert (listing["images"], listing["clips"]) == (4, 1)

@@ -170,3 +170,41 @@ def test_form_run_watch_stop_and_a_failed_run(page, server):
     shot(page, "5-run-failed")
     assert page.locator("#run-list li .badge.stopped").count() == 1  # the past run is listed too
     assert not errors, errors
+
+
+def test_the_form_offers_what_the_web_ui_can_use(page, server):
+    """Without training: New proposes files that do not exist yet; a config key's problem stays out of the dataset
+    cards (model_family's message names kandinsky5-video, not the key `video`); a local entry shows no aws_*, csv_*
+    or hub keys and offers only type 'local'; an aws entry's secret is a password input; no 404 in the console."""
+    import json
+
+    url, root = server
+    (root / "config").mkdir()
+    (root / "config" / "config.json").write_text("{}")
+    (root / "config" / "multidatabackend.json").write_text("[]")
+    aws = {"id": "bucket", "type": "aws", "aws_bucket_name": "b", "aws_access_key_id": "AKIA",
+           "aws_secret_access_key": "s3cret", "instance_data_dir": str(root / "dl"), "resolution": 64}
+    (root / "config" / "aws-list.json").write_text(json.dumps([aws]))
+    (root / "config" / "aws.json").write_text(json.dumps({"model_family": "lumina2",
+                                                          "data_backend_config": str(root / "config" / "aws-list.json")}))
+    console: list[str] = []
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+    assert page.input_value("#config-path") == f"{root}/config/config-2.json"
+    assert page.input_value(field("data_backend_config")) == f"{root}/config/multidatabackend-2.json"
+    page.wait_for_selector("[data-field=model_family].has-error")  # the check while typing: no family yet
+    card = page.locator(".dataset[data-index='0']")
+    assert card.locator("[data-field=video].has-error").count() == 0
+    assert card.locator("[data-card-error]").inner_text() == ""
+    assert card.locator("[data-field^=aws_], [data-field^=csv_], [data-field=dataset_name]").count() == 0
+    assert card.locator("[name=type] option").all_inner_texts() == ["(default: local)", "local"]
+
+    page.click("#btn-open")  # the picker opens in the config file's folder
+    page.locator("#picker-list li.file", has_text="aws.json").click()
+    page.wait_for_selector("#notice:has-text('opened')")
+    card = page.locator(".dataset[data-index='0']")
+    assert card.locator("[name=aws_secret_access_key]").get_attribute("type") == "password"
+    assert card.locator("[name=aws_bucket_name]").input_value() == "b"
+    assert "local folders only" in page.inner_text("#problems")  # the check says why the web UI will not train it
+    assert not console, console

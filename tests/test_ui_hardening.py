@@ -48,7 +48,8 @@ def client(root, tmp_path, monkeypatch) -> TestClient:
 def body_of(root: Path) -> dict:
     return {"path": str(root / "config" / "config.json"),
             "config": json.loads((root / "config" / "config.json").read_text()),
-            "datasets": json.loads((root / "config" / "multidatabackend.json").read_text())}
+            "datasets": json.loads((root / "config" / "multidatabackend.json").read_text()),
+            "overwrite": True}  # a save replaces the files write_config wrote
 
 
 def problem_keys(answer: dict) -> set[tuple[str, int | None, str | None]]:
@@ -85,6 +86,37 @@ def test_keys_spelled_with_dashes_are_confined(client, root, outside):
     assert not (outside / "out").exists() and not (outside / "vae").exists()
     assert problem_keys(save_and_start(client, body)) == problem_keys(answer)
     load_config(root / "config" / "config.json")  # the loader does read them: this is what the server saw
+
+
+def test_a_home_path_in_a_config_is_confined_as_the_trainer_expands_it(client, root, outside, monkeypatch):
+    """The trainer reads `~/x` as $HOME/x (config/fields.expand_home). The server once took it literally (a
+    folder `~` inside the root): the page checked that dataset list while the run trained on the one in $HOME,
+    and a `~` prompt library was opened outside the roots, telling whether it existed."""
+    monkeypatch.setenv("HOME", str(outside))
+    body = body_of(root)
+    for where in (outside, root / "~"):  # the trainer's reading outside, the literal one inside
+        where.mkdir(exist_ok=True)
+        (where / "ds.json").write_text(json.dumps(body["datasets"]))
+    config = {**body["config"], "data_backend_config": "~/ds.json"}
+    (root / "config" / "config.json").write_text(json.dumps(config))
+    opened = client.get("/api/config", params={"path": body["path"]}).json()
+    assert not opened["ok"] and opened["datasets"] == []
+    refused = [p for p in opened["problems"] if p["key"] == "data_backend_config"]
+    assert len(refused) == 1 and "outside the folders" in refused[0]["message"]
+    started = client.post("/api/runs", json={"path": body["path"]})
+    assert started.status_code == 422 and client.get("/api/runs").json()["runs"] == []
+    assert client.put("/api/config", json={**body, "config": config}).status_code == 403
+    # a file the loader would open: the same answer whether it exists (and what it holds) or not
+    (outside / "bad.json").write_text("not json")
+    (outside / "list.json").write_text("[1]")
+    answers = set()
+    for name in ("bad.json", "list.json", "missing.json"):
+        for key in ("user_prompt_library", "lycoris_config"):
+            check = client.post("/api/config/check", json={**body, "config": {**body["config"], key: f"~/{name}"}})
+            problems = check.json()["problems"]
+            assert [p["key"] for p in problems] == [key], problems
+            answers.add(problems[0]["message"].replace(name, "N"))
+    assert len(answers) == 1 and "outside the folders" in answers.pop()
 
 
 def test_a_dataset_id_with_dot_dot_cannot_escape_through_the_default_cache(client, root):

@@ -3,6 +3,7 @@ that `difftune check` accepts."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from difftune.demo import make_dataset
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extras: pip install -e '.[test]'")
 
-PROMPT = r"\n(\w+)(?: \[[^\r\n]*\])?: "
+PROMPT = r"\n([\w.]+)(?: \[[^\r\n]*\])?: "
 OTHER = [r"GPU memory available, in GB \(0: no GPU\) \[24\]: ", r"Use these settings\? \[Y/n\]: ",
          r"Write these files\? \[Y/n\]: ", r"Go through the questions again .*\[Y/n\]: "]
 
@@ -168,3 +169,174 @@ def test_video_family_asks_for_clips(tmp_path):
     assert "2 clips found" in transcript and "difftune check accepts this configuration." in transcript
     datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
     assert datasets[0]["dataset_type"] == "video"
+
+
+# --- in-process runs: the same Wizard, its stdin answered by key (fast: no new interpreter, no planner) -------
+
+
+def scripted(monkeypatch, answers: dict[str, list[str]], replies: dict[str, list[str]] | None = None) -> list[str]:
+    """Answer `input()` as a terminal user would: a key's prompt from `answers` (Enter when none are left), any
+    other prompt from the first pattern of `replies` it matches (Enter when none are left). Returns the prompts."""
+    import re
+
+    asked: list[str] = []
+    replies = {"GPU memory": ["0"], **(replies or {})}
+
+    def fake_input(prompt: str) -> str:
+        asked.append(prompt)
+        if len(asked) > 200:
+            raise EOFError  # a loop that never ends: cancelled
+        if m := re.fullmatch(r"([\w.]+)(?: \[.*\])?: ", prompt, re.DOTALL):
+            queue = answers.get(m.group(1), [])
+            return queue.pop(0) if queue else ""
+        for pattern, queue in replies.items():
+            if re.search(pattern, prompt):
+                return queue.pop(0) if queue else ""
+        return ""
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    return asked
+
+
+def wizard_run(path: str | None) -> tuple[int, str]:
+    from difftune.ui.wizard import Wizard
+
+    out = io.StringIO()
+    return Wizard(path, out=out).run(), out.getvalue()
+
+
+def test_every_image_type_the_trainer_reads_is_counted_in_sub_folders(tmp_path, dataset, monkeypatch):
+    """.tif (and .gif, .avif, ...) images in a sub-folder: counted as discovery finds them (data layer's
+    IMAGE_EXTENSIONS, sub-folders searched), with a cap on the count; the review accepts the folder."""
+    from PIL import Image
+
+    from difftune.ui import wizard
+
+    sub = tmp_path / "tif" / "part"
+    sub.mkdir(parents=True)
+    for png in sorted(dataset.glob("*.png")):
+        Image.open(png).save(sub / f"{png.stem}.tif")
+        (sub / f"{png.stem}.txt").write_text(png.with_suffix(".txt").read_text())
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "instance_data_dir": ["tif"],
+                           "resolution": ["64"], "max_train_steps": ["5"], "validation_prompt": ["a circle"]},
+             {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "4 images found" in transcript and "difftune check accepts this configuration." in transcript
+    monkeypatch.setattr(wizard, "COUNT_CAP", 2)
+    out = io.StringIO()
+    assert wizard.Wizard(None, out=out).folder_problem("tif") is None
+    assert "more than 2 images found" in out.getvalue()
+    (tmp_path / "empty").mkdir()
+    assert ".tif" in wizard.Wizard(None, out=out).folder_problem("empty")  # the message lists what is read
+
+
+def test_short_clips_get_a_num_frames_that_keeps_them(tmp_path, monkeypatch):
+    """12-frame clips: the default num_frames 61 would leave them all out (and the questions never asked it).
+    The wizard probes the clips, offers 9 (the largest 4k+1 they allow) and asks validation_num_video_frames."""
+    from difftune.data.video import synthetic_clip
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i in range(2):
+        synthetic_clip(clips / f"c{i}.mp4", frames=12 + 4 * i, seed=i)
+        (clips / f"c{i}.txt").write_text("a moving square")
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["3"], "model_flavour": ["tiny-random"],
+                                   "instance_data_dir": ["clips"], "resolution": ["32"], "max_train_steps": ["5"],
+                                   "validation_prompt": ["a square"]}, {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "shortest of 2 clip(s) probed has 12 frame(s) at 24 fps" in transcript
+    assert "video.num_frames [9]: " in asked and "video.bucket_strategy [aspect_ratio]: " in asked
+    assert any(p.startswith("validation_num_video_frames") for p in asked)
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert datasets[0]["video"] == {"num_frames": 9}  # the review (difftune check's checks and scan) accepted it
+
+
+def test_a_dataset_list_of_one_object_is_wrapped_only_when_asked(tmp_path, dataset, monkeypatch):
+    path = write_config(tmp_path, dataset)
+    data = tmp_path / "config" / "multidatabackend.json"
+    entry = json.loads(data.read_text())[0]
+    data.write_text(json.dumps(entry))
+    scripted(monkeypatch, {}, {"Wrap it in a list": ["n"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 2 and "must be a JSON list of entries, got dict" in transcript
+    assert json.loads(data.read_text()) == entry  # refused: the file is untouched
+    scripted(monkeypatch, {}, {"Wrap it in a list": ["y"], "Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    written = json.loads(data.read_text())
+    assert written[0] == entry and [e["dataset_type"] for e in written] == ["image", "text_embeds"]
+
+
+def test_unreadable_files_are_named_and_never_block(tmp_path, dataset, capsys):
+    from difftune.ui.wizard import run_wizard
+
+    bad = tmp_path / "trailing.json"
+    bad.write_text('{"a": 1,\n}')
+    assert run_wizard(str(bad)) == 2
+    err = capsys.readouterr().err
+    assert f"config file {bad}: trailing comma at line 1" in err
+    path = write_config(tmp_path, dataset)
+    (tmp_path / "config" / "multidatabackend.json").write_text("[\n{]")
+    assert run_wizard(str(path)) == 2
+    assert f"dataset list {tmp_path / 'config' / 'multidatabackend.json'}: not valid JSON at line 2" in capsys.readouterr().err
+    assert run_wizard(str(tmp_path)) == 2
+    assert f"{tmp_path}: is a folder; give the path of the config file, a .json file" in capsys.readouterr().err
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert run_wizard(str(fifo)) == 2  # reading it would wait for a writer forever
+    assert "not a regular file" in capsys.readouterr().err
+
+
+def test_unknown_keys_can_be_renamed_or_dropped_so_the_review_passes(tmp_path, dataset, monkeypatch):
+    path = write_config(tmp_path, dataset, learnig_rate=2e-4, dataset={"zzz_unheard_of": 1})
+    config = json.loads(path.read_text())
+    del config["learning_rate"]
+    path.write_text(json.dumps(config))
+    asked = scripted(monkeypatch, {}, {"Use these settings": ["y"], "Rename": ["y"], "Drop": ["y"],
+                                       "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "unknown key 'learnig_rate'; did you mean 'learning_rate'?" in transcript
+    assert "Rename learnig_rate to learning_rate (its value kept)? [Y/n]: " in asked
+    assert "Drop zzz_unheard_of (its value 1)? [Y/n]: " in asked
+    assert json.loads(path.read_text())["learning_rate"] == 2e-4
+    assert "zzz_unheard_of" not in json.loads((tmp_path / "config" / "multidatabackend.json").read_text())[0]
+
+
+def test_only_local_caption_strategies_and_simpletuner_family_names(tmp_path, dataset, monkeypatch):
+    """The wizard writes `type: local` entries: parquet, huggingface and csv captions cannot work there, so they
+    are not offered; instanceprompt asks the prompt. kandinsky5_image is SimpleTuner's kandinsky5-image."""
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["kandinsky5_image"], "model_flavour": ["tiny-random"],
+                                   "instance_data_dir": ["images"], "caption_strategy": ["parquet", "3"],
+                                   "instance_prompt": ["a photo of sks"], "resolution": ["64"],
+                                   "max_train_steps": ["5"], "validation_prompt": ["a circle"]},
+                     {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "choose a number from 1 to 3, or one of: textfile, filename, instanceprompt" in transcript
+    assert "instance_prompt: " in asked
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert config["model_family"] == "kandinsky5-image"
+    assert datasets[0]["caption_strategy"] == "instanceprompt" and datasets[0]["instance_prompt"] == "a photo of sks"
+
+
+def test_a_new_config_beside_an_existing_dataset_list_edits_that_list(tmp_path, dataset, monkeypatch):
+    """No config.json yet, but config/multidatabackend.json exists: its entries are kept (the questions edit its
+    trained dataset), never replaced by a fresh list."""
+    write_config(tmp_path, dataset, extra_datasets=[{"id": "kept", "type": "local", "dataset_type": "image",
+                                                     "instance_data_dir": str(dataset), "disabled": True}])
+    (tmp_path / "config" / "config.json").unlink()
+    before = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "validation_prompt": ["x"]},
+             {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "config/multidatabackend.json exists: its entries are kept" in transcript
+    assert json.loads((tmp_path / "config" / "multidatabackend.json").read_text()) == before

@@ -31,21 +31,24 @@ def aws_value_set(value: Any) -> bool:
 
 
 class AwsSource(BaseModel):
-    """The keys of a type 'aws' dataset entry (a mixin of ImageDataset)."""
+    """The keys of a type 'aws' dataset entry (a mixin of ImageDataset). All are advanced, as the csv and
+    huggingface keys are: a local entry, the usual one, has no use for them (forms list basic keys first)."""
 
     aws_bucket_name: str | None = field(
         None, "Type 'aws': the name of the S3 bucket holding the images (or clips), without s3:// (the place inside "
-        "it is aws_data_prefix). Required for type 'aws'.", "data",
+        "it is aws_data_prefix). Required for type 'aws'.", "data", advanced=True,
     )
     aws_data_prefix: str = field(
         "", "Type 'aws': where the images are inside the bucket, as a key prefix such as 'photos/cats' (empty: the "
         "whole bucket). It is read as a folder ('photos/cats' and 'photos/cats/' are the same). Every image (or "
         "clip) under it is downloaded into instance_data_dir with its key below the prefix as its name, sub-folders "
         "kept; with caption_strategy 'textfile', the .txt of the same name beside each image comes too.", "data",
+        advanced=True,
     )
     aws_endpoint_url: str | None = field(
         None, "Type 'aws': the address of an S3-compatible store (MinIO, Cloudflare R2, Backblaze B2, ...), an "
         "http(s) URL. Empty: AWS S3 itself (or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL when set).", "data",
+        advanced=True,
     )
     aws_region_name: str | None = field(
         None, "Type 'aws': the bucket's region (with an S3-compatible store, the region it signs for, e.g. 'auto' "
@@ -55,11 +58,11 @@ class AwsSource(BaseModel):
     aws_access_key_id: str | None = field(
         None, "Type 'aws': the access key id, with aws_secret_access_key. Empty: boto3 finds the credentials "
         "itself (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE and ~/.aws/credentials, an instance "
-        "role), which keeps them out of the config; SimpleTuner requires them here.", "data",
+        "role), which keeps them out of the config; SimpleTuner requires them here.", "data", advanced=True,
     )
     aws_secret_access_key: str | None = field(
         None, "Type 'aws': the secret access key, with aws_access_key_id (never printed: messages mask it).",
-        "data",
+        "data", advanced=True,
     )
     aws_session_token: str | None = field(
         None, "Type 'aws': a session token for temporary credentials, with aws_access_key_id and "

@@ -212,7 +212,8 @@ def build_real(arch: Any, **changes: Any) -> torch.nn.Module:
         config.setdefault("attention_type", "regular")
     with no_init():
         model = cls.from_config(config)
-    model.to(torch.bfloat16)
+    # diffusers' own `to` warns about its fp32 modules (printed in the middle of the wizard): kept just below
+    torch.nn.Module.to(model, torch.bfloat16)
     for name, module in model.named_modules():  # diffusers' _keep_in_fp32_modules rule (bench_memory.on_meta)
         if any(k in name.split(".") for k in getattr(model, "_keep_in_fp32_modules", None) or []):
             module.to(torch.float32)

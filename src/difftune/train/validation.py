@@ -217,8 +217,10 @@ def _write(run: Run, folder: Path, label: str, request: SampleRequest, result: A
     written.append(path)
     numbered = {"image": f"{index + 1}of{count}"} if count > 1 else {}  # trackers tag each image apart
     for item in written:
+        # `prompt` names the prompt (the library's name, "validation"); `text` is what was asked for ("": none)
         run.events.emit("sample", step=run.state.step, path=str(item), prompt=request.name or "validation",
-                        ema=bool(suffix), size=sample_size(request), seed=request.seed, **numbered)
+                        text=request.prompt, ema=bool(suffix), size=sample_size(request), seed=request.seed,
+                        **numbered)
     base = folder / file_name(BASE_LABEL, request, "", index, count)
     # validation_randomize: the base sample had another seed, a comparison would mislead
     if label != BASE_LABEL and not run.cfg.disable_benchmark and not run.cfg.validation_randomize and base.is_file():

@@ -95,14 +95,32 @@ def dataset_fields() -> dict[str, dict[str, Any]]:
     kinds = {kind: describe_model(model) for kind, model in DATASET_MODELS.items()}
     if "eval" in kinds:
         kinds["eval"]["fields"] = [f for f in kinds["eval"]["fields"] if f["name"] not in TRAINING_ONLY]
+    for kind, model in DATASET_MODELS.items():
+        _mark_sources(model, kinds[kind]["fields"])
     return kinds
+
+
+def _mark_sources(model: type[BaseModel], fields: list[dict[str, Any]]) -> None:
+    """`source`: the entry type ('aws', 'csv', 'huggingface') a key of `model` belongs to, so that a form shows it
+    only for that type; `secret`: a credential, typed into a password input."""
+    from difftune.config.source_aws_keys import AWS_SECRET_KEYS, AwsSource
+    from difftune.config.source_csv_keys import CsvSource
+    from difftune.config.source_huggingface_keys import HuggingfaceSource
+
+    sources = {"aws": AwsSource, "csv": CsvSource, "huggingface": HuggingfaceSource}
+    mixins = {name: mixin for name, mixin in sources.items() if issubclass(model, mixin)}
+    for f in fields:
+        f["source"] = next((name for name, mixin in mixins.items() if f["name"] in mixin.model_fields), None)
+        f["secret"] = f["name"] in AWS_SECRET_KEYS and "aws" in mixins
 
 
 def form_schema() -> dict[str, Any]:
     """Everything the page needs to build its forms."""
     from difftune.models.registry import FAMILY_FACTS
+    from difftune.ui.confine import WEB_TYPES
 
     return {
+        "web_types": list(WEB_TYPES),  # the dataset entry types the page offers (the others need the command line)
         "groups": list(GROUPS),
         "train": train_fields(),
         "datasets": dataset_fields(),

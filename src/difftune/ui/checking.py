@@ -6,8 +6,10 @@ loader touches the filesystem. It reads nothing that confinement has not passed 
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ def datasets_location(roots: Roots, config_path: Path, config: dict[str, Any]) -
     value = clean_keys(config).get(DATASETS_KEY, DEFAULT_DATASETS)
     if not isinstance(value, str) or not value:
         value = str(config_path.parent / "multidatabackend.json")
-    return roots.confine(value, expand_user=False)
+    return roots.confine_config(value)
 
 
 def _unexpected(where: Path, e: Exception) -> str:
@@ -63,10 +65,36 @@ def _load(tmp_cfg: Path, tmp_data: Path) -> tuple[RunConfig | None, Any, list[st
     return run_cfg, plan, problems
 
 
-def check(roots: Roots, config_path: Path, config: dict[str, Any],
-          datasets: list[Any]) -> tuple[dict[str, Any], RunConfig | None]:
+_EMPTY = re.compile(r"dataset\(s\) ((?:'(?:[^'\\]|\\.)*'(?:, )?)+) have no usable")
+
+
+def scan_problems(run_cfg: RunConfig, data_where: str) -> list[str]:
+    """What `difftune check` says of the datasets' files (train/plan.discover_all: each dataset has a usable
+    file and training has a bucket), without writing metadata or downloading. A dataset without usable files
+    is named at its folder, so that the page shows it in that dataset's card."""
+    from difftune.train.plan import DataError, discover_all
+
+    try:
+        discover_all(run_cfg, write_metadata=False, fetch=False)
+    except DataError as e:
+        text = str(e)
+        first = text.split("\n", 1)[0]
+        if (m := _EMPTY.match(first)) is not None:
+            ids = [ast.literal_eval(i) for i in re.findall(r"'(?:[^'\\]|\\.)*'", m.group(1))]
+            return [f"{data_where}: dataset {i!r}: instance_data_dir: {first}" for i in ids]
+        return [f"{data_where}: {text}"]
+    except Exception as e:  # noqa: BLE001 - see _unexpected
+        return [_unexpected(Path(data_where), e)]
+    return []
+
+
+def check(roots: Roots, config_path: Path, config: dict[str, Any], datasets: Any,
+          scan: bool = False) -> tuple[dict[str, Any], RunConfig | None]:
     """Validate with `load_config` (the same messages as `difftune check`, files in a temp folder), and
-    confine every path the run would use. Returns the answer for the page and the parsed config."""
+    confine every path the run would use. `datasets`: the dataset list as read (anything but a list gets the
+    loader's own problem). `scan`: also scan the datasets' files as `difftune check` does, once everything
+    else passes (Check, Save and Start; the check while typing leaves it out). Returns the answer for the page
+    and the parsed config."""
     problems: list[str] = []
     try:
         data_path = datasets_location(roots, config_path, config)
@@ -76,10 +104,11 @@ def check(roots: Roots, config_path: Path, config: dict[str, Any],
         problems.append(f"{config_path}: {DATASETS_KEY}: {e}")
         data_path = config_path.parent / "(outside the roots)"
     cfg_where, data_where = str(config_path), str(data_path)
-    raw, refused, cfg, entries = raw_pass(roots, config, datasets, cfg_where, data_where)
+    listed = datasets if isinstance(datasets, list) else []
+    raw, refused, cfg, entries = raw_pass(roots, config, listed, cfg_where, data_where)
     with tempfile.TemporaryDirectory(prefix="difftune-ui-") as tmp:
         tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
-        tmp_data.write_text(json.dumps(entries))
+        tmp_data.write_text(json.dumps(entries if isinstance(datasets, list) else datasets))
         if isinstance(cfg.get(DATASETS_KEY, ""), str):
             cfg[DATASETS_KEY] = str(tmp_data)
         tmp_cfg.write_text(json.dumps(cfg))
@@ -87,13 +116,16 @@ def check(roots: Roots, config_path: Path, config: dict[str, Any],
         loaded = [p.replace(str(tmp_cfg), cfg_where).replace(str(tmp_data), data_where) for p in loaded]
     family = run_cfg.train.model_family if run_cfg else cfg.get("model_family")
     family = family if isinstance(family, str) and family in FAMILY_FACTS else None
-    listed = {e.get("id") for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)}
-    parsed = parsed_problems(roots, run_cfg.train if run_cfg else None, plan, family, cfg_where, data_where, listed)
+    ids = {e.get("id") for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)}
+    parsed = parsed_problems(roots, run_cfg.train if run_cfg else None, plan, family, cfg_where, data_where, ids)
     # a refused key was taken out before loading: what the loader or the defaults say about it is noise
     later = [p for p in loaded + parsed if not any(p.startswith(r) for r in refused)]
     problems = list(dict.fromkeys(problems + raw + later))
-    answer = {"ok": not problems, "config_path": cfg_where, "datasets_path": data_where,
-              "problems": [structured(p, config_path, data_path, datasets) for p in problems]}
+    scanned = scan and not problems and run_cfg is not None
+    if scanned:  # every path the scan reads has passed confinement above
+        problems = scan_problems(run_cfg, data_where)
+    answer = {"ok": not problems, "scanned": scanned, "config_path": cfg_where, "datasets_path": data_where,
+              "problems": [structured(p, config_path, data_path, listed) for p in problems]}
     return answer, (run_cfg if not problems else None)
 
 

@@ -35,6 +35,7 @@ from difftune.ui import dataset_fields, train_fields
 from difftune.ui.paths import MAX_READ_BYTES, PathRefused, Roots, local_value
 
 DATASETS_KEY = "data_backend_config"  # confined by the server: it names the file the page writes
+WEB_TYPES = ("local",)  # dataset entry types the web UI trains (form_schema offers only these)
 
 
 def caption_table_path(roots: Roots, ds: ImageDataset) -> str | None:
@@ -73,7 +74,7 @@ def value_problem(roots: Roots, value: Any, spec: dict[str, Any], read_here: boo
     try:
         if not local_value(roots, value, spec["remote_ok"]):
             return None
-        path = roots.confine(value, expand_user=False)
+        path = roots.confine_config(value)
     except PathRefused as e:
         return str(e)
     return special_problem(path, read_here)
@@ -169,7 +170,7 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
             _walk(roots, ds.model_dump(), kinds[ds.dataset_type]["fields"], where, "", problems, refused, False)
         if not isinstance(ds, ImageDataset):
             continue
-        if ds.type != "local":  # a download (credentials, a folder filled from outside) is the command line's job
+        if ds.type not in WEB_TYPES:  # a download (credentials, a folder filled from outside) is the command line's job
             problems.append(f"{where}: type {ds.type!r}: the web UI trains local folders only; download the dataset "
                             "with `difftune check` and use type 'local' with its folder, or start this run with "
                             "`difftune train`")
@@ -189,7 +190,7 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
 
 def _default(roots: Roots, value: str, where: str, hint: str) -> list[str]:
     try:
-        roots.confine(value, expand_user=False)
+        roots.confine_config(value)
     except PathRefused as e:
         return [f"{where}: {e}{hint}"]
     return []

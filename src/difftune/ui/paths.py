@@ -40,8 +40,8 @@ class Roots:
     def absolute(self, raw: str | Path, expand_user: bool = True) -> Path:
         """The path as the trainer would see it (relative to base), without resolving symlinks.
 
-        `expand_user`: take a leading `~` as the home folder (paths typed into the page). Paths inside
-        a config are not expanded: the trainer does not expand them either (`~/x` is a folder `~`).
+        `expand_user`: take a leading `~` as the home folder (paths typed into the page). False: take it
+        literally. A path from a config or dataset list goes through `confine_config`, which checks both.
         """
         text = str(raw)
         if "\x00" in text:
@@ -77,6 +77,20 @@ class Roots:
             where = " (a symlink leads outside)" if resolved != path and _lexically_inside(path, self.roots) else ""
             raise PathRefused(self._outside(raw, where))
         return resolved
+
+    def confine_config(self, raw: str | Path) -> Path:
+        """`confine` for a path a config or dataset list gives, as the trainer reads it: its path keys expand
+        a leading `~` as the shell does (config/fields.expand_home), a few keys take it literally (a folder
+        `~` under the working folder). Both readings must lie inside the roots, so neither the trainer nor
+        the loader is ever given a path outside them, and the answer for one outside is the same whether it
+        exists or not. Returns the expanded reading, the one the trainer uses for the dataset list."""
+        from difftune.config.fields import expand_home
+
+        literal = self.confine(raw, expand_user=False)
+        expanded = expand_home(str(raw))
+        if expanded == str(raw):
+            return literal
+        return self.confine(expanded, expand_user=False)  # refused in the words of the expanded path
 
     def _outside(self, raw: str | Path, where: str = "") -> str:
         return (f"{str(raw)!r} is outside the folders this server may use{where}; "

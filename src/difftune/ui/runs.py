@@ -5,7 +5,8 @@ process), `log.txt` (the trainer's stdout and stderr) and, once the trainer has 
 (its exit status). The trainer runs under a small supervisor process (`python -m difftune.ui.runs`)
 in its own session: closing the browser or stopping the server does not stop it, and the exit status
 is recorded even when nobody is watching. Progress comes from the trainer's own `events.jsonl`, read
-from the offset it had when the run started (an output_dir may hold the log of earlier runs).
+from the offset it had when the run started to where the run ended (an output_dir holds the log of
+every run into it: see Run.read_events).
 
 Status: `starting` (process up, no start event yet), `running`, `stopping` (a stop was sent),
 `done`, `stopped`, or `failed`: an error event, or a process that ended without a final event
@@ -14,7 +15,9 @@ Status: `starting` (process up, no start event yet), `running`, `stopping` (a st
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import re
 import secrets
@@ -30,10 +33,14 @@ import psutil
 
 from difftune.train.commands import send_command
 
+log = logging.getLogger("difftune.ui")
 TERMINAL = {"done": "done", "stopped": "stopped", "error": "failed"}
 MEDIA = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".mp4", ".webm")
 MAX_CURVE_POINTS = 1000
 SPEED_FIELDS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib")  # of the "step" event
+# the errors `difftune train` prints as one "error: ..." line (cli.main): their message says what to fix, and a
+# traceback would only hide it
+USER_ERRORS = ("ConfigError", "DataError", "NothingToTrain", "ComponentError", "CheckpointError", "HubAccessError")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -84,22 +91,59 @@ def tail_lines(path: Path, count: int = 40, max_bytes: int = 65536) -> list[str]
     return [line for line in lines if line.strip()][-count:]
 
 
+def _info_problem(info: dict[str, Any]) -> str | None:
+    """Why a run.json cannot be used (a hand-edited or damaged one), or None: each field's type is checked
+    here, so that nothing later (the sort by start time, the event offsets) fails on it."""
+    def number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    checks = {"id": isinstance(info.get("id"), str) and info.get("id"),
+              "output_dir": isinstance(info.get("output_dir"), str) and info.get("output_dir"),
+              "events_offset": isinstance(info.get("events_offset", 0), int) and info.get("events_offset", 0) >= 0,
+              "started": number(info.get("started", 0)),
+              "pid": info.get("pid") is None or isinstance(info.get("pid"), int),
+              "pid_started": info.get("pid_started") is None or number(info.get("pid_started"))}
+    bad = [key for key, ok in checks.items() if not ok]
+    return f"{', '.join(bad)}: missing or of the wrong type" if bad else None
+
+
 class Run:
     def __init__(self, folder: Path):
         self.folder = folder
         info = _read_json(folder / "run.json")
         if info is None:
             raise ValueError(f"{folder}: no readable run.json")
+        if (problem := _info_problem(info)) is not None:
+            raise ValueError(f"{folder / 'run.json'}: {problem}")
         self.info = info
         self.id: str = info["id"]
         self.output_dir = Path(info["output_dir"])
         self.events_path = self.output_dir / "events.jsonl"
         self._pos = int(info.get("events_offset", 0))
         self._partial = b""
+        self._closed = False  # the rest of the log belongs to later runs
+        self.next_offset: int | None = None  # where the next run into this output_dir starts (Registry sets it)
         self.events: list[dict[str, Any]] = []
 
     # --- reading
+    def _events_end(self) -> int | None:
+        """Where this run's slice of events.jsonl ends: an output_dir is shared by every run into it (a re-run
+        with resume_from_checkpoint 'latest' reuses it), and a past run must not show the later runs' status,
+        steps and samples. The supervisor records the log's size when the trainer ends; a run that ended
+        without that record stops where the next run began."""
+        end = (self.exit_info() or {}).get("events_end")
+        return end if isinstance(end, int) and not isinstance(end, bool) else self.next_offset
+
+    def _trainer_pid(self) -> int | None:
+        pid = (self.exit_info() or {}).get("pid")
+        if isinstance(pid, int):
+            return pid
+        return next((e.get("pid") for e in self.events if e["event"] == "start"), None)
+
     def read_events(self) -> list[dict[str, Any]]:
+        if self._closed:
+            return self.events
+        end = self._events_end()
         try:  # non-blocking and regular files only: a FIFO put in output_dir must not stall the server
             fd = os.open(self.events_path, os.O_RDONLY | os.O_NONBLOCK)
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -110,7 +154,7 @@ class Run:
                 if f.tell() < self._pos:  # the log was replaced: read it again from the start
                     self._pos, self._partial, self.events = 0, b"", []
                 f.seek(self._pos)
-                data = f.read()
+                data = f.read() if end is None else f.read(max(0, end - self._pos))
                 self._pos = f.tell()
         except OSError:
             return self.events
@@ -121,8 +165,14 @@ class Run:
                 event = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(event, dict) and isinstance(event.get("event"), str):
-                self.events.append(event)
+            if not (isinstance(event, dict) and isinstance(event.get("event"), str)):
+                continue
+            if event["event"] == "start" and (pid := self._trainer_pid()) is not None and event.get("pid") != pid:
+                self._closed = True  # another trainer's start (`difftune train` into the same output_dir)
+                break
+            self.events.append(event)
+        if end is not None and self._pos >= end:
+            self._closed = True
         return self.events
 
     def exit_info(self) -> dict[str, Any] | None:
@@ -204,8 +254,9 @@ class Run:
                 if total and status in ("running", "stopping"):
                     out["eta_s"] = max(0.0, (total - window[-1]["step"]) / out["its"])
         samples = [e for e in events if e["event"] == "sample"]
-        out["samples"] = [{"step": e.get("step"), "prompt": e.get("prompt"), "path": self.relative(e.get("path"))}
-                          for e in samples if self.relative(e.get("path"))]
+        # prompt: the prompt's name ("validation", a library name); text: the prompt itself (older runs: None)
+        out["samples"] = [{"step": e.get("step"), "prompt": e.get("prompt"), "text": e.get("text"),
+                           "path": self.relative(e.get("path"))} for e in samples if self.relative(e.get("path"))]
         if not detail:
             out["last_sample"] = out["samples"][-1] if out["samples"] else None
             del out["samples"]
@@ -225,7 +276,8 @@ class Run:
         out["messages"] = [{"event": e["event"], "message": e.get("message") or e.get("text") or e.get("command")}
                            for e in events if e["event"] in ("info", "warning", "data_report", "command")][-50:]
         error = next((e for e in reversed(events) if e["event"] == "error"), None)
-        out["traceback"] = error.get("traceback") if error else None
+        user_error = error is not None and str(error.get("message", "")).startswith(tuple(f"{n}:" for n in USER_ERRORS))
+        out["traceback"] = error.get("traceback") if error and not user_error else None
         out["log_tail"] = self.log_tail() if status in ("failed", "starting") or detail else []
         out["outputs"] = self.outputs()
         return out
@@ -248,7 +300,9 @@ class Run:
             except OSError:
                 continue
             for entry in entries:
-                if entry.is_file() and not entry.is_symlink() and entry.name != "events.jsonl":
+                # not the event log, nor hidden files (the run lock .difftune.lock, temporary files)
+                if entry.is_file() and not entry.is_symlink() and entry.name != "events.jsonl" \
+                        and not entry.name.startswith("."):
                     if folder == self.output_dir or entry.suffix.lower() in MEDIA:
                         found.append({"path": self.relative(str(entry)), "size": entry.stat().st_size})
         return found
@@ -263,15 +317,32 @@ class Registry:
         self.base = base
         self.runs: dict[str, Run] = {}
         self.children: dict[str, subprocess.Popen] = {}
+        self.unreadable: set[str] = set()
         self.reload()
 
     def reload(self) -> None:
+        for run_id in [r for r, run in self.runs.items() if not (run.folder / "run.json").exists()]:
+            del self.runs[run_id]  # its folder was removed: the run is no longer listed
         for folder in sorted(self.dir.iterdir()):
             if folder.name not in self.runs and (folder / "run.json").exists():
                 try:
                     self.runs[folder.name] = Run(folder)
-                except (ValueError, KeyError):
+                except (ValueError, KeyError) as e:
+                    if folder.name not in self.unreadable:  # said once; the run is left out of the list
+                        self.unreadable.add(folder.name)
+                        log.warning("left out run %s: %s", folder.name, e)
                     continue
+        self._bound_slices()
+
+    def _bound_slices(self) -> None:
+        """Each run's slice of a shared events.jsonl ends where the next run into that output_dir began."""
+        by_dir: dict[str, list[Run]] = {}
+        for run in self.runs.values():
+            by_dir.setdefault(str(run.output_dir), []).append(run)
+        for runs in by_dir.values():
+            runs.sort(key=lambda r: (int(r.info.get("events_offset", 0)), r.info.get("started", 0)))
+            for run, later in itertools.pairwise(runs):
+                run.next_offset = int(later.info.get("events_offset", 0))
 
     def reap(self) -> None:
         for run_id, child in list(self.children.items()):
@@ -285,7 +356,7 @@ class Registry:
 
     def get(self, run_id: str) -> Run | None:
         self.reap()
-        if run_id not in self.runs:
+        if run_id not in self.runs or not (self.runs[run_id].folder / "run.json").exists():
             self.reload()
         return self.runs.get(run_id)
 
@@ -378,7 +449,13 @@ def supervise(folder: Path, config_path: str) -> int:
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
         code = forward.wait()
-    _write_json(folder / "exit.json", {"returncode": code, "time": time.time(), "pid": child.pid})
+    try:  # where this run's events end: later runs into the same output_dir append theirs (Run.read_events)
+        output_dir = Path(json.loads((folder / "run.json").read_text())["output_dir"])
+        events_end: int | None = (output_dir / "events.jsonl").stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):
+        events_end = None
+    _write_json(folder / "exit.json", {"returncode": code, "time": time.time(), "pid": child.pid,
+                                       "events_end": events_end})
     return 0
 
 

@@ -15,6 +15,8 @@ bounded size: a FIFO or a device named in a config cannot stall the server. Erro
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -22,6 +24,7 @@ import logging
 import mimetypes
 import os
 import secrets
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from difftune.config.load import ConfigError
 from difftune.files import as_created
 from difftune.ui import form_schema
 from difftune.ui.checking import check, datasets_location
@@ -57,6 +61,17 @@ class ConfigBody(BaseModel):
     path: str = Field(..., max_length=4096)
     config: dict[str, Any]
     datasets: list[Any] = []
+
+
+class CheckBody(ConfigBody):
+    scan: bool = False  # scan the datasets' files too (the Check button; not the check while typing)
+
+
+class SaveBody(ConfigBody):
+    # path -> version (`_version`) of each file as the page opened it: a file that exists is replaced only
+    # when it is the one the page opened, unchanged since, or when the user confirmed (`overwrite`)
+    opened: dict[str, str] = Field(default_factory=dict, max_length=16)
+    overwrite: bool = False
 
 
 class PlanBody(ConfigBody):
@@ -116,6 +131,14 @@ def _read_json(path: Path, what: str) -> Any:
         raise ApiError(422, f"{path}: cannot use it as the {what}: {e}") from e
     except OSError as e:
         raise ApiError(400, f"{path}: cannot read the {what}: {e.strerror or e}") from e
+
+
+def _version(path: Path) -> str | None:
+    """A digest of the file's bytes, to tell whether it is still the one the page opened (None: not readable)."""
+    try:
+        return hashlib.sha256(read_regular(path)).hexdigest()
+    except (OSError, NotReadable):
+        return None
 
 
 def _writable(target: Path) -> None:
@@ -230,6 +253,10 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     async def index():
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
+    @app.get("/favicon.ico")
+    async def favicon():  # browsers ask on every page load; no icon, and no 404 in their console
+        return Response(status_code=204)
+
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     # --- schema, roots, folders
@@ -257,10 +284,16 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                 entries.append({"name": entry.name, "path": str(entry), "kind": "folder"})
             elif files:
                 entries.append({"name": entry.name, "path": str(entry), "kind": "file"})
-        images = sum(1 for e in folder.iterdir() if e.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+        # the types discovery reads (the data layer, which imports torch: not at server start); this folder only,
+        # a picker answer must not walk a whole tree
+        from difftune.data.discovery import VIDEO_SUFFIXES
+        from difftune.data.images import IMAGE_EXTENSIONS
+
+        images = sum(1 for e in folder.iterdir() if e.suffix.lower() in IMAGE_EXTENSIONS)
+        clips = sum(1 for e in folder.iterdir() if e.suffix.lower() in VIDEO_SUFFIXES)
         parent = folder.parent if folder.parent != folder and confined.inside(folder.parent) else None
         return {"path": str(folder), "parent": str(parent) if parent else None, "entries": entries,
-                "images": images}
+                "images": images, "clips": clips}
 
     # --- configurations (plain functions: FastAPI runs them in a worker thread, off the event loop)
     def read_config(config_path: Path) -> dict[str, Any]:
@@ -273,27 +306,31 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     def open_config(path: str):
         config_path = confined.confine(path)
         config = read_config(config_path)
-        datasets: list[Any] = []
+        loaded: Any = []
         try:
             data_path = datasets_location(confined, config_path, config)
         except PathRefused:
             data_path = None  # the check below shows the problem at data_backend_config
         if data_path is not None and data_path.is_file():
             loaded = _read_json(data_path, "dataset list")
-            datasets = loaded if isinstance(loaded, list) else []
-        result, _ = check(confined, config_path, config, datasets)
-        return {"path": str(config_path), "config": config, "datasets": datasets, **result}
+        result, _ = check(confined, config_path, config, loaded, scan=True)
+        # a dataset list that is not a list is shown with the loader's problem and no entries; it is left out of
+        # the opened versions, so that a save asks before replacing it
+        opened = [config_path] + ([data_path] if data_path is not None and isinstance(loaded, list) else [])
+        versions = {str(p): v for p in opened if (v := _version(p)) is not None}
+        return {"path": str(config_path), "config": config, "datasets": loaded if isinstance(loaded, list) else [],
+                "versions": versions, **result}
 
     @app.post("/api/config/check")
-    def check_config(body: ConfigBody):
-        return check(confined, confined.confine(body.path), body.config, body.datasets)[0]
+    def check_config(body: CheckBody):
+        return check(confined, confined.confine(body.path), body.config, body.datasets, scan=body.scan)[0]
 
     @app.post("/api/config/plan")
     def plan_config(body: PlanBody):
         """`difftune plan` on the config being edited: the predicted peak per phase and, with gpu_memory, the
         cheapest settings that fit (`plan.choice.settings`: keys the form sets). Only a config that passes the
         check is planned; its datasets are scanned as `check` scans them (without writing metadata)."""
-        answer, run_cfg = check(confined, confined.confine(body.path), body.config, body.datasets)
+        answer, run_cfg = check(confined, confined.confine(body.path), body.config, body.datasets, scan=True)
         if run_cfg is None:
             return {**answer, "plan": None}
         from difftune.memory_plan.levers import choose
@@ -310,8 +347,9 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         return {**answer, "plan": as_json(prediction, choice)}
 
     @app.put("/api/config")
-    def save_config(body: ConfigBody):
-        """Everything is checked before the first byte is written: both targets, their folders, the check."""
+    def save_config(body: SaveBody):
+        """Everything is checked before the first byte is written: both targets, their folders, that an existing
+        file is the one the page opened (409 with `conflicts` otherwise, unless `overwrite`), the check."""
         config_path = confined.confine(body.path)
         if config_path.suffix != ".json":
             raise ApiError(400, f"{body.path!r}: a config file name ends with .json")
@@ -322,10 +360,17 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             raise ApiError(400, "data_backend_config names the config file itself; give the dataset list its own file")
         for target in (config_path, data_path):
             _writable(target)
-        result, _ = check(confined, config_path, body.config, body.datasets)
+        conflicts = [str(t) for t in (config_path, data_path)
+                     if t.exists() and not body.overwrite and body.opened.get(str(t)) != _version(t)]
+        if conflicts:
+            raise ApiError(409, "; ".join(f"{c} already exists, and this page did not open it (or it changed since)"
+                                          for c in conflicts) + ": save under another name, or confirm to replace it",
+                           conflicts=conflicts)
+        result, _ = check(confined, config_path, body.config, body.datasets, scan=True)
         _write_json(data_path, body.datasets)
         _write_json(config_path, body.config)
-        return {"saved": [str(config_path), str(data_path)], **result}
+        versions = {str(p): v for p in (config_path, data_path) if (v := _version(p)) is not None}
+        return {"saved": [str(config_path), str(data_path)], "versions": versions, **result}
 
     # --- runs
     @app.get("/api/runs")
@@ -352,10 +397,10 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                            "save the config from the page to write it")
         if data_path is not None and data_path.is_file():
             datasets = _read_json(data_path, "dataset list")
-        result, run_cfg = check(confined, config_path, config, datasets if isinstance(datasets, list) else [])
+        result, run_cfg = check(confined, config_path, config, datasets, scan=True)
         if run_cfg is None:
             raise ApiError(422, "the configuration cannot be used; fix the problems shown", **result)
-        output_dir = confined.confine(run_cfg.train.output_dir, expand_user=False)
+        output_dir = confined.confine_config(run_cfg.train.output_dir)
         if (active := registry.active_on(output_dir)) is not None:
             raise ApiError(409, f"run {active.id} is still writing to {output_dir}; stop it first")
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -399,16 +444,39 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     return app
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The bound socket (as uvicorn binds it), so that a port in use is known before the URL is printed."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = "; another server (difftune's?) is using it: stop it or choose another --port" \
+            if e.errno == errno.EADDRINUSE else ""
+        raise ConfigError([f"--host {host} --port {port}: cannot listen there ({e.strerror or e}){hint}; "
+                           "nothing was started"]) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(host: str = "127.0.0.1", port: int = 8001, roots: list[str] | None = None, token: str | None = None,
           state_dir: str | None = None) -> None:
+    """Start the server; a bad root, port or host is a ConfigError (`error: ...`, exit 2) before anything listens."""
     import uvicorn
 
+    if not 1 <= port <= 65535:
+        raise ConfigError([f"--port {port}: a port is a number from 1 to 65535"])
     token = access_token(host, token)
-    app = create_app(roots or [os.getcwd()], token=token, state_dir=state_dir)
+    try:
+        app = create_app(roots or [os.getcwd()], token=token, state_dir=state_dir)
+    except ValueError as e:  # a root that is missing or not a folder
+        raise ConfigError([f"--root: {e}"]) from None
+    sock = _listen(host, port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
     print(f"difftune server: roots {', '.join(str(r) for r in app.state.roots)}", flush=True)
     print(f"open {url}{'?token=' + token if token else ''}", flush=True)
     if token and not is_loopback(host):
         print("this server listens beyond this machine: every request must carry the access token", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])

@@ -17,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config import ConfigError, TrainConfig, load_config
-from difftune.config.datasets import DATASET_MODELS
-from difftune.config.load import _validate
-from difftune.data.discovery import VIDEO_SUFFIXES
+from difftune.config.compat import family_name
+from difftune.config.datasets import DATASET_MODELS, VideoOptions
+from difftune.config.jsonfile import JsonFileError, read_json
+from difftune.config.load import _validate, split_problem
+from difftune.data.discovery import VIDEO_SUFFIXES, count_files
+from difftune.data.frames import resampled_count, vae_frames
+from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
 
@@ -27,7 +31,11 @@ DEFAULT_CONFIG = "config/config.json"
 TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_rank")
 DATASET_QUESTIONS = ("instance_data_dir", "caption_strategy", "instance_prompt", "resolution")
 RUN_QUESTIONS = ("max_train_steps", "learning_rate", "validation_prompt", "validation_resolution", "output_dir")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_RUN_QUESTIONS = ("validation_num_video_frames",)  # and the `video` block's bucket_strategy, num_frames
+# The wizard writes `type: local` entries: the other strategies need a table or a remote type it never asks for.
+LOCAL_CAPTIONS = ("textfile", "filename", "instanceprompt")
+COUNT_CAP = 10_000  # files counted in the folder check; a huge folder is not listed in full
+PROBE_CAP = 32  # clips probed for their length (a demux each, no decoding): enough to offer num_frames
 
 
 class Cancelled(Exception):
@@ -39,6 +47,10 @@ def _input(prompt: str) -> str:
         return input(prompt)
     except EOFError as e:
         raise Cancelled from e
+
+
+def _yes(prompt: str) -> bool:
+    return _input(prompt).strip().lower() in ("", "y", "yes")
 
 
 def _show(value: Any) -> str:
@@ -72,17 +84,44 @@ class Wizard:
         self.config_path = Path(path or DEFAULT_CONFIG)
         self.config: dict[str, Any] = {}
         self.datasets: list[Any] = []
+        self.single_entry: dict[str, Any] | None = None  # a dataset list that is one object: offered a wrap
+        self.notes: list[str] = []  # said before the first question
+        self.shortest: tuple[int, int, float] | None = None  # video: (frames, clips probed, fps) of the shortest
+        self.problems_seen: list[str] = []  # the last review's problems
         self.editing = self.config_path.exists()
         if self.editing:
-            self.config = json.loads(self.config_path.read_text(encoding="utf-8"))
+            self.config = self.read(self.config_path, "config file")
             if not isinstance(self.config, dict):
-                raise ConfigError([f"{self.config_path}: the config must be a JSON object of keys and values"])
-            data = self.datasets_path()
-            if data.exists():
-                loaded = json.loads(data.read_text(encoding="utf-8"))
-                self.datasets = loaded if isinstance(loaded, list) else []
+                raise ConfigError([f"{self.config_path}: the config must be a JSON object of keys and values, got "
+                                   f"{type(self.config).__name__}"])
         elif path is not None:
             self.config["data_backend_config"] = str(self.config_path.parent / "multidatabackend.json")
+        data = self.datasets_path()
+        if data.exists():  # a new config beside an existing list edits that list: it is never replaced unseen
+            loaded = self.read(data, "dataset list")
+            if isinstance(loaded, dict):
+                self.single_entry = loaded
+            elif not isinstance(loaded, list):  # the loader's words (config/load.py)
+                raise ConfigError([f"{data}: the dataset list must be a JSON list of entries, got "
+                                   f"{type(loaded).__name__}"])
+            else:
+                self.datasets = loaded
+                if not self.editing:
+                    self.notes.append(f"{data} exists: its entries are kept, and the questions edit its dataset")
+
+    def read(self, path: Path, what: str) -> Any:
+        """`path` parsed by the loader's reader (its messages name the file and the line); a folder or a FIFO is
+        refused before anything opens it (reading a FIFO would wait forever)."""
+        if not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file (a FIFO, socket or device)"
+            raise ConfigError([f"{path}: is {kind}; give the path of the {what}, a .json file"])
+        duplicates: list[str] = []
+        try:
+            data = read_json(path, what, "check the path", duplicates)
+        except JsonFileError as e:
+            raise ConfigError([f"{what} {e}"]) from e
+        self.notes += [f"{p} (the wizard keeps the last one)" for p in duplicates]
+        return data
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
@@ -92,15 +131,23 @@ class Wizard:
         return Path(value)
 
     # --- one question, from its schema description
-    def ask(self, spec: dict[str, Any], values: dict[str, Any], model: type, where: str = "answer") -> None:
+    def ask(self, spec: dict[str, Any], values: dict[str, Any], model: type, where: str = "answer",
+            offer: Any = None, label: str | None = None) -> None:
+        """Ask one key of `values` (checked against `model`); `offer` replaces the current value in the brackets,
+        `label` is the key as shown (`video.num_frames`)."""
         name = spec["name"]
+        label = label or name
         current = values.get(name, spec["default"] if spec["has_default"] else None)
+        if offer is not None:
+            current = offer
         choices = spec.get("choices")
         if name == "model_flavour":
             choices = list(FAMILY_FACTS[values["model_family"]].flavours)
             if current not in choices:
                 current = FAMILY_FACTS[values["model_family"]].default_flavour
-        self.say(f"\n{spec['title']} ({name})")
+        if name == "caption_strategy" and choices is not None:  # an existing entry's own strategy stays offered
+            choices = [c for c in choices if c in LOCAL_CAPTIONS or c == values.get(name)]
+        self.say(f"\n{spec['title']} ({label})")
         for line in textwrap.wrap(spec["description"], 96):
             self.say(f"  {line}")
         if choices is not None and len(choices) == 1:
@@ -112,7 +159,7 @@ class Wizard:
                 self.say(f"  {i}) {choice}")
         while True:
             hint = "" if current is None else f" [{_show(current)}]"
-            answer = _input(f"{name}{hint}: ").strip()
+            answer = _input(f"{label}{hint}: ").strip()
             if answer == "" and name not in values and spec["has_default"] and current == spec["default"]:
                 return  # the default stays implicit: nothing written for it
             if answer == "":
@@ -121,6 +168,8 @@ class Wizard:
                 value = None
             elif choices is not None:
                 value = choices[int(answer) - 1] if answer.isdigit() and 0 < int(answer) <= len(choices) else answer
+                if name == "model_family":
+                    value = family_name(value)  # SimpleTuner's kandinsky5_image, as the loader accepts it
                 if value not in choices:
                     self.say(f"  choose a number from 1 to {len(choices)}, or one of: {', '.join(map(str, choices))}")
                     continue
@@ -157,8 +206,8 @@ class Wizard:
         """The schema's message for this key (the same text as `difftune check`), if any."""
         problems: list[str] = []
         _validate(where, model, values, problems)
-        for p in problems:
-            if p.startswith((f"{where}: {name}: ", f"{where}: {name}.")):
+        for p in problems:  # the key's own problem, or a check between keys that starts with it
+            if p.startswith((f"{where}: {name}: ", f"{where}: {name}.", f"{where}: {name} ")):
                 return p[len(where) + 2:]
         return None
 
@@ -167,13 +216,33 @@ class Wizard:
         if not folder.is_dir():
             return f"{value!r} is not a folder; give the folder that holds your images"
         video = self.media() == "video"
-        suffixes = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
-        count = sum(1 for p in folder.rglob("*") if p.suffix.lower() in suffixes)
+        suffixes = VIDEO_SUFFIXES if video else IMAGE_EXTENSIONS  # what discovery reads (data layer)
+        files, more = count_files(folder, suffixes, COUNT_CAP)
         what = "clips" if video else "images"
-        if count == 0:
-            return f"no {what} ({', '.join(suffixes)}) in {value!r}"
-        self.say(f"  {count} {what} found")
+        if not files:
+            return f"no {what} ({', '.join(sorted(suffixes))}) in {value!r} or its sub-folders"
+        self.say(f"  {'more than ' if more else ''}{len(files)} {what} found")
+        self.shortest = self.shortest_clip(files) if video else None
         return None
+
+    def shortest_clip(self, files: list[Path]) -> tuple[int, int, float] | None:
+        """(frames, clips probed, fps) of the shortest of the first clips, counted at the frame rate training
+        resamples them to (as discovery does); None when none could be read (the review says why)."""
+        from difftune.data.video import BadVideo, probe_video
+
+        entry_video = self.image_entry().get("video")
+        fps = entry_video.get("frame_rate") if isinstance(entry_video, dict) else None
+        fps = fps or self.config.get("frame_rate") or FAMILY_FACTS[self.config["model_family"]].default_frame_rate
+        if not isinstance(fps, int | float) or fps <= 0:
+            return None  # the review names the bad frame_rate
+        counts = []
+        for path in files[:PROBE_CAP]:
+            try:
+                info = probe_video(path)
+            except (BadVideo, OSError):
+                continue
+            counts.append(resampled_count(info.frames, info.span, info.fps, fps))
+        return (min(counts), len(counts), float(fps)) if counts else None
 
     def media(self) -> str:
         """The dataset kind the chosen family trains on: 'video' for video families."""
@@ -204,6 +273,8 @@ class Wizard:
                 continue
             if name in self.image_specs:
                 self.ask(self.image_specs[name], entry, DATASET_MODELS["image"])
+        if entry.get("dataset_type") == "video":
+            self.video_questions(entry)
         if not entry.get("id"):
             entry["id"] = re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name) or "images"
         if not any(isinstance(e, dict) and e.get("dataset_type") == "text_embeds" for e in self.datasets):
@@ -215,9 +286,31 @@ class Wizard:
             cfg["validation_resolution"] = f"{int(resolution)}x{int(resolution)}"
         if not cfg.get("max_train_steps") and not cfg.get("num_train_epochs"):
             cfg["max_train_steps"] = 1000  # the schema's 0 means "use epochs", which is 0 too
-        for name in RUN_QUESTIONS:
+        for name in RUN_QUESTIONS + (VIDEO_RUN_QUESTIONS if entry.get("dataset_type") == "video" else ()):
             self.ask(self.train_specs[name], cfg, TrainConfig)
         self.memory()
+
+    def video_questions(self, entry: dict[str, Any]) -> None:
+        """The `video` block's frame keys, with num_frames offered from the shortest clip: with bucket_strategy
+        'aspect_ratio' a clip shorter than num_frames is left out, so the default 61 would leave out short clips."""
+        specs = {f["name"]: f for f in self.image_specs["video"]["fields"]}
+        block = entry.get("video") if isinstance(entry.get("video"), dict) else {}
+        self.ask(specs["bucket_strategy"], block, VideoOptions, label="video.bucket_strategy")
+        offer = None
+        current = block.get("num_frames", specs["num_frames"]["default"])
+        if self.shortest is not None:
+            frames, probed, fps = self.shortest
+            fit = vae_frames(frames)
+            self.say(f"\n  the shortest of {probed} clip(s) probed has {frames} frame(s) at {fps:g} fps: "
+                     f"num_frames {fit} or less (4k+1) keeps every clip")
+            if (fit >= 1 and isinstance(current, int) and current > fit
+                    and block.get("bucket_strategy", "aspect_ratio") == "aspect_ratio"):
+                offer = fit
+        self.ask(specs["num_frames"], block, VideoOptions, offer=offer, label="video.num_frames")
+        if block:
+            entry["video"] = block
+        else:
+            entry.pop("video", None)
 
     def memory(self) -> None:
         self.say("\n--- memory")
@@ -298,7 +391,7 @@ class Wizard:
         self.say(json.dumps(self.config, indent=2))
         self.say(f"{self.datasets_path()}:")
         self.say(json.dumps(self.datasets, indent=2))
-        problems = self.problems()
+        problems = self.problems_seen = self.problems()
         if problems:
             self.say("\nThese must be fixed before anything is written:")
             for p in problems:
@@ -313,12 +406,58 @@ class Wizard:
             path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
             self.say(f"wrote {path}")
 
+    def entry_named(self, dataset: str | int | None) -> dict[str, Any] | None:
+        """The dataset entry a problem names: by its id, or by its index when it has none."""
+        for index, entry in enumerate(self.datasets):
+            if isinstance(entry, dict) and (entry.get("id") == dataset or (index == dataset and "id" not in entry)):
+                return entry
+        return None
+
+    def fix_unknown_keys(self) -> bool:
+        """Offer, for each unknown key of the last review, the loader's "did you mean" key or dropping it: the
+        questions never touch a key the schema does not know, so the review could not pass otherwise. True when
+        something changed (the review runs again)."""
+        changed = False
+        files = (str(self.config_path), str(self.datasets_path()))
+        for text in self.problems_seen:
+            found = re.search(r"unknown key '([^']*)'(?:; did you mean '([^']*)'\?)?", text)
+            if found is None:
+                continue
+            problem = split_problem(text, files)
+            holder = self.config if problem.dataset is None else self.entry_named(problem.dataset)
+            key, better = found.groups()
+            raw = next((k for k in holder or {} if k.lstrip("-") == key), None)
+            if holder is None or raw is None:
+                continue
+            self.say(f"\n{text}")
+            if better and better not in holder and _yes(f"Rename {raw} to {better} (its value kept)? [Y/n]: "):
+                items = list(holder.items())  # in place, keeping the key's position in the file
+                holder.clear()
+                holder.update((better if k == raw else k, v) for k, v in items)
+                changed = True
+            elif _yes(f"Drop {raw} (its value {_show(holder[raw])})? [Y/n]: "):
+                del holder[raw]
+                changed = True
+        return changed
+
     def run(self) -> int:
         self.say(f"difftune configure: {'editing' if self.editing else 'a new'} {self.config_path}")
         self.say("Enter keeps the value in [brackets]; '-' empties an optional value. Ctrl-C quits without writing.")
+        for note in self.notes:
+            self.say(f"note: {note}")
+        if self.single_entry is not None:
+            path = self.datasets_path()
+            self.say(f"\n{path} holds one dataset entry as a JSON object, not a list of entries (difftune check: "
+                     "the dataset list must be a JSON list of entries, got dict).")
+            if not _yes("Wrap it in a list, as the only entry (written only after the review)? [Y/n]: "):
+                self.say(f"nothing written; put [ and ] around the entry in {path}")
+                return 2
+            self.datasets = [self.single_entry]
         while True:
             self.questions()
             ok = self.review()
+            while not ok and self.fix_unknown_keys():
+                ok = self.review()
             if ok:
                 answer = _input("Write these files? [Y/n]: ").strip().lower()
                 if answer in ("", "y", "yes"):
@@ -337,6 +476,10 @@ def run_wizard(path: str | None) -> int:
     except (Cancelled, KeyboardInterrupt):
         print("\ncancelled; nothing written", flush=True)
         return 130
+    except ConfigError as e:  # an unreadable file: named, with its line
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

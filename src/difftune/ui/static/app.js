@@ -34,7 +34,7 @@ async function api(method, url, body) {
   return data;
 }
 
-const S = { schema: null, roots: [], path: "", config: {}, datasets: [], extra: {}, timer: null,
+const S = { schema: null, roots: [], path: "", config: {}, datasets: [], extra: {}, timer: null, versions: {},
             runId: null, runTimer: null, shownRun: null, galleryKey: "", outputsKey: "" };
 
 function notice(text, bad = false) {
@@ -101,6 +101,7 @@ function fieldWidget(spec, obj, onchange, prefix = "") {
   } else {
     const long = spec.kind === "string" && /prompt/.test(key);
     input = h(long ? "textarea" : "input", { id, name: key, rows: long ? 2 : null, spellcheck: "false",
+      type: spec.secret ? "password" : null, autocomplete: spec.secret ? "new-password" : null, // a credential
       inputmode: spec.kind === "string" ? null : "decimal",
       placeholder: spec.default !== null && spec.default !== undefined ? String(spec.default) : spec.nullable ? "empty" : "" });
     input.value = value === undefined || value === null ? "" : String(value);
@@ -189,7 +190,11 @@ function datasetCard(entry, index) {
   card.append(h("div", { class: "dataset-head" }, h("strong", {}, entry.id || `entry ${index}`), kinds, h("span", { class: "spacer" }), remove));
   card.dataset.kind = kind;
   if (model) {
-    card.append(h("small", { class: "hint" }, model.description), ...fieldBlock(model.fields.filter((f) => f.name !== "dataset_type"), entry, changed, kind));
+    // a source type's keys (aws_*, csv_*, the hub's) only on an entry of that type, or where set; the type choice
+    // offers what the web UI trains (a loaded entry's other type is still shown, with the check's problem)
+    const fields = model.fields.filter((f) => f.name !== "dataset_type" && (!f.source || f.source === entry.type || f.name in entry))
+      .map((f) => (f.name === "type" && f.kind === "choice" ? { ...f, choices: f.choices.filter((c) => S.schema.web_types.includes(c)) } : f));
+    card.append(h("small", { class: "hint" }, model.description), ...fieldBlock(fields, entry, changed, kind));
   }
   const known = new Set(model ? model.fields.map((f) => f.name) : []);
   const extra = Object.fromEntries(Object.entries(entry).filter(([k]) => !known.has(k) && k !== "dataset_type"));
@@ -238,6 +243,7 @@ function load(data) {
   S.datasets = Array.isArray(data.datasets) ? data.datasets : [];
   S.datasets.forEach((d) => { if (d && typeof d === "object") S.original.set(d, { ...d }); });
   if (data.path) $("#config-path").value = data.path;
+  S.versions = data.versions || {}; // the files as opened: a save replaces only these without asking
   renderConfig();
   showProblems(data.problems ? data : null);
 }
@@ -245,13 +251,14 @@ function load(data) {
 function changed() {
   updateFlavours();
   clearTimeout(S.timer);
-  S.timer = setTimeout(check, 700);
+  S.timer = setTimeout(() => check(false), 700);
 }
 
-async function check() {
+// scan: also scan the dataset folders (the Check button); the check while typing leaves that out
+async function check(scan = false) {
   const body = collect();
   if (!body.path) return;
-  try { showProblems(await api("POST", "/api/config/check", body)); } catch (e) { notice(e.message, true); }
+  try { showProblems(await api("POST", "/api/config/check", { ...body, scan })); } catch (e) { notice(e.message, true); }
 }
 
 // The memory planner (`difftune plan --gpu-memory`): the cheapest settings that fit, applied on confirmation.
@@ -285,7 +292,8 @@ function showProblems(result) {
   $("#datasets-path-line").textContent = result.datasets_path ? `dataset list: ${result.datasets_path}` : "";
   if (result.ok) {
     box.className = "problems ok";
-    box.replaceChildren("No problems: difftune check accepts this configuration.");
+    box.replaceChildren(result.scanned ? "No problems: difftune check accepts this configuration."
+      : "No problems in the settings so far; Check, Save and Start run also scan the dataset folders.");
     return;
   }
   box.className = "problems";
@@ -306,8 +314,9 @@ function showProblems(result) {
 }
 
 function findField(scope, key) {
-  const q = (k) => scope.querySelector(`#config-form > fieldset [data-field="${CSS.escape(k)}"], .dataset [data-field="${CSS.escape(k)}"]`)
-    || scope.querySelector(`[data-field="${CSS.escape(k)}"]`);
+  // the datasets section sits inside #config-form: a config key is never placed in a dataset card
+  const own = (el) => scope.id !== "config-form" || !el.closest("#datasets-section");
+  const q = (k) => [...scope.querySelectorAll(`[data-field="${CSS.escape(k)}"]`)].find(own);
   return q(key) || q(key.split(".")[0]);
 }
 
@@ -323,10 +332,20 @@ async function openConfig(path) {
   try { load(await api("GET", `/api/config?path=${encodeURIComponent(path)}`)); notice(`opened ${path}`); } catch (e) { notice(e.message, true); }
 }
 
-function newConfig() {
+// New proposes file names that do not exist yet (config.json, else config-2.json, ...): a save never replaces a
+// file the page did not open without asking
+async function newConfig() {
   const root = S.roots[0] || "";
-  $("#config-path").value = `${root}/config/config.json`;
-  load({ config: { model_type: "lora", data_backend_config: `${root}/config/multidatabackend.json`, output_dir: `${root}/output` }, datasets: [] });
+  let taken = new Set();
+  try {
+    const listing = await api("GET", `/api/browse?files=true&path=${encodeURIComponent(`${root}/config`)}`);
+    taken = new Set(listing.entries.map((e) => e.name));
+  } catch { /* no config folder yet */ }
+  let n = 1;
+  const suffix = () => (n === 1 ? "" : `-${n}`);
+  while (taken.has(`config${suffix()}.json`) || taken.has(`multidatabackend${suffix()}.json`)) n++;
+  $("#config-path").value = `${root}/config/config${suffix()}.json`;
+  load({ config: { model_type: "lora", data_backend_config: `${root}/config/multidatabackend${suffix()}.json`, output_dir: `${root}/output` }, datasets: [] });
   addDataset("image");
   if (S.schema.datasets.text_embeds) {
     addDataset("text_embeds");
@@ -337,10 +356,19 @@ function newConfig() {
 }
 
 async function save() {
-  const body = collect();
+  const body = { ...collect(), opened: S.versions };
   if (!body.path) { notice("give the config file a path first", true); return null; }
   try {
-    const result = await api("PUT", "/api/config", body);
+    let result;
+    try {
+      result = await api("PUT", "/api/config", body);
+    } catch (e) {
+      // a file this page did not open (or one changed since): replaced only when the user says so
+      if (e.status !== 409 || !e.data.conflicts) throw e;
+      if (!window.confirm(`${e.data.error}.\n\nReplace?`)) { notice("not saved", true); return null; }
+      result = await api("PUT", "/api/config", { ...body, overwrite: true });
+    }
+    S.versions = result.versions || {};
     showProblems(result);
     notice(`saved ${result.saved.join(" and ")}`);
     return result;
@@ -377,7 +405,7 @@ function pick(kind, start) {
         $("#picker-list").replaceChildren(...data.entries.map((e) => h("li", { class: e.kind, onclick: () => {
           if (e.kind === "folder") go(e.path); else { dialog.close(); resolve(e.path); }
         } }, e.name)));
-        if (data.path && kind === "folder") $("#picker-choose").textContent = `Choose this folder${data.images ? ` (${data.images} images)` : ""}`;
+        if (data.path && kind === "folder") $("#picker-choose").textContent = `Choose this folder${data.images ? ` (${data.images} images)` : data.clips ? ` (${data.clips} clips)` : ""}`;
       } catch (e) { notice(e.message, true); if (path) go(""); }
     };
     $("#picker-choose").onclick = () => { if (current) { dialog.close(); resolve(current); } };
@@ -454,6 +482,7 @@ function runSkeleton(run) {
     h("div", { class: "card", id: "run-eval-card", hidden: true }, h("h3", {}, "CLIP score"), svgEl("svg", { class: "curve", id: "run-eval-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
     h("div", { class: "card", id: "run-evalloss-card", hidden: true }, h("h3", {}, "Evaluation loss (held-out data)"), svgEl("svg", { class: "curve", id: "run-evalloss-curve", viewBox: "0 0 800 220", preserveAspectRatio: "none" })),
     h("div", { class: "card" }, h("h3", {}, "Validation samples"), h("div", { class: "gallery", id: "run-samples" }, h("p", { class: "hint" }, "None yet."))),
+    h("div", { class: "card" }, h("h3", {}, "Saved LoRA and checkpoints"), h("ul", { id: "run-saves" }, h("li", { class: "hint" }, "None yet."))),
     h("div", { class: "card" }, h("h3", {}, "Outputs"), h("ul", { id: "run-outputs" })),
     h("details", { class: "card" }, h("summary", {}, "Messages and log"), h("pre", { id: "run-messages" }), h("pre", { id: "run-log-all" })));
 }
@@ -462,7 +491,7 @@ function renderRun(run) {
   const box = $("#run-detail");
   if (S.shownRun !== run.id) {
     box.replaceChildren(runSkeleton(run));
-    S.shownRun = run.id; S.galleryKey = ""; S.outputsKey = "";
+    S.shownRun = run.id; S.galleryKey = ""; S.outputsKey = ""; S.savesKey = "";
   }
   const status = $("#run-status");
   status.textContent = run.status + (run.message && run.status !== "failed" ? ` (${run.message})` : "");
@@ -507,8 +536,16 @@ function renderRun(run) {
     S.galleryKey = key;
     const items = [...(run.samples || [])].reverse();
     $("#run-samples").replaceChildren(...(items.length ? items.map((s) => h("figure", {},
-      /\.(mp4|webm)$/i.test(s.path) ? h("video", { src: fileUrl(run.id, s.path), controls: true, loop: true, muted: true }) : h("img", { src: fileUrl(run.id, s.path), alt: s.prompt || "sample" }),
-      h("figcaption", {}, `step ${s.step} · ${s.prompt || ""}`))) : [h("p", { class: "hint" }, "None yet.")]));
+      /\.(mp4|webm)$/i.test(s.path) ? h("video", { src: fileUrl(run.id, s.path), controls: true, loop: true, muted: true }) : h("img", { src: fileUrl(run.id, s.path), alt: s.text || s.prompt || "sample" }),
+      // the prompt's text; its name where there is none (unconditional, runs from before the text was logged)
+      h("figcaption", {}, `step ${s.step} · ${s.text || s.prompt || ""}`))) : [h("p", { class: "hint" }, "None yet.")]));
+  }
+  const saves = [...(run.adapter ? [h("li", {}, "LoRA: ", h("a", { href: fileUrl(run.id, run.adapter), target: "_blank" }, run.adapter))] : []),
+    ...[...(run.checkpoints || [])].reverse().map((c) => h("li", {}, `step ${c.step}: `, h("code", {}, c.path || "(outside the output folder)")))];
+  const skey = saves.map((li) => li.textContent).join("|");
+  if (skey !== S.savesKey) {
+    S.savesKey = skey;
+    $("#run-saves").replaceChildren(...(saves.length ? saves : [h("li", { class: "hint" }, "None yet.")]));
   }
   const okey = (run.outputs || []).map((o) => o.path + o.size).join("|");
   if (okey !== S.outputsKey) {
@@ -544,9 +581,9 @@ function drawCurve(points, id = "#run-curve") {
 async function main() {
   S.datasetsSection = $("#datasets-section");
   $$(".tab").forEach((t) => t.addEventListener("click", () => showTab(t.dataset.tab)));
-  $("#btn-new").onclick = newConfig;
+  $("#btn-new").onclick = () => newConfig();
   $("#btn-save").onclick = save;
-  $("#btn-check").onclick = check;
+  $("#btn-check").onclick = () => check(true);
   $("#btn-plan").onclick = planMemory;
   $("#btn-start").onclick = startRun;
   $("#btn-open").onclick = async () => { const p = await pick("file", $("#config-path").value); if (p) openConfig(p); };
@@ -554,7 +591,7 @@ async function main() {
   try {
     [S.schema, { roots: S.roots }] = await Promise.all([api("GET", "/api/schema"), api("GET", "/api/roots")]);
   } catch (e) { notice(e.message, true); return; }
-  newConfig();
+  await newConfig();
   showProblems(null);
   const m = location.hash.match(/^#run=(.+)$/);
   if (m) { showTab("runs"); showRun(decodeURIComponent(m[1])); }
