@@ -36,6 +36,8 @@ def test_resume_from_missing_checkpoint(tmp_path, dataset, capsys, no_model_load
     load_config(write_config(tmp_path, dataset, resume_from_checkpoint="latest"))
     incomplete = tmp_path / "half"
     incomplete.mkdir()
+    assert "not a difftune checkpoint" in problems(write_config(tmp_path, dataset, resume_from_checkpoint=str(incomplete)))
+    (incomplete / "rng.pt").write_bytes(b"x")  # one of difftune's files, without the state file
     assert "not a complete checkpoint" in problems(write_config(tmp_path, dataset, resume_from_checkpoint=str(incomplete)))
     (incomplete / "training_state.json").write_text("{}")
     load_config(write_config(tmp_path, dataset, resume_from_checkpoint=str(incomplete)))

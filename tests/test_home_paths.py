@@ -75,6 +75,7 @@ def test_resume_off_spellings_and_a_checkpoint_by_its_folder_name(tmp_path, data
     output = tmp_path / "named" / "output"
     (output / "checkpoints" / "checkpoint-0000004").mkdir(parents=True)
     (output / "checkpoints" / "checkpoint-0000004" / "training_state.json").write_text("{}")
+    (output / "checkpoints" / "checkpoint-0000004" / "rng.pt").write_bytes(b"")  # a file only difftune's have
     cfg = load_config(write_config(tmp_path / "named", dataset, resume_from_checkpoint="checkpoint-0000004")).train
     assert cfg.resume_from_checkpoint == str(output / "checkpoints" / "checkpoint-0000004")
     from conftest import config_problems

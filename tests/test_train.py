@@ -269,8 +269,8 @@ def test_step_one_logs_the_warm_up_rate_it_trained_with(tmp_path, dataset, monke
 
 
 def test_a_fresh_run_over_old_checkpoints_warns(tmp_path, dataset):
-    """resume_from_checkpoint unset in an output_dir that holds checkpoints: the run starts from step 0 (as asked)
-    and the event log warns that it will overwrite them."""
+    """resume_from_checkpoint unset in an output_dir that holds checkpoints: the run starts from step 0 (as asked),
+    moves them into checkpoints/superseded-*/ (never overwritten, never resumed by 'latest') and warns."""
     path = write_config(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=1)
     train(build_run(load_config(path)))
     assert not [e for e in events_of(tmp_path / "output") if e["event"] == "warning"]
@@ -278,6 +278,8 @@ def test_a_fresh_run_over_old_checkpoints_warns(tmp_path, dataset):
     log = events_of(tmp_path / "output")
     second = log[next(i for i, e in enumerate(log) if e["event"] == "done"):]  # the second run's events
     (warning,) = [e["message"] for e in second if e["event"] == "warning"]
-    assert "2 checkpoint(s) up to checkpoint-0000002" in warning and "starts from step 0" in warning
-    assert "resume_from_checkpoint" in warning
+    assert "2 checkpoint(s) after step 0 (checkpoint-0000001, checkpoint-0000002)" in warning
+    assert "starts from step 0 (resume_from_checkpoint is not set" in warning and "superseded-" in warning
+    (aside,) = (tmp_path / "output" / "checkpoints").glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-0000001", "checkpoint-0000002"]
     assert [e["step"] for e in log if e["event"] == "start"] == [0, 0]

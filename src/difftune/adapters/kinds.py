@@ -105,6 +105,7 @@ class LycorisAdapter:
         self.config = json.loads(Path(cfg.lycoris_config).read_text())
         self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family,
                                                    bypass=cfg.base_model_precision != "no_change")
+        self.warnings: list[str] = self.network.difftune_warnings  # LyCORIS's own (setup emits them as events)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.params
@@ -158,6 +159,13 @@ def _copy_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} trainable tensors (first: {missing[0]}); "
                          "start a new output_dir or restore the settings")
+    # DTensor (FSDP2 shard) .shape is the whole tensor's: comparable with the checkpoint's
+    wrong = next(((k, tuple(v.shape), tuple(live[k].shape)) for k, v in state.items() if v.shape != live[k].shape), None)
+    if wrong:
+        name, saved, here = wrong
+        raise ValueError(f"the checkpoint does not match this run's adapter: {name} is {list(saved)} in the checkpoint "
+                         f"and {list(here)} here: lora_rank (or another setting of the adapter's size) differs from "
+                         "the one the checkpoint was trained with; restore it, or start a new output_dir")
     with torch.no_grad():
         for name, value in state.items():
             target = live[name]

@@ -57,10 +57,12 @@ class DatasetBatches:
 
 class BucketSampler:
     def __init__(self, datasets: list[tuple[list[int], list[tuple[int, int]], float | None]], batch_size: int,
-                 seed: int, keep_partial: bool, uniform: bool = False):
+                 seed: int, keep_partial: bool, uniform: bool = False, ids: list[str] | None = None):
         """`datasets`: per dataset (item indices, bucket of each, probability or None). `uniform`
-        (data_backend_sampling 'uniform'): the weighted draw even when no dataset sets a probability (1 each)."""
+        (data_backend_sampling 'uniform'): the weighted draw even when no dataset sets a probability (1 each).
+        `ids`: the datasets' ids, which key their streams in `state_dict` (default: their positions)."""
         self.seed = seed
+        self.ids = list(ids) if ids is not None else [str(i) for i in range(len(datasets))]
         self.parts = [DatasetBatches(items, buckets, batch_size, seed, i, keep_partial)
                       for i, (items, buckets, _) in enumerate(datasets)]
         self.counts = [len(p.epoch_batches(0)) for p in self.parts]
@@ -111,7 +113,24 @@ class BucketSampler:
             self.state.epoch, self.state.index = self.state.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.state.epoch, "index": self.state.index, "streams": [list(s) for s in self.state.streams]}
+        # streams by dataset id: a dataset added or removed between runs does not shift the others' places
+        return {"epoch": self.state.epoch, "index": self.state.index,
+                "streams": {i: list(s) for i, s in zip(self.ids, self.state.streams, strict=True)}}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.state = SamplerState(state["epoch"], state["index"], [list(s) for s in state["streams"]])
+    def load_state_dict(self, state: dict) -> str | None:
+        """Restore a position (streams by id, or the older list by position). A dataset the saved state lacks
+        starts its own stream at its beginning, one it has but this run lacks is dropped. Returns a note
+        when the dataset list differs from the saved one, else None."""
+        saved = state["streams"]
+        if isinstance(saved, list):  # written before streams were keyed by id: one per dataset, in order
+            extra = [f"#{n + 1}" for n in range(len(self.ids), len(saved))]  # unnamed datasets now gone
+            saved = dict(zip(self.ids + extra, saved, strict=False))
+        streams = [list(saved.get(i, [0, 0])) for i in self.ids]
+        self.state = SamplerState(state["epoch"], state["index"], streams)
+        added, removed = [i for i in self.ids if i not in saved], [i for i in saved if i not in self.ids]
+        if not added and not removed:
+            return None
+        what = "; ".join(f"{how}: {', '.join(names)}" for how, names in (("added", added), ("removed", removed))
+                         if names)
+        return (f"the dataset list changed since this checkpoint ({what}); a new dataset starts at its beginning, "
+                "and the epoch in progress is drawn from the new list (its order differs from the checkpoint's)")

@@ -6,8 +6,13 @@ the optimizer and LR-scheduler states, the sampler position and the RNG states, 
 pipeline's format for direct use. It is written under a temporary name and renamed into place, so a
 folder with the final name is always complete; leftovers of a killed save are ignored and removed.
 
-A checkpoint is "intact" only when its weights are finite too: `latest` passes over one that is not
-(with a warning) for the previous intact one; a path named explicitly that is not intact is an error.
+A checkpoint is "intact" only when every file a resume reads is there and its weights are finite: `latest` passes
+over one that is not (with a warning) for the previous intact one; a path named explicitly that is not intact is an
+error (CheckpointError, which the command line prints as `error: ...`).
+
+A run that starts at step s (0, or a checkpoint that is not the newest) first moves every checkpoint after s into
+`checkpoints/superseded-<UTC time>/` (set_aside_later): otherwise `latest` would later resume the abandoned
+history and the run's own pruning would delete its newer checkpoints first. Nothing there is ever deleted.
 The results outside checkpoints (`pytorch_lora_weights.safetensors`, a `transformer/` folder, `ema/`)
 are written the same way: into a hidden temporary folder beside them, fsynced, then renamed over.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from difftune.files import tree_as_created
+from difftune.train import resume_settings
 from difftune.train.fsdp import load_optimizer, save_optimizer
 from difftune.train.optimizers import train_mode
 
@@ -34,6 +41,17 @@ PREFIX = "checkpoint-"
 ROLLING = "-rolling"  # the suffix of the rolling series (checkpointing_rolling_steps)
 STATE_FILE = "training_state.json"
 SOURCE_FILE = "model_source.json"  # the transformer's source (models/sources.ModelSource.transformer_identity)
+SUPERSEDED = "superseded-"  # checkpoints/superseded-<UTC time>/: a later history set aside (set_aside_later)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: the command line prints it as `error: ...` (exit status 2)."""
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a checkpoint folder's name (regular or rolling), or None for any other name."""
+    digits = path.name[len(PREFIX):].removesuffix(ROLLING) if path.name.startswith(PREFIX) else ""
+    return int(digits) if digits.isdigit() else None
 
 
 def is_rolling(path: Path) -> bool:
@@ -106,7 +124,8 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
         with run.ema.swap():
             save_adapter(run, tmp / "ema")
     # The position after the last batch consumed: the sampler itself is ahead by the batches read ahead
-    state = {"step": run.state.step, "sampler": run.state.position or run.data.sampler.state_dict()}
+    state = {"step": run.state.step, "sampler": run.state.position or run.data.sampler.state_dict(),
+             "settings": resume_settings.recorded(run)}  # what the next resume compares its config with
     (tmp / STATE_FILE).write_text(json.dumps(state))
     # the transformer these weights train on (a resume from another one is warned about: check_transformer_source)
     if getattr(run, "comps", None) is not None:
@@ -120,21 +139,49 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
     else:
         os.replace(tmp, final)
     keep = run.cfg.checkpoints_rolling_total_limit if rolling else run.cfg.checkpoints_total_limit
-    return final, prune_checkpoints(run.output_dir, keep, rolling)
+    return final, prune_checkpoints(run.output_dir, keep, rolling, written=final)
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None, rolling: bool = False) -> list[str]:
+def prune_checkpoints(output_dir: Path, keep: int | None, rolling: bool = False,
+                      written: Path | None = None) -> list[str]:
     """Delete all but the newest `keep` complete checkpoints of one series, regular or rolling (called after a new
-    one is in place); the other series is never touched. Returns the names of the deleted ones."""
+    one is in place); the other series is never touched. With `written` (the one just saved), only checkpoints
+    older than it are deleted and it always stays: were a later one there (set_aside_later moves them at the
+    start), the run's own newest work must not be what goes. Returns the names of the deleted ones."""
     if keep is None:
         return []
     root = checkpoints_dir(output_dir)
     done = [p for p in complete(output_dir) if is_rolling(p) == rolling]
-    for old in done[:-keep]:
+    if written is not None:
+        done = [p for p in done if order(p) < order(written)] + [written]
+    gone = done[:-keep]
+    for old in gone:
         trash = root / f".old-{old.name}-{os.getpid()}"
         os.replace(old, trash)  # renamed first: a kill mid-delete never leaves a half checkpoint named as whole
         shutil.rmtree(trash, ignore_errors=True)
-    return [old.name for old in done[:-keep]]
+    return [old.name for old in gone]
+
+
+def set_aside_later(output_dir: Path, step: int) -> tuple[Path | None, list[str]]:
+    """Move every checkpoint folder (regular, rolling, or incomplete) of a step after `step` into a new
+    `checkpoints/superseded-<UTC time>/`, by renames (nothing is deleted). Returns that folder and the names
+    moved (None and [] when there were none). Process 0 only."""
+    root = checkpoints_dir(output_dir)
+    later = sorted((p for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None and s > step),
+                   key=order) if root.is_dir() else []
+    if not later:
+        return None, []
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside, n = root / f"{SUPERSEDED}{stamp}", 1
+    while aside.exists():  # two starts within one second
+        n += 1
+        aside = root / f"{SUPERSEDED}{stamp}-{n}"
+    aside.mkdir()
+    for p in later:
+        os.replace(p, aside / p.name)
+    _fsync_dir(aside)
+    _fsync_dir(root)
+    return aside, [p.name for p in later]
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -160,7 +207,7 @@ def complete(output_dir: Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
+    done = [p for p in root.iterdir() if step_of(p) is not None and (p / STATE_FILE).is_file()]
     return sorted(done, key=order)
 
 
@@ -169,11 +216,31 @@ def find_latest(output_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def missing_file(path: Path) -> str | None:
+    """The first file a resume reads (load_checkpoint) that the checkpoint lacks, described, or None. The EMA and
+    CREPA files depend on this run's settings: load_checkpoint names them."""
+    from difftune.train.fsdp import FULL_OPTIMIZER, SHARDED_OPTIMIZER
+
+    for name in (STATE_FILE, "trainable.safetensors"):
+        if not (path / name).is_file():
+            return f"its {name} is missing"
+    if not ((path / "optimizer.pt").is_file() or (path / SHARDED_OPTIMIZER).is_dir()
+            or (path / FULL_OPTIMIZER).is_file()):
+        return "its optimizer.pt is missing"  # FSDP forms are not named: they are not there either
+    for name in ("lr_scheduler.pt", "rng.pt"):
+        if not (path / name).is_file():
+            return f"its {name} is missing"
+    return None
+
+
 def weights_problem(path: Path) -> str | None:
-    """Why a checkpoint's trainable weights (and EMA weights) cannot be resumed from, or None. Reads them
-    whole: a checkpoint saved after weights went NaN or inf, or damaged since, is not intact."""
+    """Why a checkpoint cannot be resumed from, or None: a file it needs is missing (missing_file), or its trainable
+    weights (and EMA weights) are not whole and finite. Reads them whole: a checkpoint saved after weights went
+    NaN or inf, or damaged since, is not intact."""
     from difftune.data.cache import nonfinite
 
+    if (missing := missing_file(path)) is not None:
+        return missing
     try:
         bad = nonfinite(load_file(path / "trainable.safetensors"))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for any damage
@@ -202,10 +269,14 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def resolve_resume(output_dir: Path, value: str, warn=None) -> Path | None:
-    """'latest' -> newest intact checkpoint of either series (None if there is none yet), passing over any whose weights
-    are not finite with a `warn`ing; a path -> that checkpoint, which must be intact."""
+    """'latest' -> newest intact checkpoint of either series (None if there is none yet), passing over any that is
+    not (a file missing, weights not finite) with a `warn`ing; a path -> that checkpoint, which must be intact
+    (CheckpointError)."""
     if value == "latest":
-        for path in reversed(complete(output_dir)):
+        root = checkpoints_dir(output_dir)
+        # every checkpoint-* folder, the state file or not: one without it lost a file, and is said to be passed over
+        found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None] if root.is_dir() else []
+        for path in sorted(found, key=order, reverse=True):
             problem = weights_problem(path)
             if problem is None:
                 return path
@@ -213,15 +284,10 @@ def resolve_resume(output_dir: Path, value: str, warn=None) -> Path | None:
                 warn(f"resume_from_checkpoint latest: passing over {path.name}: {problem}; trying the one before")
         return None
     path = Path(value)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(
-            f"resume_from_checkpoint: {path} is not a complete checkpoint (no {STATE_FILE}); "
-            f"use 'latest' or a folder under {checkpoints_dir(output_dir)}"
-        )
     problem = weights_problem(path)
     if problem is not None:
-        raise ValueError(f"resume_from_checkpoint: {path} is not intact: {problem}. Name an earlier checkpoint "
-                         f"under {checkpoints_dir(output_dir)}, or use 'latest' to take the newest intact one")
+        raise CheckpointError(f"resume_from_checkpoint: {path} is not intact: {problem}. Name an earlier checkpoint "
+                              f"under {checkpoints_dir(output_dir)}, or use 'latest' to take the newest intact one")
     return path
 
 
@@ -257,8 +323,13 @@ def check_transformer_source(run: Run, path: Path) -> None:
 
 def load_checkpoint(run: Run, path: Path) -> None:
     check_transformer_source(run, path)  # first: an adapter that then does not fit comes after its explanation
+    state = json.loads((path / STATE_FILE).read_text())
+    saved = state.get("settings", {})  # absent in checkpoints of an earlier difftune: loaded as they were
+    resume_settings.check_batches(run, saved, path)  # refuses an epoch-based run whose batches changed
+    fresh = resume_settings.Fresh.of(run)  # the config's hyper-parameters, before the saved ones replace them
+    afresh = resume_settings.optimizer_changed(run, saved, path)  # another optimizer(_config): its state is not loaded
     sharded = getattr(run, "fsdp", None) is not None
-    if sharded:
+    if sharded and not afresh:
         # Before the weights: the layout the saved state is read into comes from a first (zero) step on the weights
         # as they are, and Prodigy's state depends on them (an all-zero tensor, a LoRA's B at the start, gets a
         # scalar p0): on the fresh weights it is the layout the saved run made. The weights then overwrite whatever
@@ -268,12 +339,15 @@ def load_checkpoint(run: Run, path: Path) -> None:
         run.adapter.load_state_dict(load_file(path / "trainable.safetensors"))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    if not sharded:
+    if not sharded and not afresh:
         if not (path / "optimizer.pt").is_file():
             raise ValueError(f"{path} was written by an FSDP run (its optimizer state is sharded); resume it with "
                              "fsdp_enable true and several processes, or start a new output_dir")
         run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
+    run.state.step = state["step"]
+    fresh.apply(run, path)  # changed hyper-parameters take effect; the restored step's rate from this run's schedule
+    resume_settings.warn_changes(run, saved, path)  # lora_alpha, seed
     if getattr(run, "crepa", None) is not None:
         run.crepa.load(path)
     train_mode(run.optimizer)  # schedule-free: saved in eval mode; recompute the training weights (all loaded now)
@@ -284,11 +358,10 @@ def load_checkpoint(run: Run, path: Path) -> None:
             raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "
                              "or start a new output_dir")
         run.ema.load_state_dict(torch.load(path / "ema.pt", map_location="cpu", weights_only=True))
-    state = json.loads((path / STATE_FILE).read_text())
-    run.state.step = state["step"]
     restore_generator(run, rng, path)
-    run.data.sampler.load_state_dict(state["sampler"])
-    run.state.position = state["sampler"]
+    if note := run.data.sampler.load_state_dict(state["sampler"]):
+        run.events.emit("info", message=f"{path}: {note}")
+    run.state.position = run.data.sampler.state_dict()  # by dataset id, of this run's datasets
 
 
 def clean_partial(output_dir: Path) -> None:

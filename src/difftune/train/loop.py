@@ -27,12 +27,15 @@ from difftune.train import (
     triggers,
 )
 from difftune.train.checkpoint import (
+    PREFIX,
+    CheckpointError,
+    checkpoints_dir,
     clean_partial,
-    complete,
     load_checkpoint,
     resolve_resume,
     save_adapter,
     save_checkpoint,
+    set_aside_later,
 )
 from difftune.train.commands import poll_commands
 from difftune.train.fsdp import gathered, unsharded
@@ -205,15 +208,7 @@ def _train(run: Run) -> Path:
     if run.ranks.main:
         clean_partial(run.output_dir)
     run.ranks.barrier()
-    warn = lambda message: run.events.emit("warning", message=message)  # noqa: E731
-    if cfg.resume_from_checkpoint:
-        if ckpt := resolve_resume(run.output_dir, cfg.resume_from_checkpoint, warn):
-            load_checkpoint(run, ckpt)
-            run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
-    elif earlier := complete(run.output_dir):
-        warn(f"{run.output_dir} holds {len(earlier)} checkpoint(s) up to {earlier[-1].name}, but resume_from_checkpoint "
-             "is not set: this run starts from step 0 and will overwrite them (set resume_from_checkpoint to "
-             "'latest' to continue from the newest instead)")
+    _start_point(run)
     run.events.emit("start", total_steps=run.total_steps, step=run.state.step, pid=os.getpid(),
                     processes=run.ranks.count, project=cfg.tracker_project_name, run_name=cfg.tracker_run_name)
     run.transformer.train()
@@ -242,6 +237,51 @@ def _train(run: Run) -> Path:
     samples = sample(run, f"final-step-{run.state.step:06d}")
     run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
     return adapter
+
+
+def _start_point(run: Run) -> None:
+    """Resume (resume_from_checkpoint), then move every checkpoint after the step this run starts from aside
+    (checkpoint.set_aside_later): they belong to an earlier run or an abandoned branch, and left in place 'latest'
+    would later resume them and checkpoints_total_limit would prune this run's newer work first."""
+    cfg = run.cfg
+    warn = lambda message: run.events.emit("warning", message=message)  # noqa: E731
+    if cfg.resume_from_checkpoint == "latest" and run.ranks.main:
+        # SimpleTuner keeps its checkpoints directly in output_dir: a user reusing that folder would start afresh
+        theirs = sorted(p.name for p in run.output_dir.glob(f"{PREFIX}*") if p.is_dir())
+        if theirs:
+            warn(f"{run.output_dir} holds {_names(theirs)} directly (SimpleTuner's layout): difftune cannot resume "
+                 f"those, and 'latest' looks only in {checkpoints_dir(run.output_dir)}. To start from one's LoRA, set "
+                 "init_lora: <that folder>/pytorch_lora_weights.safetensors")
+    ckpt = resolve_resume(run.output_dir, cfg.resume_from_checkpoint, warn) if cfg.resume_from_checkpoint else None
+    if ckpt is not None:
+        try:
+            load_checkpoint(run, ckpt)
+        except CheckpointError:
+            raise
+        except ValueError as e:  # the checkpoint does not fit this run: said as an `error:`, not a traceback
+            raise CheckpointError(str(e) if str(ckpt) in str(e) else f"{ckpt}: {e}") from e
+        run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
+        if run.state.step >= run.total_steps:
+            warn(f"{ckpt.name} is at step {run.state.step}, already at or past this run's {run.total_steps} steps: "
+                 f"nothing is trained, and the result saved is step {run.state.step}'s. For an earlier step, set "
+                 f"resume_from_checkpoint to an earlier checkpoint (checkpoint-NNNNNNN, under "
+                 f"{checkpoints_dir(run.output_dir)}), or load that checkpoint's pytorch_lora_weights.safetensors as it is")
+    start = run.state.step
+    run.ranks.barrier()  # every process has read its checkpoint before any is moved
+    if run.ranks.main:
+        aside, moved = set_aside_later(run.output_dir, start)
+        if moved:
+            how = (f"this run continues from {ckpt.name}" if ckpt is not None else
+                   "this run starts from step 0" + ("" if cfg.resume_from_checkpoint else
+                                                    " (resume_from_checkpoint is not set; 'latest' resumes the newest)"))
+            warn(f"{len(moved)} checkpoint(s) after step {start} ({_names(moved)}) are from an earlier run or branch "
+                 f"and {how}: moved them into {aside}, so that 'latest' and checkpoints_total_limit never take them "
+                 f"for this run's. Nothing was deleted; to resume one, move it back into {checkpoints_dir(run.output_dir)}")
+    run.ranks.barrier()
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {names[-1]}"
 
 
 def _steps(run: Run, batches: Iterator[Batch]) -> bool:

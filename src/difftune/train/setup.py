@@ -82,6 +82,7 @@ class Run:
     evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded at the first evaluation
     eval_set: Any = None  # the eval datasets' batches (train/eval_loss.py), when the run has some
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
+    hub: Any = None  # push_to_hub's uploader (train/hub.py) on process 0: whether the result reached the hub
     # TFLOP/s, tokens/s, MFU and peak memory of each step (train/throughput.py); loop.optimizer_step adds batches
     throughput: Throughput = field(default_factory=lambda: Throughput(lambda *_: Flops(), full=False))
 
@@ -147,7 +148,7 @@ def build_data(
     # Partial batches cannot be split evenly between processes: with several, only full ones are used.
     keep_partial = cfg.disable_bucket_pruning and ranks.count == 1
     sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=keep_partial,
-                            uniform=cfg.data_backend_sampling == "uniform")
+                            uniform=cfg.data_backend_sampling == "uniform", ids=[ds.id for ds in datasets])
     data = TrainingData(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
@@ -245,6 +246,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
     with failures_reported(events, "setup"):  # a failure from here on is an "error" event the webhooks send
+        hub.check_access(cfg, ranks)  # push_to_hub: the login and the repository, before any model loads
         return _build(run_cfg, accelerator, ranks, events)
 
 
@@ -262,6 +264,8 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
         comps.transformer.to(accelerator.device)
     torch.manual_seed(cfg.seed)  # peft draws the initial lora_A from the global RNG: same seed, same run
     adapter = build_adapter(cfg, family, comps.transformer)
+    for message in getattr(adapter, "warnings", []):  # LyCORIS's: a preset target that matched nothing, ...
+        events.emit("warning", message=f"LyCORIS ({cfg.lycoris_config}): {message}")
     # fsdp_enable: shards the transformer in place (its parameters become DTensors) before the optimizer sees them
     sharded = shard(cfg, comps.transformer, adapter, ranks, accelerator.device, events.emit)
     params = adapter.parameters()

@@ -1,0 +1,77 @@
+"""Before any model loads: does the checkpoint a run resumes from fit this run? (`difftune check` too.)
+
+A checkpoint's `trainable.safetensors` header names every trained tensor with its shape, and a standard LoRA's
+`lora_A` matrices are [rank, in]: a changed lora_rank (or a checkpoint of another adapter type) is refused from the
+header alone, read with safetensors' `safe_open` (no tensor is loaded, no torch needed), instead of failing after the
+model has loaded and every cache is filled (adapters/kinds.py `_copy_into` says the same then, for what this misses).
+The settings its training_state.json records (train/resume_settings.py) refuse an epoch-based run whose batches
+changed (`batches_problem`; the process count is checked when the run starts).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+_NAME = re.compile(r"checkpoint-(\d+)(-rolling)?")
+
+
+def newest(output_dir: Path) -> Path | None:
+    """The newest complete checkpoint (it holds its state file) under output_dir/checkpoints, which 'latest' takes
+    unless its weights turn out damaged (then the run passes to an older one, which this check does not follow)."""
+    root = output_dir / "checkpoints"
+    found = [(int(m[1]), not m[2], p) for p in (root.iterdir() if root.is_dir() else [])
+             if (m := _NAME.fullmatch(p.name)) and (p / "training_state.json").is_file()]
+    return max(found)[2] if found else None
+
+
+def lora_problem(train: Any, folder: Path) -> str | None:
+    """Why a standard LoRA of this config cannot resume `folder`'s weights (from its header), or None."""
+    if train.model_type != "lora" or train.lora_type != "standard":
+        return None
+    try:
+        with safe_open(str(folder / "trainable.safetensors"), framework="numpy") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys() if ".lora_A." in k}
+            empty = not shapes and bool(list(f.keys()))
+    except Exception:  # noqa: BLE001 - an unreadable file is the resume's to report (it passes over it, or names it)
+        return None
+    if empty:
+        return (f"{folder} holds no standard LoRA (its weights are another adapter type or a full fine-tune); set "
+                "model_type and lora_type as it was trained, or start a new output_dir")
+    ranks = {shape[0] for shape in shapes.values()}
+    if ranks and train.lora_rank not in ranks:
+        name, shape = next(iter(shapes.items()))
+        return (f"{folder} was trained with lora_rank {sorted(ranks)[0]} ({name} is {shape}), this run has lora_rank "
+                f"{train.lora_rank}: the checkpoint does not match this run's adapter. Set lora_rank "
+                f"{sorted(ranks)[0]} to resume it, or start a new output_dir")
+    return None
+
+
+def batches_refusal(path: Path, changed: dict[str, tuple[Any, Any]], epochs: int) -> str:
+    """Why an epoch-based run cannot resume `path` with other batches: `changed` maps train_batch_size,
+    gradient_accumulation_steps and processes to (the checkpoint's, this run's)."""
+    what = ", ".join(f"{k} {old} then, {new} now" for k, (old, new) in changed.items())
+    restore = " and ".join(f"{k} {old}" for k, (old, _) in changed.items() if k != "processes")
+    processes = f" on {changed['processes'][0]} process(es)" if "processes" in changed else ""
+    return (f"{path} was trained with other batches ({what}); this run ends after num_train_epochs {epochs}, and the "
+            "checkpoint's step and data position count batches of the old size, so it would train the wrong number "
+            f"of epochs. Resume with {restore or 'the same batches'}{processes}, or set max_train_steps to the total "
+            "steps to train instead")
+
+
+def batches_problem(train: Any, folder: Path) -> str | None:
+    """An epoch-based run (num_train_epochs, no max_train_steps) resuming `folder` with another train_batch_size or
+    gradient_accumulation_steps than it recorded: why not, or None."""
+    if not train.num_train_epochs or train.max_train_steps or train.ignore_final_epochs:
+        return None
+    try:
+        saved = json.loads((folder / "training_state.json").read_text()).get("settings") or {}
+    except (OSError, ValueError, AttributeError):  # unreadable: the resume reports it
+        return None
+    changed = {k: (saved[k], getattr(train, k)) for k in ("train_batch_size", "gradient_accumulation_steps")
+               if k in saved and saved[k] != getattr(train, k)}
+    return batches_refusal(folder, changed, train.num_train_epochs) if changed else None

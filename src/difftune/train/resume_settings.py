@@ -1,0 +1,169 @@
+"""What a resume does with settings changed since its checkpoint: `Fresh.of(run)` before loading, `Fresh.apply` after.
+
+A checkpoint's optimizer.pt and lr_scheduler.pt hold the hyper-parameters the saved run had (param groups,
+the schedule's base rate). Loaded as they are, a changed learning_rate, lr_scale, adam_beta1/2, adam_weight_decay,
+adam_epsilon or optimizer_config setting would be silently ignored, and the first step after a resume would train
+at the old schedule's rate (lr 0 when max_train_steps was raised on a decaying schedule). So the freshly built
+optimizer's values (the config's) are kept aside before loading and put back after it, and the rate of the
+restored step is recomputed from the rebuilt schedule. With an unchanged config every value put back is the one
+loaded (the same float computed the same way), so an exact resume stays bit-identical.
+
+training_state.json records the run's `settings` (`recorded`) for the next resume to compare: a changed optimizer
+or optimizer_config resumes with a fresh optimizer state (`optimizer_changed`: a setting such as amsgrad changes
+what the state holds, so it cannot simply be put into the param groups); a changed batch size, accumulation or process count is
+refused for an epoch-based run and warned about otherwise (`check_batches`); a changed lora_alpha or seed is
+warned about (`warn_changes`). Checkpoints written before this record are loaded as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from difftune.config.resume_check import batches_refusal
+from difftune.train.optimizers import OPTIMIZER_ALIASES
+
+if TYPE_CHECKING:
+    from difftune.train.setup import Run
+
+# param-group keys difftune's own config keys set (a changed optimizer_config gives a fresh optimizer instead)
+_NAMES = {"betas": ("adam_beta1", "adam_beta2"), "weight_decay": "adam_weight_decay", "eps": "adam_epsilon"}
+
+
+def recorded(run: Run) -> dict[str, Any]:
+    """The settings training_state.json keeps for the next resume to compare with its config."""
+    cfg = run.cfg
+    return {
+        "optimizer": OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer), "optimizer_config": cfg.optimizer_settings(),
+        "train_batch_size": cfg.train_batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "processes": run.ranks.count, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.effective_lora_alpha(),
+        "seed": cfg.seed,
+    }
+
+
+def optimizer_changed(run: Run, saved: dict, path: Path) -> bool:
+    """Whether the checkpoint was trained with another optimizer or optimizer_config; if so a warning says the run
+    goes on with a fresh optimizer state. One optimizer's state does not fit another's (a raw KeyError, or Lion
+    taking AdamW's moments), nor always its own under other constructor settings (amsgrad on needs a state AdamW
+    without it never made)."""
+    if "optimizer" not in saved:  # written by an earlier difftune: loaded as it was
+        return False
+    now = recorded(run)
+    old, new = (saved["optimizer"], saved.get("optimizer_config") or {}), (now["optimizer"], now["optimizer_config"])
+    if old == new:
+        return False
+    what = (f"optimizer {old[0]!r}, this run uses {new[0]!r}" if old[0] != new[0] else
+            f"optimizer_config {old[1] or 'unset'}, this run has {new[1] or 'unset'}")
+    run.events.emit("warning", message=f"{path} was trained with {what}: the weights, step, learning-rate schedule "
+                    "and data position are resumed, the optimizer starts afresh (its moments are rebuilt over the "
+                    "next steps). Restore the checkpoint's setting to continue its optimizer state instead")
+    return True
+
+
+def _epoch_bound(run: Run) -> bool:
+    """Whether num_train_epochs ends this run (rather than max_train_steps)."""
+    cfg = run.cfg
+    if not cfg.num_train_epochs or cfg.ignore_final_epochs:
+        return False
+    return not cfg.max_train_steps or run.total_steps < cfg.max_train_steps
+
+
+def check_batches(run: Run, saved: dict, path: Path) -> None:
+    """A checkpoint's step and data position count batches of its own size: with another train_batch_size,
+    gradient_accumulation_steps or process count, an epoch-based run would train the wrong number of epochs
+    (refused), a step-based one reads its data from a shifted place (warned)."""
+    cfg = run.cfg
+    now = {"train_batch_size": cfg.train_batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+           "processes": run.ranks.count}
+    changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    if not changed:
+        return
+    if _epoch_bound(run):  # config/load.py refused it already before any model loaded, unless processes changed
+        raise ValueError(batches_refusal(path, changed, cfg.num_train_epochs))
+    what = ", ".join(f"{k} {old} then, {new} now" for k, (old, new) in changed.items())
+    run.events.emit("warning", message=f"{path} was trained with other batches ({what}): its data position counts "
+                    "batches of the old size, so this run goes on from a shifted place in the epoch (some images "
+                    "come again or are passed over until the next epoch)")
+
+
+def warn_changes(run: Run, saved: dict, path: Path) -> None:
+    """lora_alpha and seed changed since the checkpoint: accepted, with a warning that says what applies."""
+    cfg = run.cfg
+    if cfg.model_type == "lora" and cfg.lora_type == "standard" and "lora_alpha" in saved \
+            and saved["lora_alpha"] != cfg.effective_lora_alpha():
+        run.events.emit("warning", message=f"lora_alpha {saved['lora_alpha']:g} then, {cfg.effective_lora_alpha():g} "
+                        f"now ({path}): the resumed LoRA's output is scaled by the new alpha / rank from this step on "
+                        "(and in the saved LoRA), so the model changes at once; restore lora_alpha to continue "
+                        "smoothly")
+    if "seed" in saved and saved["seed"] != cfg.seed:
+        run.events.emit("warning", message=f"seed {saved['seed']} then, {cfg.seed} now ({path}): the data order "
+                        "(and random crops) follow the new seed from here, while the noise and timesteps continue the "
+                        "checkpoint's stream (restored from its rng.pt)")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(_show(v) for v in value) + ")"
+    return repr(value)
+
+
+@dataclass
+class Fresh:
+    """The config's optimizer hyper-parameters and base rates, as the freshly built optimizer and schedule hold
+    them before a checkpoint's state is loaded over them."""
+
+    groups: list[dict[str, Any]]
+    base_lrs: list[float]
+
+    @classmethod
+    def of(cls, run: Run) -> Fresh:
+        groups = [{k: g[k] for k in _NAMES if k in g} for g in run.optimizer.param_groups]
+        return cls(groups, list(run.lr_scheduler.base_lrs))
+
+    def apply(self, run: Run, path: Path) -> None:
+        """Put the config's values back over the loaded ones, recompute the rate of the restored step from the
+        rebuilt schedule, and say in one info event what changed since the checkpoint."""
+        changes: list[str] = []
+        for group, fresh in zip(run.optimizer.param_groups, self.groups, strict=True):
+            for key, value in fresh.items():
+                if key in group and not _same(group[key], value):
+                    changes.append(self._named(key, group[key], value))
+                    group[key] = value
+        sched = run.lr_scheduler
+        old_base, old_last = list(sched.base_lrs), list(sched._last_lr)  # the checkpoint's (the groups' may be fresh)
+        # LambdaLR.get_lr's own formula at the restored step: the value an uninterrupted run had set there
+        rates = [base * rate(sched.last_epoch) for rate, base in zip(sched.lr_lambdas, self.base_lrs, strict=True)]
+        for group, base, lr in zip(sched.optimizer.param_groups, self.base_lrs, rates, strict=True):
+            group["initial_lr"], group["lr"] = base, lr
+        sched.base_lrs, sched._last_lr = list(self.base_lrs), list(rates)
+        step = run.state.step + 1
+        if not _same(old_base, self.base_lrs):
+            changes.append(f"peak learning rate (learning_rate, lr_scale) {_show(old_base[0])} -> "
+                           f"{_show(self.base_lrs[0])}")
+        if not _same(old_last, [base * rate(sched.last_epoch) for rate, base in zip(sched.lr_lambdas, old_base,
+                                                                                    strict=True)]):
+            changes.append(f"the learning-rate schedule (max_train_steps, num_train_epochs, lr_scheduler or its "
+                           f"settings): step {step} trains at the new curve's {_show(rates[0])}, where the "
+                           f"checkpoint's would have {_show(old_last[0])}")
+        elif changes and not _same(old_last, rates):
+            changes.append(f"step {step} trains at {_show(rates[0])}")
+        if changes:
+            run.events.emit("info", message=f"resuming {path} with settings changed since it was saved: "
+                            + "; ".join(dict.fromkeys(changes)))
+
+    @staticmethod
+    def _named(key: str, old: Any, new: Any) -> str:
+        names = _NAMES[key]
+        if isinstance(names, tuple):
+            return "; ".join(f"{n} {_show(o)} -> {_show(v)}" for n, o, v in zip(names, old, new, strict=True)
+                             if not _same(o, v))
+        return f"{names} {_show(old)} -> {_show(new)}"

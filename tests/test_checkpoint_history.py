@@ -1,0 +1,137 @@
+"""The checkpoint folder over several runs: a branch or a restart sets later checkpoints aside (never deletes them,
+never resumes them by 'latest'), pruning never takes the one just written, an incomplete checkpoint is passed over,
+another trainer's checkpoint is refused before any model loads, and checkpoint errors end as `error:` lines."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import config_problems, write_config
+from difftune.cli import main
+from difftune.config import load_config
+from difftune.train.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    complete,
+    prune_checkpoints,
+    resolve_resume,
+)
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+
+
+def events_of(output_dir):
+    return [json.loads(x) for x in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+def warnings_after(output_dir, start: int) -> list[str]:
+    return [e["message"] for e in events_of(output_dir)[start:] if e["event"] == "warning"]
+
+
+def test_a_branch_keeps_its_checkpoints_and_latest_resumes_it(tmp_path, dataset):
+    """8 steps (checkpoints 2, 4, 6, 8), then back to checkpoint 2 for 5 steps with a limit of 2: the branch's 4 and 5
+    stay (pruning deleted them at once before), the old 4, 6 and 8 are set aside with a warning, and 'latest' then
+    continues the branch, not the abandoned run."""
+    out = tmp_path / "output"
+    ckpts = out / "checkpoints"
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=8, checkpoint_step_interval=2))))
+    seen = len(events_of(out))
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=5, checkpoint_step_interval=2,
+                                             checkpoints_total_limit=2,
+                                             resume_from_checkpoint=str(ckpts / "checkpoint-0000002")))))
+    assert [p.name for p in complete(out)] == ["checkpoint-0000004", "checkpoint-0000005"]
+    (aside,) = [p for p in ckpts.iterdir() if p.name.startswith("superseded-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-0000004", "checkpoint-0000006", "checkpoint-0000008"]
+    (warning,) = warnings_after(out, seen)
+    assert "(checkpoint-0000004, checkpoint-0000006, checkpoint-0000008)" in warning and str(aside) in warning
+    assert "continues from checkpoint-0000002" in warning and "Nothing was deleted" in warning
+    pruned = [e["pruned"] for e in events_of(out)[seen:] if e["event"] == "checkpoint"]
+    assert pruned == [[], ["checkpoint-0000002"]]
+
+    seen = len(events_of(out))
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=6, resume_from_checkpoint="latest"))))
+    resumed = [e["message"] for e in events_of(out)[seen:] if e["event"] == "info" and "resumed" in e["message"]]
+    assert resumed == [f"resumed from {ckpts / 'checkpoint-0000005'} at step 5"]
+    assert not warnings_after(out, seen)  # nothing after step 5 to set aside; the superseded folder is not looked at
+
+
+def fake_checkpoint(folder, step: int, optimizer: str = "optimizer.pt"):
+    """The files of a checkpoint (contents only as far as resolve_resume reads them)."""
+    folder.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, folder / "trainable.safetensors")
+    for name in (optimizer, "lr_scheduler.pt", "rng.pt"):
+        (folder / name).write_bytes(b"x")
+    (folder / STATE_FILE).write_text(json.dumps({"step": step}))
+    return folder
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    """A later checkpoint left behind (set_aside_later moves them, this is the last line of defence): the one just
+    written stays, and only older ones are pruned."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(root / f"checkpoint-{step:07d}", step)
+    assert prune_checkpoints(tmp_path, 1, written=root / "checkpoint-0000004") == ["checkpoint-0000002"]
+    assert [p.name for p in complete(tmp_path)] == ["checkpoint-0000004", "checkpoint-0000006", "checkpoint-0000008"]
+
+
+@pytest.mark.parametrize("removed", ["optimizer.pt", "lr_scheduler.pt", "rng.pt", "trainable.safetensors",
+                                     STATE_FILE])
+def test_a_checkpoint_missing_a_file_is_passed_over_or_refused(tmp_path, removed):
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "checkpoint-0000002", 2)
+    newest = fake_checkpoint(root / "checkpoint-0000004", 4)
+    (newest / removed).unlink()
+    warned = []
+    assert resolve_resume(tmp_path, "latest", warned.append) == root / "checkpoint-0000002"
+    (warning,) = warned
+    assert f"passing over checkpoint-0000004: its {removed} is missing; trying the one before" in warning
+    assert "FSDP" not in warning
+    with pytest.raises(CheckpointError, match=f"is not intact: its {removed} is missing") as err:
+        resolve_resume(tmp_path, str(newest))
+    assert "FSDP" not in str(err.value)
+
+
+@pytest.mark.parametrize("optimizer", ["optimizer_fsdp.pt", "optimizer_fsdp"])
+def test_an_fsdp_checkpoint_is_complete(tmp_path, optimizer):
+    folder = fake_checkpoint(tmp_path / "checkpoints" / "checkpoint-0000002", 2, optimizer="rng.pt")
+    (folder / optimizer).mkdir() if "." not in optimizer else (folder / optimizer).write_bytes(b"x")
+    assert resolve_resume(tmp_path, "latest") == folder
+
+
+def test_another_trainers_checkpoint_is_refused_by_check(tmp_path, dataset):
+    """SimpleTuner's layout (its LoRA and a training_state.json, none of difftune's files): refused before any model
+    loads, pointing to init_lora only when that LoRA file is there."""
+    theirs = tmp_path / "output" / "checkpoint-500"
+    theirs.mkdir(parents=True)
+    (theirs / STATE_FILE).write_text("{}")
+    path = write_config(tmp_path, dataset, resume_from_checkpoint=str(theirs))
+    problems = config_problems(path)
+    assert "is not a difftune checkpoint (no trainable.safetensors; SimpleTuner's checkpoints cannot be resumed)" \
+        in problems and "init_lora" not in problems
+    (theirs / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    assert f"init_lora: '{theirs / 'pytorch_lora_weights.safetensors'}'" in config_problems(path)
+
+
+def test_resume_past_the_end_and_simpletuner_folders_warn_and_bad_checkpoints_exit_2(tmp_path, dataset, capsys):
+    out = tmp_path / "output"
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=1))))
+    (out / "checkpoint-500").mkdir()  # SimpleTuner's layout: its checkpoints directly in output_dir
+    seen = len(events_of(out))
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1, resume_from_checkpoint="latest"))))
+    theirs, past = warnings_after(out, seen)
+    assert "holds checkpoint-500 directly (SimpleTuner's layout)" in theirs and "init_lora" in theirs
+    assert "checkpoint-0000002 is at step 2, already at or past this run's 1 steps: nothing is trained" in past
+    assert "resume_from_checkpoint to an earlier checkpoint (checkpoint-NNNNNNN" in past
+    assert [e["step"] for e in events_of(out)[seen:] if e["event"] == "done"] == [2]
+
+    # A named checkpoint that lost a file: `error: ...` and exit status 2, no traceback
+    (out / "checkpoints" / "checkpoint-0000001" / "optimizer.pt").unlink()
+    path = write_config(tmp_path, dataset, resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-0000001"))
+    capsys.readouterr()
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: resume_from_checkpoint:" in err and "its optimizer.pt is missing" in err
+    assert "Traceback" not in err

@@ -1,0 +1,174 @@
+"""Settings changed between a run and its resume (train/resume_settings.py): each takes effect or is refused, and
+says so; none is silently ignored. An unchanged resume stays exact (tests/test_train.py, tests/test_kill.py)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import config_problems, write_config
+from difftune.config import load_config
+from difftune.data.sampler import BucketSampler
+from difftune.demo import make_dataset
+from difftune.train.loop import train
+from difftune.train.setup import build_run
+
+
+def events_of(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "events.jsonl").read_text().splitlines()]
+
+
+def run_with(tmp_path, dataset, **overrides):
+    """Train the config in tmp_path with `overrides` (the same folder each time: a later call resumes)."""
+    run = build_run(load_config(write_config(tmp_path, dataset, resume_from_checkpoint="latest", **overrides)))
+    train(run)
+    return run
+
+
+def messages(output_dir, kind: str) -> list[str]:
+    return [e["message"] for e in events_of(output_dir) if e["event"] == kind]
+
+
+def test_raised_max_train_steps_trains_the_next_step_at_the_new_schedules_rate(tmp_path, dataset):
+    """4 steps of a linear schedule end at rate 0; resumed with max_train_steps 8, step 5 trains at the new 8-step
+    schedule's rate (half the peak), and its weights change."""
+    run_with(tmp_path, dataset, max_train_steps=4, lr_scheduler="linear")
+    out = tmp_path / "output"
+    run_with(tmp_path, dataset, max_train_steps=8, lr_scheduler="linear", checkpoint_step_interval=1)
+    rates = {e["step"]: e["lr"] for e in events_of(out) if e["event"] == "step"}
+    assert rates[5] == pytest.approx(5e-4) and rates[6] == pytest.approx(3.75e-4)
+    w4 = load_file(out / "checkpoints" / "checkpoint-0000004" / "trainable.safetensors")
+    w5 = load_file(out / "checkpoints" / "checkpoint-0000005" / "trainable.safetensors")
+    assert max(float((w5[k] - w4[k]).abs().max()) for k in w4) > 0
+    (info,) = [m for m in messages(out, "info") if "changed since it was saved" in m]
+    assert "step 5 trains at the new curve's 0.0005, where the checkpoint's would have 0" in info
+
+
+def test_changed_learning_rate_and_adam_settings_take_effect_and_are_named(tmp_path, dataset):
+    run_with(tmp_path, dataset, max_train_steps=2)
+    out = tmp_path / "output"
+    run_with(tmp_path, dataset, max_train_steps=3, learning_rate=1e-2, adam_beta2=0.95, adam_weight_decay=0.5)
+    assert [e["lr"] for e in events_of(out) if e["event"] == "step"][-1] == pytest.approx(1e-2)
+    (group,) = torch.load(out / "checkpoints" / "checkpoint-0000003" / "optimizer.pt")["param_groups"]
+    assert tuple(group["betas"]) == (0.9, 0.95) and group["weight_decay"] == 0.5 and group["lr"] == 1e-2
+    (info,) = [m for m in messages(out, "info") if "changed since it was saved" in m]
+    for part in ("adam_beta2 0.999 -> 0.95", "adam_weight_decay 0.01 -> 0.5", "learning rate", "0.001 -> 0.01",
+                 "step 3 trains at 0.01"):
+        assert part in info, info
+    assert "adam_beta1" not in info and "adam_epsilon" not in info
+
+
+def test_another_optimizer_resumes_with_a_fresh_state_and_a_warning(tmp_path, dataset):
+    run_with(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=1)
+    out = tmp_path / "output"
+    run_with(tmp_path, dataset, max_train_steps=4, optimizer="prodigy", learning_rate=1.0)
+    (warning,) = [m for m in messages(out, "warning") if "optimizer" in m]
+    assert "'adamw'" in warning and "'prodigy'" in warning and "afresh" in warning
+    assert [e["step"] for e in events_of(out) if e["event"] == "step"][-2:] == [3, 4]
+    state = json.loads((out / "checkpoints" / "checkpoint-0000004" / "training_state.json").read_text())
+    assert state["settings"]["optimizer"] == "prodigy"
+    # a checkpoint of an earlier difftune (no settings recorded) loads as before
+    old = out / "checkpoints" / "checkpoint-0000004" / "training_state.json"
+    old.write_text(json.dumps({k: v for k, v in state.items() if k != "settings"}))
+    run_with(tmp_path, dataset, max_train_steps=5, optimizer="prodigy", learning_rate=1.0)
+    assert [e["step"] for e in events_of(out) if e["event"] == "step"][-1] == 5
+
+
+def test_changed_optimizer_config_resumes_with_a_fresh_state(tmp_path, dataset):
+    """amsgrad switched on needs a state AdamW without it never made: a fresh optimizer, not a raw KeyError."""
+    run_with(tmp_path, dataset, max_train_steps=2)
+    run_with(tmp_path, dataset, max_train_steps=3, optimizer_config="amsgrad=true")
+    (warning,) = [m for m in messages(tmp_path / "output", "warning") if "optimizer" in m]
+    assert "optimizer_config unset, this run has {'amsgrad': True}" in warning and "afresh" in warning
+    (group,) = torch.load(tmp_path / "output" / "checkpoints" / "checkpoint-0000003" / "optimizer.pt")["param_groups"]
+    assert group["amsgrad"] is True
+
+
+def test_sampler_streams_are_kept_by_dataset_id():
+    parts = [([0, 1], [(64, 64)] * 2, 1.0), ([2, 3, 4], [(64, 64)] * 3, 1.0)]
+    before = BucketSampler(parts, 1, seed=0, keep_partial=False, ids=["a", "b"])
+    it = iter(before)
+    for _ in range(3):
+        next(it)
+    saved = before.state_dict()
+    assert set(saved["streams"]) == {"a", "b"}
+    grown = BucketSampler([parts[1], ([5], [(64, 64)], 0.5), parts[0]], 1, seed=0, keep_partial=False,
+                          ids=["b", "new", "a"])
+    note = grown.load_state_dict(saved)
+    assert "added: new" in note
+    assert grown.state_dict()["streams"] == saved["streams"] | {"new": [0, 0]}
+    # the older list format (by position) still loads, and a dataset beyond it starts at the beginning
+    listed = BucketSampler(parts + [([5], [(64, 64)], 0.5)], 1, seed=0, keep_partial=False, ids=["a", "b", "c"])
+    assert "added: c" in listed.load_state_dict(saved | {"streams": [saved["streams"]["a"], saved["streams"]["b"]]})
+    assert listed.state_dict()["streams"] == saved["streams"] | {"c": [0, 0]}
+    assert before.load_state_dict(saved) is None
+
+
+def test_resume_after_adding_a_dataset_with_probability_trains_on(tmp_path, dataset):
+    run_with(tmp_path, dataset, max_train_steps=2)
+    more = tmp_path / "more"
+    make_dataset(more, count=2)
+    extra = [{"id": "more", "type": "local", "dataset_type": "image", "instance_data_dir": str(more),
+              "caption_strategy": "textfile", "resolution": 64, "resolution_type": "pixel_area",
+              "cache_dir_vae": str(tmp_path / "cache" / "vae-more"), "probability": 0.5}]
+    run_with(tmp_path, dataset, max_train_steps=10, extra_datasets=extra)
+    out = tmp_path / "output"
+    assert [e["step"] for e in events_of(out) if e["event"] == "step"][-1] == 10
+    assert any("dataset list changed" in m and "added: more" in m for m in messages(out, "info"))
+
+
+def test_epoch_run_with_another_batch_size_is_refused_and_a_step_run_warned(tmp_path, monkeypatch):
+    """Refused before any model loads (`difftune check` too), and when the run starts (where the process count,
+    unknown to the config, is compared too)."""
+    from difftune.config import load as config_load
+
+    images = tmp_path / "images"
+    make_dataset(images, count=4)
+    run_with(tmp_path, images, max_train_steps=0, num_train_epochs=1, train_batch_size=2)
+    config = write_config(tmp_path, images, max_train_steps=0, num_train_epochs=2, train_batch_size=1,
+                          resume_from_checkpoint="latest")
+    problems = config_problems(config)
+    assert "train_batch_size 2 then, 1 now" in problems and "num_train_epochs 2" in problems
+    assert "Resume with train_batch_size 2" in problems and "set max_train_steps" in problems
+    monkeypatch.setattr(config_load, "batches_problem", lambda *a: None)
+    with pytest.raises(ValueError, match="train_batch_size 2 then, 1 now") as info:
+        train(build_run(load_config(config)))
+    assert "num_train_epochs 2" in str(info.value) and "max_train_steps" in str(info.value)
+    monkeypatch.undo()
+    run_with(tmp_path, images, max_train_steps=3, train_batch_size=1)
+    (warning,) = [m for m in messages(tmp_path / "output", "warning") if "other batches" in m]
+    assert "train_batch_size 2 then, 1 now" in warning
+
+
+def test_changed_lora_rank_is_refused_before_the_model_loads(tmp_path, dataset):
+    """From the checkpoint's header, at config time (`difftune check` too), for 'latest' and for a named one."""
+    run_with(tmp_path, dataset, max_train_steps=1)
+    for resume in ("latest", "checkpoint-0000001"):
+        problems = config_problems(write_config(tmp_path, dataset, lora_rank=8, resume_from_checkpoint=resume))
+        assert "trained with lora_rank 4" in problems and "this run has lora_rank 8" in problems, problems
+        assert "Set lora_rank 4" in problems
+    load_config(write_config(tmp_path, dataset, lora_rank=4, resume_from_checkpoint="latest"))  # unchanged: fine
+    load_config(write_config(tmp_path, dataset, lora_rank=8, model_type="full", resume_from_checkpoint="latest"))
+
+
+def test_adapter_tensor_of_another_shape_is_a_clear_error():
+    """What the header check misses (another size setting) is named when the weights are copied in."""
+    from difftune.adapters.kinds import _copy_into
+
+    module = torch.nn.Linear(3, 8)
+    with pytest.raises(ValueError, match=r"weight is \[4, 3\] in the checkpoint and \[8, 3\] here: lora_rank"):
+        _copy_into(module, {"weight": torch.zeros(4, 3), "bias": torch.zeros(8)})
+
+
+def test_changed_lora_alpha_and_seed_are_warned_about(tmp_path, dataset):
+    run_with(tmp_path, dataset, max_train_steps=1)
+    run_with(tmp_path, dataset, max_train_steps=2, lora_alpha=16, seed=9)
+    warnings = messages(tmp_path / "output", "warning")
+    assert any("lora_alpha 4 then, 16 now" in m and "scaled" in m for m in warnings), warnings
+    assert any("seed 7 then, 9 now" in m and "data order" in m and "noise" in m for m in warnings), warnings
+
+
+def test_bare_resume_flag_asks_for_a_value(tmp_path, dataset):
+    problems = config_problems(write_config(tmp_path, dataset, resume_from_checkpoint="true"))
+    assert "resume_from_checkpoint needs a value: latest, a checkpoint folder or its name" in problems
