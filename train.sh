@@ -15,6 +15,15 @@ else
     config="config/config.json"
 fi
 
+# SimpleTuner's train.sh sources config.env (TRAINING_NUM_PROCESSES, accelerate and dynamo settings); this one
+# does not, so say so rather than run with its settings silently dropped.
+env_file="$(dirname "$config")/config.env"
+if [[ -f "$env_file" ]]; then
+    echo "train.sh: warning: $env_file is not read (SimpleTuner's launcher settings such as TRAINING_NUM_PROCESSES)." \
+        "Put training settings in $config; for several processes run" \
+        "'torchrun --nproc_per_node N -m difftune.cli train --config $config'." >&2
+fi
+
 if [[ -x "$here/.venv/bin/difftune" ]]; then
     exec "$here/.venv/bin/difftune" train --config "$config" "$@"
 elif command -v difftune >/dev/null 2>&1; then

@@ -181,7 +181,7 @@ def test_did_you_mean_finds_misspellings(typo, meant):
 
 
 @pytest.mark.parametrize("key", ["gradient_checkpointing_steps", "validation_seeds_list", "num_eval_batches",
-                                 "vae_cache_mode", "init_lokr_norm", "max_workers", "snr_gamma", "data_loader_workers"])
+                                 "vae_cache_mode", "init_lokr_norm", "snr_gamma", "data_loader_workers"])
 def test_did_you_mean_does_not_suggest_unrelated_keys(key):
     assert "did you mean" not in suggest(key, list(TrainConfig.model_fields))
 
@@ -237,8 +237,7 @@ def test_train_sh_runs_difftune_train_with_config_and_passes_arguments(tmp_path,
 # (key, a value that changes nothing here, a value that would): every SimpleTuner option difftune does not have
 SIMPLETUNER_PENDING = [
     ("aspect_bucket_worker_count", 12, 4), ("image_processing_batch_size", 32, 8), ("read_batch_size", 25, 8),
-    ("write_batch_size", 128, 16), ("max_workers", 32, 4),
-    ("torch_num_threads", 8, 2), ("metadata_update_interval", 3600, 60),
+    ("torch_num_threads", 8, 2),
     ("enable_multiprocessing", False, True), ("cache_dir_vae", None, "cache/vae"),
     ("parquet_caption_column", None, "caption"), ("parquet_filename_column", None, "filename"),
     ("prediction_type", None, "epsilon"), ("snr_gamma", None, 5), ("use_soft_min_snr", False, True),

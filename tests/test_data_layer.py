@@ -38,12 +38,21 @@ def encoder(calls):
 
 # --- captions ---------------------------------------------------------------------------------------------
 
+def test_filename_captions_keep_hyphens_as_simpletuner(tmp_path):
+    """SimpleTuner's prepare_instance_prompt_from_filename turns only underscores into spaces."""
+    for name, expected in [("a_man_in_a_t-shirt.png", "a man in a t-shirt"),
+                           ("close-up_of_spider-man.jpg", "close-up of spider-man")]:
+        img = tmp_path / name
+        Image.new("RGB", (8, 8)).save(img)
+        assert caption(img, tmp_path, CaptionRule("filename"), None).captions == (expected,)
+
+
 def test_caption_strategies(tmp_path):
     img = tmp_path / "a_red-circle.png"
     Image.new("RGB", (8, 8)).save(img)
     img.with_suffix(".txt").write_text("first caption\n\nsecond caption\n")
     assert caption(img, tmp_path, CaptionRule("textfile"), None).captions == ("first caption", "second caption")
-    assert caption(img, tmp_path, CaptionRule("filename"), None).captions == ("a red circle",)
+    assert caption(img, tmp_path, CaptionRule("filename"), None).captions == ("a red-circle",)
     assert caption(img, tmp_path, CaptionRule("instanceprompt", "sks dog"), None).captions == ("sks dog",)
     prepend = CaptionRule("textfile", "sks", prepend_instance_prompt=True)
     assert caption(img, tmp_path, prepend, None).captions == ("sks first caption", "sks second caption")

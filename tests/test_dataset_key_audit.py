@@ -42,7 +42,7 @@ def mask_entry(folder, **extra):
 # (key, off value, a value that would act, the entry it is written on)
 PENDING = [
     ("hash_filenames", True, False, "image"), ("cache_file_suffix", None, "subject", "image"),
-    ("metadata_update_interval", 3600, 60, "image"), ("vae_cache_ondemand", False, True, "image"),
+    ("vae_cache_ondemand", False, True, "image"),
     ("text_cache_ondemand", False, True, "text"), ("text_cache_disable", False, True, "text"),
     ("caption_shuffle", None, {"enable": True}, "image"),
     ("timestep_sampling_offset", 0.0, -0.5, "image"), ("disable_validation", False, True, "image"),

@@ -21,17 +21,26 @@ from difftune.train.setup import build_run
 class FakeHub:
     """Records calls; upload_folder fails on the call numbers in `failures` (1-based), or always."""
 
-    def __init__(self, monkeypatch, failures=(), always=False):
+    def __init__(self, monkeypatch, failures=(), always=False, me=None):
         self.repos, self.uploads, self.calls = [], [], 0
+        # whoami's answer (an exception is raised): a user with a write token by default
+        self.me = me if me is not None else {"name": "me", "orgs": [{"name": "team"}],
+                                             "auth": {"accessToken": {"role": "write"}}}
         self.failures, self.always = set(failures), always
         self.threads = set()
         self.files: set[str] = set()  # what the repository holds
         self.deleted: list[list[str]] = []  # the paths of each deleting commit
+        monkeypatch.setattr(HfApi, "whoami", self.whoami)
         monkeypatch.setattr(HfApi, "create_repo", self.create_repo)
         monkeypatch.setattr(HfApi, "upload_folder", self.upload_folder)
         monkeypatch.setattr(HfApi, "list_repo_files", self.list_repo_files)
         monkeypatch.setattr(HfApi, "create_commit", self.create_commit)
         monkeypatch.setattr(hub, "BACKOFF_S", 0.01)
+
+    def whoami(self, *_, **__):
+        if isinstance(self.me, Exception):
+            raise self.me
+        return self.me
 
     def list_repo_files(self, repo_id, **_):
         return sorted(self.files)
@@ -79,7 +88,8 @@ def test_uploads_checkpoints_and_result_with_a_model_card(tmp_path, dataset, mon
     run = build_run(load_config(write_config(tmp_path, dataset, **HUB)))
     train(run)
     out = run.output_dir
-    assert fake.repos == [("me/tiny-lora", True, True)]
+    # created (private) when the run starts, before any model loads; the uploader's own call finds it there
+    assert fake.repos == [("me/tiny-lora", True, True)] * 2
     assert fake.threads == {"difftune-hub-upload"}  # never the training thread
     assert [u["path_in_repo"] for u in fake.uploads] == ["checkpoints/checkpoint-0000001", "checkpoints/checkpoint-0000002",
                                                          None]
@@ -190,3 +200,70 @@ def test_result_patterns_skip_logs_and_hidden_files(tmp_path, name):
     (tmp_path / "pytorch_lora_weights.safetensors").write_text("x")
     (tmp_path / "checkpoints").mkdir()
     assert hub.result_patterns(tmp_path, []) == ["pytorch_lora_weights.safetensors"]
+
+
+# --- push_to_hub's access, checked before any model loads; a result that never reached the hub
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    from difftune.models.lumina2 import Lumina2Family
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded although the hub refuses the uploads")
+
+    monkeypatch.setattr(Lumina2Family, "load", boom)
+    monkeypatch.setattr(Lumina2Family, "build_tiny", boom)
+
+
+@pytest.mark.parametrize("me,repo,expected", [
+    (OSError("Token is required (`token=True`), but no token found"), "me/tiny-lora", "no usable Hugging Face login"),
+    ({"name": "me", "orgs": [], "auth": {"accessToken": {"role": "read"}}}, "me/tiny-lora", "is read-only"),
+    ({"name": "me", "orgs": [{"name": "team"}]}, "someone/nope", "cannot create repositories under 'someone'"),
+])
+def test_push_to_hub_without_write_access_fails_before_any_model_loads(tmp_path, dataset, monkeypatch, capsys,
+                                                                        no_model_loads, me, repo, expected):
+    from difftune.cli import main
+
+    fake = FakeHub(monkeypatch, me=me)
+    path = write_config(tmp_path, dataset, **{**HUB, "hub_model_id": repo})
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"hub_model_id {repo!r}" in err and expected in err and "hf auth login" in err and "HF_TOKEN" in err
+    assert "Traceback" not in err and fake.uploads == [] and fake.repos == []
+
+
+def test_push_to_hub_repository_that_cannot_be_created_fails_at_start(tmp_path, dataset, monkeypatch, capsys,
+                                                                      no_model_loads):
+    from difftune.cli import main
+
+    FakeHub(monkeypatch)
+
+    def refused(self, repo_id, **_):
+        raise PermissionError("403 Forbidden: You don't have the rights to create a model under this namespace")
+
+    monkeypatch.setattr(HfApi, "create_repo", refused)
+    assert main(["train", "--config", str(write_config(tmp_path, dataset, **HUB))]) == 2
+    err = capsys.readouterr().err
+    assert "hub_model_id 'me/tiny-lora': the repository cannot be created" in err and "403 Forbidden" in err
+
+
+def test_a_failed_final_upload_exits_4_with_the_command_to_retry(tmp_path, dataset, monkeypatch, capsys):
+    from difftune.cli import main
+
+    FakeHub(monkeypatch, always=True)
+    config = {**HUB, "push_checkpoints_to_hub": False, "checkpoint_step_interval": 0, "validation_prompt": None}
+    path = write_config(tmp_path, dataset, **config)
+    assert main(["train", "--config", str(path)]) == hub.HUB_UPLOAD_FAILED
+    captured = capsys.readouterr()
+    out = tmp_path / "output"
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("error: the upload of the result to the hub repository me/tiny-lora failed (ConnectionError")
+    assert f"hf upload me/tiny-lora {out} . --include README.md" in last
+    assert "--include pytorch_lora_weights.safetensors" in last
+    assert (out / "pytorch_lora_weights.safetensors").exists()  # trained and saved all the same
+    (warning,) = [e["message"] for e in events(out) if e["event"] == "warning"]  # what the web UI shows
+    assert f"hf upload me/tiny-lora {out} . --include" in warning
+    FakeHub(monkeypatch)  # the hub answers again: the same run uploads and exits 0
+    assert main(["train", "--config", str(path), "--output_dir", str(tmp_path / "again")]) == 0
+

@@ -134,3 +134,26 @@ def test_bad_configs_are_refused(tmp_path):
     path = save_lycoris(network, tmp_path / "k.safetensors")
     with pytest.raises(ValueError, match="modules not in"):
         load_lycoris(load("lumina2")[1].transformer, path)
+
+
+def test_lycoris_warnings_become_warning_events(tmp_path, dataset, capfd):
+    """SimpleTuner's lycoris_config.json.example targets Attention and FeedForward; Lumina2 has no FeedForward class
+    (its feed-forward is LuminaFeedForward). LyCORIS's warning about it is a warning event of the run, not only a
+    line on stdout."""
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.train.setup import build_run
+
+    config = tmp_path / "lycoris_config.json"
+    config.write_text(json.dumps({"algo": "lokr", "linear_dim": 4, "linear_alpha": 1, "factor": 4,
+                                  "apply_preset": {"target_module": ["Attention", "FeedForward"]}}))
+    run = build_run(load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(config),
+                                             validation_prompt=None)))
+    run.events.close()
+    log = [json.loads(line) for line in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    (warning,) = [e["message"] for e in log if e["event"] == "warning"]
+    assert "No modules matched the following target module classes: ['FeedForward']" in warning
+    assert str(config) in warning
+    console = capfd.readouterr()
+    assert (console.out + console.err).count("No modules matched") == 1  # said once: the run's warning
+    assert {lora.lora_name for lora in run.adapter.network.loras}  # Attention still matched

@@ -76,8 +76,12 @@ def test_config_accepts_masks_and_refuses_misuse(tmp_path, dataset):
     assert "dataset 'train': flavour 'tiny-random-i2i' trains on image pairs" in text
     assert "'masks' holds loss masks" in text and "cannot be combined with image-to-image" in text
     # a probability with nothing to mask, or out of range
-    text = problems(write_config(tmp_path, dataset, masked_loss_probability=0.5))
-    assert "masked_loss_probability 0.5: no image dataset names a mask dataset" in text
+    path = write_config(tmp_path, dataset, masked_loss_probability=0.5)
+    text = problems(path)
+    # prefixed with the file that set the key (or the command line), as every other problem is
+    assert f"{path}: masked_loss_probability: 0.5: no image dataset names a mask dataset" in text
+    text = problems(write_config(tmp_path, dataset), masked_loss_probability=0.5)
+    assert "command line: masked_loss_probability: 0.5: no image dataset" in text
     assert "masked_loss_probability" in problems(masked_config(tmp_path, dataset, masks, masked_loss_probability=1.5))
     load_config(write_config(tmp_path, dataset, masked_loss_probability=0.0))  # nothing masked: consistent
     # an unknown kind, a video dataset, an eval dataset

@@ -270,3 +270,50 @@ def test_schedulefree_starts_in_train_mode_and_switches() -> None:
     opt.train()
     for a, b in zip(weights(model), trained, strict=True):
         torch.testing.assert_close(a, b)  # the same y, up to rounding
+
+
+# SimpleTuner's optimizer_choices[name]["default_settings"] (simpletuner/helpers/training/optimizer_param.py)
+SIMPLETUNER_DEFAULTS = {
+    "optimi-lion": {"betas": (0.9, 0.99), "weight_decay": 0.0},
+    "optimi-adamw": {"betas": (0.9, 0.99), "weight_decay": 0.0, "eps": 1e-6},
+    "adamw_bf16": {"betas": (0.9, 0.999), "weight_decay": 1e-2, "eps": 1e-6},
+}
+
+
+def _built_group(config_path):
+    """The parameter group of the optimizer a run builds from `config_path` (as train/setup.py calls it)."""
+    from difftune.config import load_config
+
+    cfg = load_config(config_path).train
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = build_optimizer(cfg.optimizer, [p], cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                          cfg.adam_weight_decay, cfg.adam_epsilon, cfg.optimizer_settings())
+    group = dict(opt.param_groups[0])
+    if "beta1" in group:  # optimi keeps its betas apart
+        group["betas"] = (group["beta1"], group["beta2"])
+    return group
+
+
+@pytest.mark.parametrize("name", list(SIMPLETUNER_DEFAULTS))
+def test_unset_adam_keys_take_simpletuners_defaults_for_the_optimizer(tmp_path, dataset, name) -> None:
+    """A config that names only the optimizer trains it with SimpleTuner's settings for that name; adam_* keys set
+    explicitly still apply."""
+    from conftest import write_config
+
+    group = _built_group(write_config(tmp_path, dataset, optimizer=name))
+    for key, value in SIMPLETUNER_DEFAULTS[name].items():
+        assert group[key] == pytest.approx(value), key
+    assert ("eps" in group) == ("eps" in SIMPLETUNER_DEFAULTS[name])  # Lion has none
+    explicit = dict(adam_beta1=0.8, adam_beta2=0.95, adam_weight_decay=0.05, adam_epsilon=1e-7)
+    group = _built_group(write_config(tmp_path, dataset, optimizer=name, **explicit))
+    assert tuple(group["betas"]) == pytest.approx((0.8, 0.95)) and group["weight_decay"] == pytest.approx(0.05)
+    if "eps" in SIMPLETUNER_DEFAULTS[name]:
+        assert group["eps"] == pytest.approx(1e-7)
+
+
+def test_every_optimizer_name_has_defaults() -> None:
+    from difftune.train.optimizers import DEFAULTS, hyper_parameters
+
+    assert set(DEFAULTS) == set(OPTIMIZERS)
+    assert hyper_parameters("bnb-adamw8bit") == ((0.9, 0.999), 1e-2, 1e-6)  # SimpleTuner's name for adamw8bit
+    assert hyper_parameters("optimi-lion", beta2=0.999) == ((0.9, 0.999), 0.0, None)

@@ -95,7 +95,7 @@ def test_video_keys_checked_before_any_model(tmp_path):
     images = tmp_path / "images"
     images.mkdir()
     text = problems(write_config(tmp_path, images, frame_rate=24, validation_num_video_frames=9))
-    assert "only apply to video families" in text
+    assert "validation_num_video_frames and frame_rate apply only to video families" in text
     text = problems(write_config(tmp_path, folder, dataset={"dataset_type": "video"}))  # lumina2 + clips
     assert "video datasets need a video family (kandinsky5-video)" in text
     assert "video block applies to dataset_type 'video'" in problems(

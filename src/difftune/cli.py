@@ -131,6 +131,11 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     written = [p for p in (run.output_dir / "validation").glob("*") if p.suffix in (".png", ".mp4")]
     if run.validation and written:
         print(f"validation samples in {run.output_dir / 'validation'}")
+    from difftune.train.hub import HUB_UPLOAD_FAILED, result_failure
+
+    if failure := result_failure(run):  # push_to_hub: last, so neither a reader nor a script takes it as published
+        print(f"error: {failure}", file=sys.stderr)
+        return HUB_UPLOAD_FAILED
     return 0
 
 
@@ -247,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         from difftune.models.hub import ComponentError
+        from difftune.train.checkpoint import CheckpointError
+        from difftune.train.hub import HubAccessError
         from difftune.train.plan import DataError
 
-        if not isinstance(e, DataError | ComponentError):
+        if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,11 @@ leaves out is empty, not LyCORIS's class default (which targets every Linear, Co
 apply a preset only for the duration of the network's construction, starting from LyCORIS's defaults, and restore the
 previous class state afterwards, so one network's preset never leaks into the next.
 
+LyCORIS reports what it could not apply (a preset class or name that matches no module: "No modules matched the
+following target module classes: ['FeedForward']") through its own logger, which writes to stdout only, or with
+print ("[WARN]..."). `attach_lycoris` keeps those messages on the network (`difftune_warnings`), so the run records
+them as warning events (train/setup.py) instead of letting them scroll past on the console.
+
 Saving writes what `LycorisNetwork.save_weights` writes (safetensors; keys `<lora_prefix>_<module path with _>.<param>`,
 e.g. `lycoris_layers_0_attn_to_q.lokr_w1`) with SimpleTuner's metadata key `lycoris_config` (the config as JSON).
 Loading rebuilds the network from the file with `lycoris.create_lycoris_from_weights` (module types and shapes come
@@ -34,10 +39,13 @@ from the weights) and applies it.
 from __future__ import annotations
 
 import copy
+import io
 import json
+import logging
 import re
+import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +85,40 @@ def preset_applied(preset: Mapping[str, Any]) -> Iterator[None]:
     finally:
         for attr, value in saved.items():
             setattr(LycorisNetwork, attr, value)
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def warnings_kept() -> Iterator[list[str]]:
+    """LyCORIS's warnings inside the block, in a list, instead of on stdout: its logger's ("LyCORIS", which does not
+    propagate) at WARNING and above, and its printed "[WARN]" lines. Its other output still reaches stdout."""
+    logger = logging.getLogger("LyCORIS")
+    kept, below = _Kept(), (lambda record: record.levelno < logging.WARNING)
+    own = list(logger.handlers)
+    for handler in own:
+        handler.addFilter(below)
+    logger.addHandler(kept)
+    printed = io.StringIO()
+    try:
+        with redirect_stdout(printed):
+            yield kept.messages
+    finally:
+        logger.removeHandler(kept)
+        for handler in own:
+            handler.removeFilter(below)
+        for line in printed.getvalue().splitlines():
+            if line.startswith("[WARN]"):
+                kept.messages.append(line.removeprefix("[WARN]").strip())
+            else:
+                print(line, file=sys.stdout)
 
 
 def _matches(targets: tuple[str, ...] | str, name: str) -> bool:
@@ -142,9 +184,10 @@ def attach_lycoris(transformer: torch.nn.Module, config: Mapping[str, Any], *, f
     if bypass:
         kwargs["bypass_mode"] = True
     transformer.requires_grad_(False)
-    with preset_applied(resolve_preset(transformer, preset, family)):
+    with preset_applied(resolve_preset(transformer, preset, family)), warnings_kept() as warned:
         network = create_lycoris(transformer, positional["multiplier"], positional["linear_dim"],
                                  positional["linear_alpha"], **kwargs)
+    network.difftune_warnings = list(dict.fromkeys(warned))  # once each: LoHa and LoKr print theirs per module
     if not network.loras:
         raise ValueError("the LyCORIS config matched no module of the transformer; check apply_preset")
     network.apply_to()

@@ -43,6 +43,15 @@ KEY_ALIASES: dict[str, str] = {
     "framerate": "frame_rate",
 }
 PLACEHOLDERS = ("model_family",)
+
+
+def written_spellings(*raws: dict[str, Any]) -> dict[str, str]:
+    """difftune key -> the alias (KEY_ALIASES) the config wrote it as, when difftune's own name is not written too:
+    the schema's messages name the key the user wrote."""
+    keys = {key.lstrip("-") for raw in raws for key in raw}
+    return {key: alias for alias, key in KEY_ALIASES.items() if alias in keys and key not in keys}
+
+
 # Values that are text, not paths: a `{...}` in them is left alone.
 TEXT_KEYS = frozenset({"validation_prompt", "validation_negative_prompt", "instance_prompt", "tracker_project_name",
                        "tracker_run_name",

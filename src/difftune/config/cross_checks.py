@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from difftune.config.crepa_keys import crepa_checks
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
+from difftune.config.lora_keys import lora_notes
 from difftune.config.offload_keys import offload_checks
+from difftune.config.optimizer_keys import optimizer_notes
 from difftune.config.reporting_keys import reporting_checks
 from difftune.config.rollout_keys import rollout_checks
 from difftune.config.speed_keys import speed_checks
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
     from difftune.config.schema import TrainConfig
 
 
-def cross_checks(cfg: TrainConfig) -> None:
+def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> None:
+    """`spellings`: difftune key -> the SimpleTuner alias the config wrote it as (config/compat.py), to name it."""
     facts = FAMILY_FACTS[cfg.model_family]
     if cfg.model_flavour is not None and cfg.model_flavour not in facts.flavours:
         raise ValueError(
@@ -65,7 +68,11 @@ def cross_checks(cfg: TrainConfig) -> None:
     video_keys = [k for k in ("validation_num_video_frames", "frame_rate", "vae_enable_patch_conv")
                   if getattr(cfg, k) not in (None, False)]
     if video_keys and not facts.video:
-        raise ValueError(f"{', '.join(video_keys)} only apply to video families; remove them for {cfg.model_family}")
+        named = [f"{spellings[k]} (difftune's {k})" if k in (spellings or {}) else k for k in video_keys]
+        one = len(named) == 1
+        families = ", ".join(f.name for f in FAMILY_FACTS.values() if f.video)
+        raise ValueError(f"{' and '.join(named)} appl{'ies' if one else 'y'} only to video families ({families}); "
+                         f"remove {'it' if one else 'them'} for {cfg.model_family}")
     n = cfg.validation_num_video_frames
     if n is not None and (n - 1) % 4:
         raise ValueError(f"validation_num_video_frames {n} is not 4k+1 (the VAE compresses time 4x); "
@@ -84,3 +91,14 @@ def cross_checks(cfg: TrainConfig) -> None:
     speed_checks(cfg)
     if cfg.max_train_steps == 0 and cfg.num_train_epochs == 0:
         raise ValueError("set max_train_steps or num_train_epochs (both are 0, so training would never start)")
+
+
+def cross_notes(cfg: TrainConfig) -> list[str]:
+    """Keys set to a value their combination with another key leaves unused. SimpleTuner's configs carry such
+    values (it ignores them too), so they are notes printed before the run, not errors."""
+    notes = lora_notes(cfg) + optimizer_notes(cfg)
+    if cfg.flow_schedule_auto_shift and cfg.flow_schedule_shift not in (0, 1):
+        notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
+                     "the shift from each batch's resolution; remove flow_schedule_shift (or set "
+                     "flow_schedule_auto_shift to false to use it)")
+    return notes

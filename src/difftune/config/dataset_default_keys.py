@@ -9,9 +9,9 @@ crop_aspect_buckets) is reported on the dataset where it lands. Import-light: no
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from difftune.config.fields import field
 
@@ -37,7 +37,8 @@ class DatasetDefaultKeys(BaseModel):
         None, _about("target_downsample_size", "with maximum_image_size"), "data", gt=0, advanced=True
     )
     caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet"] | None = field(
-        None, _about("caption_strategy", "'parquet' also needs each dataset's parquet block"), "data", advanced=True
+        None, _about("caption_strategy", "'parquet' also needs each dataset's parquet block; 'instance_prompt', "
+                     "SimpleTuner's command-line spelling, is 'instanceprompt'"), "data", advanced=True
     )
     instance_prompt: str | None = field(None, _about("instance_prompt"), "data", advanced=True)
     prepend_instance_prompt: bool | None = field(None, _about("prepend_instance_prompt"), "data", advanced=True)
@@ -52,6 +53,12 @@ class DatasetDefaultKeys(BaseModel):
         None, "Default aws_max_pool_connections of every dataset of type 'aws' that does not set its own (its "
         "connections to the store at once; 128 when neither is set).", "data", ge=1, advanced=True,
     )
+
+    @field_validator("caption_strategy", mode="before")
+    @classmethod
+    def _caption_strategy_spelling(cls, value: Any) -> Any:
+        # SimpleTuner's --caption_strategy choices spell it 'instance_prompt'; its dataset entries 'instanceprompt'
+        return "instanceprompt" if value == "instance_prompt" else value
 
 
 DATASET_DEFAULT_KEYS = tuple(DatasetDefaultKeys.model_fields)

@@ -4,6 +4,8 @@ The keys difftune does not implement are in config/pending.py (PENDING_DATASET_K
 
 - `disable` is SimpleTuner's other spelling of `disabled`, `csv_shorten_filenames` of `shorten_filenames` (type csv);
 - `ignore_epochs` on an image, video or eval dataset is dropped with a note (a no-op in SimpleTuner too);
+- `metadata_update_interval` (SimpleTuner's seconds between metadata saves while scanning) is dropped, with a note
+  at a value other than SimpleTuner's 3600: each dataset is scanned once at start-up, so it changes nothing;
 - `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
   switched on they are refused by config/pending.py;
 - `conditioning_data` as a list of one id is that id; several ids are refused (a dataset pairs with one);
@@ -41,6 +43,11 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
         del out["ignore_epochs"]
         notes.append(f"{where}: ignore_epochs does nothing (SimpleTuner deprecated it and ignores it as well: "
                      "every dataset's batches count towards an epoch); remove it")
+    if "metadata_update_interval" in out:
+        interval = coerce(out.pop("metadata_update_interval"))
+        if interval not in (None, 3600):
+            notes.append(f"{where}: metadata_update_interval {interval!r} changes nothing here (the dataset is "
+                         "scanned once at start-up); remove it")
     for block, switch in SWITCHED_BLOCKS.items():
         value = out.get(block)
         if isinstance(value, dict) and coerce(value.get(switch, False)) in (False, None):
@@ -58,11 +65,40 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
 
 def notes(where: str, item: Any) -> list[str]:
     """What a validated entry's settings mean that the user may not expect."""
-    from difftune.config.datasets import TextEmbedsDataset
+    from difftune.config.datasets import ImageDataset, TextEmbedsDataset
 
     if isinstance(item, TextEmbedsDataset) and item.text_encoder_batch_size and "write_batch_size" in item.model_fields_set:
         return [f"{where}: write_batch_size is not used: text_encoder_batch_size sets the captions per text-encoder "
                 "pass, and each embedding is written as its own file; remove write_batch_size"]
+    if isinstance(item, ImageDataset):
+        return _crop_notes(where, item) + _pixel_resolution_notes(where, item)
+    return []
+
+
+def _pixel_resolution_notes(where: str, item: Any) -> list[str]:
+    """A megapixel-sized resolution (1.0) under a pixel resolution_type: the usual slip when switching from 'area',
+    which trains at the smallest buckets instead of failing. Noted below 16 or with a fraction: megapixel sizes lie
+    there (SimpleTuner's area values go up to a few), while tiny test models train at 32 pixels on purpose."""
+    if item.resolution_type in ("pixel", "pixel_area") and (item.resolution < 16 or item.resolution % 1):
+        tiny = " (images shrink to the smallest buckets, a few pixels a side)" if item.resolution < 16 else ""
+        return [f"{where}: resolution {item.resolution:g} with resolution_type {item.resolution_type!r} is taken as "
+                f"{item.resolution:g} pixels{tiny}; did you mean resolution_type 'area' (megapixels)? Pixel "
+                "resolutions are whole numbers such as 512 or 1024"]
+    return []
+
+
+def _crop_notes(where: str, item: Any) -> list[str]:
+    """Crop settings the entry's crop leaves unused (set on the entry or by the config-level default). Notes, not
+    errors: SimpleTuner's own examples carry crop: false with crop_style and crop_aspect. crop_style is never
+    unused: without crop it still places the trim of the resized image to its bucket."""
+    given = item.model_fields_set
+    if not item.crop:
+        unused = [k for k in ("crop_aspect", "crop_aspect_buckets") if k in given and getattr(item, k) is not None]
+        return [f"{where}: {' and '.join(unused)} not used: crop is false, so each image keeps its own aspect; remove "
+                f"{'them' if len(unused) > 1 else 'it'} or set crop to true"] if unused else []
+    if item.crop_aspect_buckets and item.crop_aspect in ("square", "preserve"):
+        return [f"{where}: crop_aspect_buckets not used: crop_aspect {item.crop_aspect!r} does not pick from them "
+                "(only 'closest' and 'random' do); remove crop_aspect_buckets or change crop_aspect"]
     return []
 
 

@@ -137,8 +137,8 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
     caption_strategy: Literal["textfile", "filename", "instanceprompt", "parquet", "huggingface", "csv"] = field(
         "textfile",
         "'textfile': a .txt beside each image with the same name; each non-empty line is a caption, one "
-        "drawn per sample. 'filename': the file name with _ and - as spaces. 'instanceprompt': "
-        "instance_prompt for every image. 'parquet': a table (see parquet). 'huggingface' and 'csv': the caption "
+        "drawn per sample. 'filename': the file name without its extension, each _ a space (hyphens kept, as in "
+        "SimpleTuner). 'instanceprompt': instance_prompt for every image. 'parquet': a table (see parquet). 'huggingface' and 'csv': the caption "
         "column of a type 'huggingface' or 'csv' dataset (written as caption files when it is downloaded).",
         "data",
     )

@@ -8,9 +8,10 @@ re-declares a field by hand.
 from __future__ import annotations
 
 import os
-from typing import Any
+import typing
+from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field, model_validator
 
 GROUPS = ("model", "data", "training", "validation", "memory", "output")
 
@@ -35,3 +36,32 @@ def expand_home(value: Any) -> Any:
     if isinstance(value, str) and value.startswith("~"):
         return os.path.expanduser(value)
     return value
+
+
+def unset_values(fields: dict[str, Any], data: Any, free_text: frozenset[str] = frozenset()) -> Any:
+    """A model's input with "not set" spelled as SimpleTuner users spell it turned into None, for every field that
+    takes None (`fields`: the model's model_fields): "" (the web UI's and SimpleTuner's empty text box) and, but for
+    the free-text fields in `free_text` (a prompt or a name may be the word), "none" in any case. Without it a
+    number field ("Empty means ...") would refuse "" as not a number, and a path field would read a file `none`."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for key, value in data.items():
+        info = fields.get(key)
+        if info is None or not isinstance(value, str) or type(None) not in typing.get_args(info.annotation):
+            continue
+        if value == "" or key not in free_text and value.strip().lower() in ("", "none"):
+            out[key] = None
+    return out
+
+
+class UnsetSpellings(BaseModel):
+    """Base of a schema whose optional keys take "" and "none" for null (unset_values). `FREE_TEXT`: its optional
+    keys of free text, where "none" is kept as written."""
+
+    FREE_TEXT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_spellings(cls, data: Any) -> Any:
+        return unset_values(cls.model_fields, data, cls.FREE_TEXT)

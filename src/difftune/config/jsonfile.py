@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,38 @@ def _syntax_message(path: Path, text: str, e: json.JSONDecodeError) -> str:
     return f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
 
 
-def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = None) -> Any:
+CONVERT = "difftune reads only JSON configs, not SimpleTuner's TOML or ENV ones: write its keys as a JSON object in"
+
+
+def _other_format(path: Path, text: str) -> str | None:
+    """'TOML' or 'ENV' when a config that is not JSON is one of SimpleTuner's other formats: by its name, else by its
+    content (a config.json holding TOML). Called only once the text failed as JSON, so JSON is read whatever the
+    name."""
+    if (kind := {".toml": "TOML", ".env": "ENV"}.get(path.suffix.lower())) is not None:
+        return kind
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if lines and all(re.match(r"(export\s+)?[A-Za-z_]\w*=", line) for line in lines):
+        return "ENV"  # NAME=value lines, no spaces around '=' (TOML would read some of them too)
+    # a TOML table header or `key = value` first (its content is not parsed: tomllib needs Python 3.11)
+    if lines and re.match(r"""\[[^\]]+\]$|("[^"]*"|'[^']*'|[\w.-]+)\s*=\s*\S""", lines[0]):
+        return "TOML"
+    return None
+
+
+def _sibling_config(path: Path) -> Path | None:
+    """SimpleTuner's config.toml or config.env beside a missing config.json."""
+    if path.suffix.lower() != ".json":
+        return None
+    return next((other for other in (path.with_suffix(".toml"), path.with_suffix(".env")) if other.is_file()), None)
+
+
+def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = None, *, config: bool = False) -> Any:
     """Parse `path`. Raises JsonFileError when it is missing, unreadable, empty or not JSON. A key that
-    appears twice in one object is appended to `duplicates` as a problem (the file is still returned)."""
+    appears twice in one object is appended to `duplicates` as a problem (the file is still returned).
+    `config`: the training config, where SimpleTuner's TOML and ENV configs get the advice to convert them."""
     if not path.exists():
+        if config and (other := _sibling_config(path)) is not None:
+            raise JsonFileError(f"{path}: {what} not found, but {other} is there; {CONVERT} {path}")
         raise JsonFileError(f"{path}: {what} not found; {hint}")
     if path.is_dir():
         raise JsonFileError(f"{path}: is a folder, not a {what} file; give the path of the JSON file")
@@ -68,6 +97,11 @@ def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = N
     try:
         return json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as e:
+        if config and (kind := _other_format(path, text)) is not None:
+            target = path if path.suffix.lower() == ".json" else path.with_suffix(".json")
+            use = "" if target == path else f" and pass --config {target}"
+            raise JsonFileError(f"{path}: this is {'an' if kind == 'ENV' else 'a'} {kind} config, not JSON; {CONVERT} "
+                                f"{target}{use}") from e
         raise JsonFileError(_syntax_message(path, text, e)) from e
     except RecursionError as e:
         raise JsonFileError(f"{path}: nested too deeply to read") from e

@@ -23,8 +23,10 @@ from difftune.config.compat import (
     family_name,
     substitute_all,
     suggest,
+    written_spellings,
 )
 from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems
+from difftune.config.cross_checks import cross_notes
 from difftune.config.datasets import (
     DATASET_MODELS,
     REMOTE_TYPES,
@@ -49,8 +51,10 @@ from difftune.config.regularisation_keys import (
     NOT_ON_OTHER_ENTRIES,
     regularisation_problems,
 )
+from difftune.config.resume_check import batches_problem, lora_problem, newest
 from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
+from difftune.config.small_keys import pipeline_notes
 from difftune.config.source_aws_keys import AWS_KEYS
 from difftune.models.registry import FAMILY_FACTS, family_names
 
@@ -76,12 +80,13 @@ class RunConfig:
     def notes(self) -> list[str]:
         """What the loader decided for the user (a snapped validation size, where the text cache goes):
         lines to print before the run starts."""
-        return self.train.validation_notes() + rollout_notes(self.train) + list(self.datasets.notes)
+        return (self.train.validation_notes() + rollout_notes(self.train) + cross_notes(self.train)
+                + pipeline_notes(self.train) + list(self.datasets.notes))
 
 
-def _read_json(path: Path, what: str, hint: str, problems: list[str] | None = None) -> Any:
+def _read_json(path: Path, what: str, hint: str, problems: list[str] | None = None, config: bool = False) -> Any:
     try:
-        return read_json(path, what, hint, problems)
+        return read_json(path, what, hint, problems, config=config)
     except JsonFileError as e:
         raise ConfigError([str(e)]) from e
 
@@ -137,10 +142,11 @@ _MISSING_HINTS = {
 }
 
 
-def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], problems: list[str]) -> Any:
+def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], problems: list[str],
+              context: dict[str, Any] | None = None) -> Any:
     where_of = where if callable(where) else (lambda key, w=where: w)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as e:
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"])
@@ -310,9 +316,22 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
             problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} does not exist "
                             f"(or is not a folder); use 'latest', the path or the name of a checkpoint folder under "
                             f"{Path(train.output_dir) / 'checkpoints'}, or null (or 'none') to start afresh")
+        elif not any((folder / name).is_file() for name in ("trainable.safetensors", "rng.pt", "lr_scheduler.pt")):
+            # none of the files only difftune writes (train/checkpoint.py): another trainer's, SimpleTuner's above all
+            lora = folder / "pytorch_lora_weights.safetensors"
+            instead = (f"start a new run from its weights with init_lora: {str(lora)!r} (and resume_from_checkpoint "
+                       "null)" if lora.is_file() else f"use 'latest' or a checkpoint folder under "
+                       f"{Path(train.output_dir) / 'checkpoints'}")
+            problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} is not a difftune "
+                            f"checkpoint (no trainable.safetensors; SimpleTuner's checkpoints cannot be resumed); {instead}")
         elif not (folder / "training_state.json").is_file():
             problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {resume!r} is not a complete "
                             "checkpoint (no training_state.json); use 'latest' or another checkpoint folder")
+    # a changed lora_rank (or adapter type), or an epoch-based run's batches: refused before any model loads
+    target = newest(Path(train.output_dir)) if resume == "latest" else Path(resume).expanduser() if resume else None
+    if target is not None and (target / "training_state.json").is_file():
+        for why in filter(None, (lora_problem(train, target), batches_problem(train, target))):
+            problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {why}")
     sources = [("pretrained_model_name_or_path", train.pretrained_model_name_or_path, "hub layout, with model_index.json")]
     if train.evaluation_type == "clip":  # the CLIP model loads at the first evaluation: fail its path now
         sources.append(("evaluation_clip_model", train.evaluation_clip_model, "with config.json"))
@@ -421,9 +440,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     file_where = str(cfg_path) if cfg_path else COMMAND_LINE
     problems: list[str] = []
     from_file: dict[str, Any] = {}
+    data: Any = {}
     if cfg_path is not None:
         data = _read_json(cfg_path, "config file", "copy config/config.json.example to it, or pass --config PATH",
-                          problems)
+                          problems, config=True)
         if not isinstance(data, dict):
             raise ConfigError([f"{cfg_path}: the config must be a JSON object of keys and values, got "
                                f"{type(data).__name__}"])
@@ -438,7 +458,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     family = family if isinstance(family, str) and family in FAMILY_FACTS else None
     raw = substitute_all(raw, family, where_of, problems)
     kept = _split_known(where_of, raw, TrainConfig, PENDING_TRAIN_KEYS, problems)
-    train = _validate(where_of, TrainConfig, kept, problems)
+    spellings = written_spellings(data if isinstance(data, dict) else {}, overrides or {})  # framerate, ...
+    train = _validate(where_of, TrainConfig, kept, problems, {"spellings": spellings})
     plan = None
     if train is not None:
         check_paths(train, where_of, problems)
@@ -454,7 +475,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         dataset_entry_keys.check_clear_each_epoch(plan, Path(train.data_backend_config), problems)
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
-        mask_checks(train, plan, Path(train.data_backend_config), problems)  # config/mask_keys.py
+        mask_checks(train, plan, Path(train.data_backend_config), where_of, problems)  # config/mask_keys.py
         check_eval_datasets(train, plan, Path(train.data_backend_config), where_of, problems)  # dataset_type 'eval'
         problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.discovered())]
         problems += [f"{train.data_backend_config}: {p}" for p in regularisation_problems(train, plan)]
@@ -513,6 +534,8 @@ def split_problem(text: str, files: tuple[str, ...] = ()) -> Problem:
         key = m2.group(1)
     elif (word := rest.split(" ", 1)[0]) in known:
         key = word
-    mentions = tuple(k for k in re.findall(r"\b[a-z][a-z0-9_]*\b", message) if k in known and k != key)
+    # a word joined to another by '-' is part of a name (kandinsky5-video, image-to-video), not a key
+    mentions = tuple(k for k in re.findall(r"(?<!\w)(?<!\w-)[a-z][a-z0-9_]*\b(?!-\w)", message)
+                     if k in known and k != key)
     return Problem(text=text, file=file, dataset=dataset, key=key, message=message,
                    mentions=tuple(dict.fromkeys(mentions)))

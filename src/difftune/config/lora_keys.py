@@ -4,8 +4,9 @@ Import-light: no torch.
 
 SimpleTuner's names and values. `lora_init_type` accepts SimpleTuner's 'default' and 'gaussian'; its 'pissa',
 'olora' and 'loftq' are refused with the reason (they rewrite the base weights, see `REWRITES_BASE`). A setting
-that would do nothing in the chosen adapter (`use_dora` with LyCORIS or a full fine-tune, ...) is refused,
-naming both keys.
+that would do nothing in the chosen adapter (`use_dora` with LyCORIS or a full fine-tune, `lora_target_modules` with
+LyCORIS, ...) is refused, naming both keys. `lora_rank`, `lora_alpha` and `lora_dropout` with LyCORIS or a full
+fine-tune get a note instead (`lora_notes`): SimpleTuner's configs carry them whatever trains.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def lora_checks(cfg: Any) -> None:
     if cfg.use_dora and not standard:
         raise ValueError("use_dora applies to lora_type 'standard' (peft); with lora_type 'lycoris' set "
                          "\"dora_wd\": true in the lycoris_config file instead, and remove use_dora")
+    if cfg.lora_target_modules and cfg.model_type == "lora" and cfg.lora_type == "lycoris":
+        # the user narrowed what trains: training the lycoris_config's targets instead would silently train more
+        raise ValueError(f"lora_target_modules {cfg.lora_target_modules} applies to lora_type 'standard' (peft); a "
+                         "LyCORIS network wraps what its lycoris_config names: use apply_preset target_name (module "
+                         f"paths) or target_module (module classes) in {cfg.lycoris_config}, and remove "
+                         "lora_target_modules")
     if cfg.lora_init_type != "default" and not standard:
         what = "model_type 'full'" if cfg.model_type == "full" else "lora_type 'lycoris'"
         raise ValueError(f"lora_init_type {cfg.lora_init_type!r} applies to lora_type 'standard' (peft); {what} "
@@ -106,6 +113,23 @@ def lora_checks(cfg: Any) -> None:
     if standard and cfg.init_lora is not None and not cfg.use_dora and is_dora_file(cfg.init_lora):
         raise ValueError(f"init_lora {cfg.init_lora} is a DoRA adapter (it has lora_magnitude_vector tensors); "
                          "set use_dora true to continue it (a plain LoRA would drop its magnitudes)")
+
+
+def lora_notes(cfg: Any) -> list[str]:
+    """peft LoRA settings the chosen adapter does not use. SimpleTuner's LyCORIS and full fine-tune configs carry
+    them (it ignores them too), so they are accepted, with a note rather than silently."""
+    if cfg.model_type == "full":
+        keys, why = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"), (
+            "model_type 'full' trains every transformer weight, with no adapter")
+    elif cfg.lora_type == "lycoris":
+        keys, why = ("lora_rank", "lora_alpha", "lora_dropout"), (
+            "lora_type 'lycoris' takes its size and dropout from lycoris_config (linear_dim, linear_alpha, dropout)")
+    else:
+        return []
+    unused = [k for k in keys if k in cfg.model_fields_set and getattr(cfg, k) is not None]
+    if not unused:
+        return []
+    return [f"{', '.join(unused)} not used: {why}; remove {'them' if len(unused) > 1 else 'it'}"]
 
 
 def is_dora_file(path: str) -> bool:

@@ -16,6 +16,7 @@ code of its model classes, read for the facts):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ class MaskKeys(BaseModel):
         return 1.0 if value is None else value  # SimpleTuner writes null for "not set"
 
 
-def mask_checks(train: Any, plan: Any, path: Path, problems: list[str]) -> None:
-    """Mask datasets where they cannot act, and a probability that would act on no mask, each with the fix."""
+def mask_checks(train: Any, plan: Any, path: Path, where_of: Callable[[str], str], problems: list[str]) -> None:
+    """Mask datasets where they cannot act, and a probability that would act on no mask, each with the fix.
+    `path`: the dataset list (its entries' problems); `where_of(key)`: the config file or the command line, whichever
+    set a config.json key."""
     masked = [ds.id for ds in plan.images if plan.mask_dir(ds) is not None]
     for ds in plan.evaluation:
         if plan.mask_dir(ds) is not None:
@@ -53,6 +56,6 @@ def mask_checks(train: Any, plan: Any, path: Path, problems: list[str]) -> None:
                         "images are loss masks, not validation input images; name the input images' dataset")
     probability = train.masked_loss_probability
     if not masked and 0.0 < probability < 1.0:
-        problems.append(f"masked_loss_probability {probability:g}: no image dataset names a mask dataset "
-                        "(conditioning_type 'mask') in conditioning_data, so nothing would be masked; remove "
-                        "masked_loss_probability or add the masks")
+        problems.append(f"{where_of('masked_loss_probability')}: masked_loss_probability: {probability:g}: no image "
+                        "dataset names a mask dataset (conditioning_type 'mask') in conditioning_data, so nothing "
+                        "would be masked; remove masked_loss_probability or add the masks")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from difftune.config.fields import field
 from difftune.config.pending import coerce
-from difftune.train.optimizers import setting_problem
+from difftune.train.optimizers import hyper_parameters, setting_problem
 
 SCHEDULE_FREE = "adamw_schedulefree"
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")  # the lr_scheduler values schedule-free takes
@@ -84,6 +84,15 @@ def parse_optimizer_config(text: str) -> dict[str, Any]:
             raise ValueError(f"optimizer_config sets {key} twice; keep one")
         settings[key] = coerce(value)
     return settings
+
+
+def optimizer_notes(cfg: Any) -> list[str]:
+    """Settings the chosen optimizer has no use for (accepted: SimpleTuner's configs set adam_epsilon whatever the
+    optimizer)."""
+    if cfg.adam_epsilon is not None and hyper_parameters(cfg.optimizer)[2] is None:
+        return [f"adam_epsilon {cfg.adam_epsilon:g} not used: optimizer {cfg.optimizer!r} (Lion) has no epsilon; "
+                "remove it"]
+    return []
 
 
 def optimizer_checks(cfg: Any) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from difftune.train.optimizers import OPTIMIZERS
+
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "crepa_use_backbone_features": (
@@ -66,9 +68,10 @@ _DDPM = "epsilon and v-prediction (DDPM) models"  # Lumina2 and Kandinsky 5 are 
 _REMOVE = "; remove it"
 # SimpleTuner's knobs for its own data pipeline (worker counts, batch sizes of its caching, save intervals):
 # results do not depend on them and difftune has none, so only SimpleTuner's default is accepted.
+# (write_batch_size, max_workers and metadata_update_interval are fields, accepted at any value with a note:
+# config/small_keys.py PIPELINE_KNOBS)
 _PIPELINE_KNOBS = {"aspect_bucket_worker_count": 12, "image_processing_batch_size": 32, "read_batch_size": 25,
-                   "write_batch_size": 128, "max_workers": 32,
-                   "torch_num_threads": 8, "metadata_update_interval": 3600, "enable_multiprocessing": False}
+                   "torch_num_threads": 8, "enable_multiprocessing": False}
 
 PENDING_TRAIN_KEYS |= {
     key: ((default, None), f"{key} (SimpleTuner's own data pipeline; difftune has no such setting){_REMOVE}")
@@ -288,8 +291,6 @@ PENDING_DATASET_KEYS |= {
                        "of their inputs (as in SimpleTuner, which ignores hash_filenames): set it to true or remove it"),
     "cache_file_suffix": ((None,), "naming SimpleTuner's bucket-metadata file; the image sizes are kept in "
                           "metadata.json beside the dataset's latents (cache_dir_vae)" + _REMOVE),
-    "metadata_update_interval": ((None, 3600), "metadata_update_interval (SimpleTuner's own data pipeline; the "
-                                 "dataset is scanned once at start-up)" + _REMOVE),
     "vae_cache_ondemand": ((False, None), "encoding latents during training while still writing them to disk; set "
                            "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
                            "training"),
@@ -406,6 +407,37 @@ PENDING_VALUES |= {
     (key, value): message.replace("base_model_precision", key)
     for (base, value), message in list(PENDING_VALUES.items()) if base == "base_model_precision"
     for key in ("text_encoder_1_precision", "text_encoder_2_precision")
+}
+
+# SimpleTuner's optimizer names (its optimizer_param.py) that difftune has not, with the closest one it has
+_OPTIMIZER_ELSE = "not implemented yet: optimizer {!r} (SimpleTuner's); the closest here is {}"
+_NO_COUNTERPART = ("optimi-radam", "optimi-ranger", "optimi-adan", "optimi-sgd", "soap", "muon", "torch-sgd",
+                   "torch-radam", "torch-nadam", "torch-rmsprop", "torch-adagrad", "torch-adadelta", "torch-adafactor",
+                   "torch-adamax", "torch-asgd", "torch-sparseadam", "bnb-adagrad", "bnb-adagrad8bit", "bnb-ademamix",
+                   "bnb-ademamix8bit", "bnb-ademamix8bit-paged")
+_SCHEDULE_FREE = "'adamw_schedulefree' with adam_weight_decay 1e-3 and adam_epsilon 1e-6 (this variant's settings"
+PENDING_VALUES |= {("optimizer", name): _OPTIMIZER_ELSE.format(name, closest) for name, closest in {
+    "ao-adamw8bit": "'adamw8bit' (bitsandbytes' 8-bit AdamW rather than torchao's)",
+    **dict.fromkeys(("ao-adamw4bit", "ao-adamfp8", "ao-adamwfp8"), "'adamw8bit' (8-bit optimizer state)"),
+    "bnb-adamw8bit-paged": "'adamw8bit' (not paged)",
+    **dict.fromkeys(("bnb-adamw", "bnb-adamw-paged"), "'adamw' (torch's AdamW, the same update)"),
+    "adamw_schedulefree+aggressive": _SCHEDULE_FREE + "; difftune's has no Kahan summation)",
+    "adamw_schedulefree+no_kahan": _SCHEDULE_FREE + ", and like it without Kahan summation)",
+    **dict.fromkeys(("bnb-lion", "bnb-lion-paged"), "'lion' or 'optimi-lion'"),
+    **dict.fromkeys(("bnb-lion8bit", "bnb-lion8bit-paged"),
+                    "'lion' or 'optimi-lion' (32-bit state: no 8-bit Lion here)"),
+    **dict.fromkeys(("torch-adam", "bnb-adam", "optimi-adam"),
+                    "'adamw' with adam_weight_decay 0 (Adam without weight decay: the same update)"),
+    "bnb-adam8bit": "'adamw8bit' with adam_weight_decay 0 (Adam without weight decay: the same update)",
+}.items()} | {("optimizer", name): f"not implemented yet: optimizer {name!r} (SimpleTuner's), another kind of "
+                f"optimizer with no counterpart here; choose one of {', '.join(OPTIMIZERS)} ('adamw' if unsure)"
+                for name in _NO_COUNTERPART}
+PENDING_VALUES |= {
+    ("lr_scheduler", "sine"): "not implemented yet: lr_scheduler 'sine' (SimpleTuner's learning rate in waves); "
+                              "the closest is 'cosine_with_restarts' (lr_num_cycles cosine cycles)",
+    ("mixed_precision", "fp8"): "not implemented yet: mixed_precision 'fp8' (fp8 matrix products in training); use "
+                                "'bf16', with base_model_precision 'fp8-torchao' or 'fp8-quanto' to keep the frozen "
+                                "weights in 8 bits",
 }
 
 

@@ -16,6 +16,28 @@ if TYPE_CHECKING:
 TRACKERS: dict[str, tuple[str, ...]] = {"none": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",),
                                         "all": ("tensorboard", "wandb")}
 INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
+# SimpleTuner's other trackers (accelerate's names), which difftune does not send to
+OTHER_TRACKERS = ("comet_ml", "aim", "clearml", "mlflow", "dvclive", "swanlab", "trackio")
+
+
+def tracker_choice(value: object) -> object:
+    """report_to as SimpleTuner writes it, as one of difftune's values: null (or empty) is 'none', and a comma list
+    ("wandb,tensorboard", SimpleTuner's way to name several) the value that starts those trackers ('all' for both).
+    Anything else is returned for the schema to refuse with the allowed values."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str):
+        return value
+    names = {part.strip().lower() for part in value.split(",")} - {""}
+    other = sorted(names & set(OTHER_TRACKERS))
+    if other:
+        raise ValueError(f"{', '.join(map(repr, other))}: not implemented yet (difftune sends to W&B and TensorBoard "
+                         "only); use 'wandb' or 'tensorboard' (the JSONL event log is always written)")
+    if not names <= set(TRACKERS):
+        return value
+    started = {tracker for name in names for tracker in TRACKERS[name]}  # "" starts none
+    return next(name for name, trackers in TRACKERS.items() if set(trackers) == started)
+
 
 # The stock pipeline each family samples with, (text-to-X, X-to-X). Their __call__ takes no guidance_rescale in
 # diffusers 0.42 (tests/test_reporting.py checks these signatures, so a diffusers that adds it shows up).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, field_validator, model_validator
+from pydantic import ConfigDict, ValidationInfo, field_validator, model_validator
 
 from difftune.config.compat import family_name
 from difftune.config.crepa_keys import CrepaKeys
@@ -21,7 +21,7 @@ from difftune.config.eval_keys import EvalKeys
 from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
-from difftune.config.fields import expand_home, field
+from difftune.config.fields import UnsetSpellings, expand_home, field
 from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
@@ -30,6 +30,7 @@ from difftune.config.model_source_keys import ModelSourceKeys
 from difftune.config.offload_keys import OffloadKeys
 from difftune.config.optimizer_keys import OptimizerKeys
 from difftune.config.precision_keys import PrecisionKeys
+from difftune.config.reporting_keys import tracker_choice
 from difftune.config.rollout_keys import RolloutKeys
 from difftune.config.schedule_keys import ScheduleKeys
 from difftune.config.small_keys import SmallKeys
@@ -53,10 +54,14 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                   ExtraTrainKeys, ExtraOutputKeys, LoraKeys,  # config/extra_*_keys.py, lora_keys.py
                   OptimizerKeys, EvalKeys, MaskKeys,  # config/optimizer_keys.py, eval_keys.py, mask_keys.py
                   WebhookKeys, OffloadKeys, FsdpKeys,  # config/webhook_keys.py, offload_keys.py, fsdp_keys.py
-                  SmallKeys, ModelSourceKeys):  # config/small_keys.py, model_source_keys.py
+                  SmallKeys, ModelSourceKeys,  # config/small_keys.py, model_source_keys.py
+                  UnsetSpellings):  # config/fields.py: "" and "none" as null
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # optional keys whose text may be the word "none" itself (a prompt, a name): only "" or null unsets them
+    FREE_TEXT = frozenset(("validation_prompt", "instance_prompt", "model_card_note", "tracker_project_name",
+                           "tracker_run_name", "hub_model_id", "eval_dataset_id"))
 
     # --- model
     model_family: Literal[family_names()] = field(  # type: ignore[valid-type]
@@ -173,7 +178,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "training", ge=0,
     )
     num_train_epochs: int = field(
-        0, "Stop after this many passes over the data (0: use max_train_steps).", "training", ge=0
+        0, "Stop after this many passes over the data (0 or null: use max_train_steps).", "training", ge=0
     )
     max_grad_norm: float | None = field(
         None, "Clip gradients to this value (1.0 is usual; see grad_clip_method); empty disables clipping.",
@@ -204,10 +209,19 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "comparison", "With use_ema: validate with the EMA weights ('ema_only'), both ('comparison'), "
         "or only the live weights ('none').", "validation", advanced=True,
     )
-    adam_beta1: float = field(0.9, "AdamW beta1.", "training", advanced=True)
-    adam_beta2: float = field(0.999, "AdamW beta2.", "training", advanced=True)
-    adam_weight_decay: float = field(1e-2, "AdamW decoupled weight decay.", "training", advanced=True)
-    adam_epsilon: float = field(1e-8, "AdamW epsilon.", "training", advanced=True)
+    adam_beta1: float | None = field(
+        None, "The optimizer's beta1 (first-moment decay; schedule-free: its interpolation). Unset: the optimizer's "
+        "default as in SimpleTuner (0.9 for every optimizer here).", "training", advanced=True)
+    adam_beta2: float | None = field(
+        None, "The optimizer's beta2. Unset: the optimizer's default as in SimpleTuner: 0.99 for optimi-adamw, "
+        "optimi-stableadamw, optimi-lion and prodigy, 0.999 for the others.", "training", advanced=True)
+    adam_weight_decay: float | None = field(
+        None, "Decoupled weight decay. Unset: the optimizer's default as in SimpleTuner: 0 for optimi-adamw, "
+        "optimi-lion and prodigy, 1e-2 for the others.", "training", advanced=True)
+    adam_epsilon: float | None = field(
+        None, "The optimizer's epsilon (lion and optimi-lion have none). Unset: the optimizer's default as in "
+        "SimpleTuner: 1e-6 for adamw_bf16, optimi-adamw, optimi-stableadamw and adamw8bit, 1e-8 for the others.",
+        "training", advanced=True)
     flow_schedule_shift: float = field(
         1.0,
         "Shift of the training timestep distribution: lower favours fine detail, higher favours composition. "
@@ -296,7 +310,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         None, "JSON file of {name: prompt}; each prompt is sampled beside validation_prompt.", "validation",
     )
     validation_step_interval: int = field(
-        0, "Sample every N optimizer steps (0: only at the end of training).", "validation", ge=0
+        0, "Sample every N optimizer steps (0 or null: only at the end of training).", "validation", ge=0
     )
     validation_resolution: str | None = field(
         None, "WIDTHxHEIGHT of validation samples; several separated by commas. Sides that are not multiples "
@@ -362,18 +376,20 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     # --- output
     output_dir: str = field("output/models", "Where the adapter, checkpoints, samples and logs go.", "output")
     checkpoint_step_interval: int = field(
-        0, "Write a resumable checkpoint every N optimizer steps (0: only at the end).", "output", ge=0
+        0, "Write a resumable checkpoint every N optimizer steps (0 or null: only at the end).", "output", ge=0
     )
     resume_from_checkpoint: str | None = field(
         None, "'latest' to continue from the newest complete checkpoint in output_dir, or a checkpoint: its path, or "
-        "its folder name under output_dir/checkpoints (checkpoint-0000400). Empty, null or 'none': start afresh.",
+        "its folder name under output_dir/checkpoints (checkpoint-0000400). Empty, null or 'none': start afresh. "
+        "Checkpoints after the step a run starts from are moved into checkpoints/superseded-<UTC time>/.",
         "output",
     )
     report_to: Literal["none", "wandb", "tensorboard", "all"] = field(
         "none", "Experiment tracker, through accelerate's trackers: 'tensorboard' (event files under "
         "output_dir/tensorboard), 'wandb' (Weights & Biases; WANDB_MODE=offline writes under output_dir/wandb), "
-        "'all' (both) or 'none'. Losses, learning rate, step time, peak memory, validation samples and CLIP "
-        "scores are sent; the JSONL event log is always written.", "output"
+        "'all' (both; SimpleTuner's 'wandb,tensorboard' too) or 'none' (null too). Losses, learning rate, step "
+        "time, peak memory, validation samples and CLIP scores are sent; the JSONL event log is always written.",
+        "output"
     )
     tracker_project_name: str | None = field(
         None, "Project name for the trackers: the W&B project, and TensorBoard's logs go to "
@@ -384,7 +400,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     push_to_hub: bool = field(
         False, "Upload the result (adapter, model card README.md, sample images) to the Hugging Face hub repository "
         "hub_model_id at the end of training (in the background; the run waits for it, bounded). Uses your "
-        "saved login or HF_TOKEN.", "output")
+        "saved login or HF_TOKEN, checked (and the repository created) before any model loads; a result upload "
+        "that still fails ends `difftune train` with exit status 4.", "output")
     push_checkpoints_to_hub: bool = field(
         False, "Also upload each checkpoint (under checkpoints/ in the repository) as it is written, in the "
         "background; a failed upload is retried, then reported as a warning. The repository's checkpoints follow the "
@@ -409,6 +426,9 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     def _resume_off_or_from_home(cls, value: Any) -> Any:
         if value is False or isinstance(value, str) and value.strip().lower() in ("", "none", "null", "false"):
             return None  # what users type to switch a file's 'latest' off (SimpleTuner's default is none)
+        if value is True or isinstance(value, str) and value.strip().lower() == "true":  # a bare --resume_from_checkpoint
+            raise ValueError("resume_from_checkpoint needs a value: latest, a checkpoint folder or its name "
+                             "(checkpoint-0000400)")
         return expand_home(value)
 
     @model_validator(mode="after")
@@ -438,10 +458,12 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     def _lycoris_file(cls, v: str | None) -> str | None:
         return None if v in (None, "") else v  # the file is read by cross_checks when lora_type is 'lycoris'
 
-    @field_validator("seed", "max_train_steps", "eval_steps_interval", "validation_using_datasets", mode="before")
+    @field_validator("seed", "max_train_steps", "num_train_epochs", "checkpoint_step_interval",
+                     "validation_step_interval", "eval_steps_interval", "validation_using_datasets", mode="before")
     @classmethod
     def _null_is_default(cls, v: object, info: Any) -> object:
-        """SimpleTuner writes null for these (its default): the same as leaving them out."""
+        """SimpleTuner writes null for these (its default, or "no epoch / step limit or interval"): the same as
+        leaving them out, whose default 0 is that "off"."""
         return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("init_lora")
@@ -466,6 +488,11 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     def _empty_is_none(cls, v: str | None) -> str | None:
         return v if v not in ("", None) else None
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, v: object) -> object:
+        return tracker_choice(v)  # config/reporting_keys.py: SimpleTuner's null and comma lists
+
     @field_validator("evaluation_type", mode="before")
     @classmethod
     def _evaluation_none(cls, v: object) -> object:
@@ -488,6 +515,13 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
             raise ValueError(f"unknown optimizer {v!r}; choose one of {', '.join(OPTIMIZERS)}")
         return v
 
+    @field_validator("validation_resolution", mode="before")
+    @classmethod
+    def _resolution_number(cls, v: object) -> object:
+        # a JSON number (64) is the one-number form, as on the command line and in SimpleTuner (which passes
+        # config.json values on as command-line text)
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
     @field_validator("validation_resolution")
     @classmethod
     def _resolution(cls, v: str | None) -> str | None:
@@ -499,8 +533,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         return v
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> TrainConfig:
-        cross_checks(self)  # config/cross_checks.py
+    def _cross_checks(self, info: ValidationInfo) -> TrainConfig:
+        cross_checks(self, (info.context or {}).get("spellings"))  # config/cross_checks.py
         return self
 
     # --- derived values (no string parsing outside config/)

@@ -1,6 +1,7 @@
 """SimpleTuner's smaller config keys: `tokenizer_max_length` (the prompt length the text encoder sees),
 `model_card_note` (a note on the model card), the config-level `text_encoder_batch_size` (the default of every
-text_embeds entry) and `allow_dataset_oversubscription` (small datasets' repeats raised to one optimizer step).
+text_embeds entry), `allow_dataset_oversubscription` (small datasets' repeats raised to one optimizer step), and
+SimpleTuner's data-pipeline knobs that change no result (`PIPELINE_KNOBS`: accepted at any value, with a note).
 Mixed into TrainConfig; import-light: no torch.
 
 Where they act: models/<family>.py encode prompts and sample at `Components.text_length`, which train/setup.py sets
@@ -49,6 +50,22 @@ class SmallKeys(BaseModel):
         advanced=True,
     )
 
+    # SimpleTuner's own data pipeline (PIPELINE_KNOBS): accepted whatever the value, since none changes a result
+    write_batch_size: int | None = field(
+        None, "SimpleTuner's batch of cache writes (128 there). Changes nothing here: each cache entry is written as "
+        "its own file, and the captions per text-encoder pass are a text_embeds entry's write_batch_size or "
+        "text_encoder_batch_size. Accepted for SimpleTuner configs, with a note.", "data", gt=0, advanced=True,
+    )
+    max_workers: int | None = field(
+        None, "SimpleTuner's worker threads of its data pipeline (32 there). Changes nothing here (difftune has no "
+        "such setting). Accepted for SimpleTuner configs, with a note.", "data", gt=0, advanced=True,
+    )
+    metadata_update_interval: float | None = field(
+        None, "Seconds between SimpleTuner's saves of its bucket metadata while scanning (3600 there). Changes "
+        "nothing here: the datasets are scanned once at start-up. Accepted for SimpleTuner configs, with a note.",
+        "data", ge=0, advanced=True,
+    )
+
     @model_validator(mode="after")
     def _text_length_bound(self) -> Any:
         facts = FAMILY_FACTS.get(getattr(self, "model_family", ""))
@@ -58,3 +75,14 @@ class SmallKeys(BaseModel):
                              f"{facts.max_text_length} tokens); set it to {facts.max_text_length} or less, or remove it "
                              "for the pipeline's default")
         return self
+
+
+# key -> SimpleTuner's default (no note at it: the config says what SimpleTuner does anyway)
+PIPELINE_KNOBS = {"write_batch_size": 128, "max_workers": 32, "metadata_update_interval": 3600}
+
+
+def pipeline_notes(cfg: Any) -> list[str]:
+    """A note per data-pipeline knob set to another value than SimpleTuner's default: it changes nothing here."""
+    return [f"{key} {getattr(cfg, key):g} changes nothing here (SimpleTuner's own data pipeline; difftune's results "
+            "do not depend on it); remove it" for key, default in PIPELINE_KNOBS.items()
+            if getattr(cfg, key) not in (None, default)]

@@ -8,7 +8,6 @@ captions read from the data only; instance-prompt options are applied last.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -54,8 +53,9 @@ def from_textfile(path: Path, split_lines: bool = True) -> CaptionResult:
 
 
 def from_filename(path: Path) -> CaptionResult:
-    caption = re.sub(r"\s+", " ", re.sub(r"[_\-]+", " ", path.stem)).strip()
-    return CaptionResult((caption,))
+    """The file's stem with each underscore a space, exactly as SimpleTuner's prepare_instance_prompt_from_filename:
+    hyphens stay ('t-shirt', 'close-up'), so a dataset captioned by its file names trains on the same captions."""
+    return CaptionResult((path.stem.replace("_", " "),))
 
 
 class CaptionTable:

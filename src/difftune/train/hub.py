@@ -14,11 +14,17 @@ the latest is visible.) One background thread uploads,
 in order, so training never waits on the network; each upload is tried `ATTEMPTS` times with growing
 pauses, and a failure is a "warning" event, never an exception in the loop. When the run ends
 (`Events.close`), the uploads still queued are waited for, at most `FINAL_WAIT_S` seconds.
+
+Before any model loads, `check_access` logs in (`HfApi.whoami`) and creates the repository (`create_repo`,
+`exist_ok`), so a missing login or a repository the token cannot write is an error at start-up, not after hours
+of training. A result upload that still fails at the end (`result_failure`) makes `difftune train` say so last and
+exit with status 4 (HUB_UPLOAD_FAILED), with the command that uploads it by hand.
 """
 
 from __future__ import annotations
 
 import queue
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -32,6 +38,54 @@ BACKOFF_S = 5.0  # pause before retry n: BACKOFF_S * 2**(n-1)
 FINAL_WAIT_S = 1800.0
 RESULT_FOLDERS = ("transformer", "ema")  # a full fine-tune's folder; the EMA weights
 SKIPPED_SUFFIXES = (".jsonl", ".log")
+HUB_UPLOAD_FAILED = 4  # difftune train's exit status: trained and saved, but the result is not on the hub
+LOGIN_FIX = "log in with `hf auth login` (or set HF_TOKEN to a token with write access), or set push_to_hub to false"
+
+
+class HubAccessError(RuntimeError):
+    """push_to_hub cannot write to hub_model_id: the command line prints it as `error: ...` (exit status 2)."""
+
+
+def access_problem(cfg: Any, api: Any = None) -> str | None:
+    """Why push_to_hub could not upload to hub_model_id, or None: the login (whoami), its write access (a read token,
+    a namespace that is neither the user's nor one of their organisations'), then the repository, created when it
+    does not exist yet (as the first upload would)."""
+    from huggingface_hub import HfApi
+
+    api = api or HfApi()
+    repo = cfg.hub_model_id
+    where = f"push_to_hub: hub_model_id {repo!r}"
+    try:
+        me = api.whoami()
+    except Exception as e:  # noqa: BLE001 - no token, a revoked one, no network: each is said as it is
+        return f"{where}: no usable Hugging Face login ({type(e).__name__}: {e}); {LOGIN_FIX}"
+    name = me.get("name")
+    role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        return f"{where}: the hub token of {name!r} is read-only; {LOGIN_FIX}"
+    namespace = repo.split("/")[0] if "/" in repo else name
+    writable = {name} | {org.get("name") for org in me.get("orgs") or [] if isinstance(org, dict)}
+    if name and namespace not in writable:
+        return (f"{where}: {name!r} cannot create repositories under {namespace!r} (not their account nor one of "
+                f"their organisations: {', '.join(sorted(n for n in writable if n))}); use a hub_model_id under one "
+                f"of them, or {LOGIN_FIX.removeprefix('log in with ')}")
+    try:
+        api.create_repo(repo, private=cfg.hub_private, exist_ok=True)
+    except Exception as e:  # noqa: BLE001
+        return f"{where}: the repository cannot be created or reached as {name!r} ({type(e).__name__}: {e}); {LOGIN_FIX}"
+    return None
+
+
+def check_access(cfg: Any, ranks: Any = None, api: Any = None) -> None:
+    """With push_to_hub, before any model loads: raise HubAccessError when the hub would refuse the uploads. Process 0
+    asks the hub and every process gets its answer, so all stop together."""
+    if not cfg.push_to_hub:
+        return
+    problem = access_problem(cfg, api) if ranks is None or ranks.main else None
+    if ranks is not None:
+        problem = ranks.broadcast(problem)
+    if problem:
+        raise HubAccessError(problem)
 
 
 def result_patterns(output_dir: Path, samples: list[Path]) -> list[str]:
@@ -62,6 +116,8 @@ class HubUploader:
         self.api = api or HfApi()
         self.jobs: queue.Queue = queue.Queue()
         self.repo_ready = False
+        self.result_failed: str | None = None  # why the final result's upload failed (`result_failure`)
+        self.result_patterns: list[str] = []
         self.thread = threading.Thread(target=self._work, name="difftune-hub-upload", daemon=True)
         self.thread.start()
 
@@ -80,8 +136,10 @@ class HubUploader:
                        if Path(p).suffix in (".png", ".mp4") and Path(p).resolve().is_relative_to(out.resolve())]
             card = model_card(self.run_cfg, self.run, [s for s in samples if s.suffix == ".png"])
             (out / "README.md").write_text(card, encoding="utf-8")
+            self.result_patterns = result_patterns(out, samples)
+            self.result_failed = "it was still running when the run ended"  # until it succeeds
             self.jobs.put((f"result at step {record.get('step')}",
-                           dict(folder_path=str(out), allow_patterns=result_patterns(out, samples)), record.get("step")))
+                           dict(folder_path=str(out), allow_patterns=self.result_patterns), record.get("step")))
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -108,15 +166,25 @@ class HubUploader:
                 emit("hub_upload", quiet=True, what=what, repo=self.repo, attempts=attempt, step=step,
                      local=kwargs["folder_path"], remote=remote_url(self.repo, kwargs.get("path_in_repo")))
                 emit("info", message=f"uploaded {what} to the hub repository {self.repo}")
+                if "allow_patterns" in kwargs:
+                    self.result_failed = None
                 return
             except Exception as e:  # noqa: BLE001 - the network's failures are many; each is retried, then reported
                 error = f"{type(e).__name__}: {e}"
                 if attempt < ATTEMPTS:
                     time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+        if "allow_patterns" in kwargs:
+            self.result_failed = error
         action = (("removal", "from", "Delete them yourself with HfApi.delete_folder") if "pruned" in kwargs else
-                  ("upload", "to", "Upload it yourself with `huggingface-cli upload` or HfApi.upload_folder"))
+                  ("upload", "to", f"Upload it yourself with: {self.retry_command()}" if "allow_patterns" in kwargs
+                   else "Upload it yourself with `hf upload` or HfApi.upload_folder"))
         emit("warning", message=f"hub {action[0]} of {what} {action[1]} {self.repo} failed after {ATTEMPTS} attempts "
                                 f"({error}); training went on. {action[2]}")
+
+    def retry_command(self) -> str:
+        """The `hf upload` command that uploads the final result as this uploader would."""
+        include = " ".join(f"--include {shlex.quote(p)}" for p in self.result_patterns)
+        return f"hf upload {self.repo} {shlex.quote(str(self.run.output_dir))} . {include}"
 
     def _remove(self, what: str, names: list[str]) -> None:
         """Delete the folders `checkpoints/<name>` of `names` that the repository holds, in one commit."""
@@ -143,7 +211,19 @@ class HubUploader:
                                                     f"{FINAL_WAIT_S:g} s; the run ends without them")
 
 
+def result_failure(run: Any) -> str | None:
+    """After the run: why push_to_hub's result is not on the hub (its upload failed, or was still running when the
+    run ended), with the command that uploads it; None when it was uploaded, or push_to_hub is off."""
+    uploader = getattr(run, "hub", None)
+    if uploader is not None and uploader.result_failed:
+        return (f"the upload of the result to the hub repository {uploader.repo} failed ({uploader.result_failed}); "
+                f"the trained result is saved in {uploader.run.output_dir}. Upload it with: "
+                f"{uploader.retry_command()}")
+    return None
+
+
 def attach(run_cfg: RunConfig, run: Any) -> None:
     """Subscribe the uploader to the run's events (process 0, push_to_hub on)."""
     if run.cfg.push_to_hub and run.ranks.main:
-        run.events.subscribers.append(HubUploader(run_cfg, run))
+        run.hub = HubUploader(run_cfg, run)
+        run.events.subscribers.append(run.hub)

@@ -5,8 +5,9 @@ so `config/schema.py` can read `OPTIMIZERS` (name -> one-line description) and `
 checks of `optimizer_config`) and still fail a bad config in milliseconds. Each library is imported only
 when its optimizer is built (bitsandbytes alone takes seconds to import).
 
-Every name takes the same five settings (learning_rate, betas, weight_decay, eps), which map onto the
-libraries as follows:
+Every name takes the same five settings (learning_rate, betas, weight_decay, eps). Unset betas, weight_decay
+and eps (adam_beta1, adam_beta2, adam_weight_decay, adam_epsilon) are the name's own defaults, SimpleTuner's for
+that name (`DEFAULTS`), so the same name trains the same way in both. They map onto the libraries as follows:
 
 - `adamw`: `torch.optim.AdamW`. Its state follows the weights' dtype.
 - `adamw_bf16`: `optimi.AdamW(kahan_sum=True)` from torch-optimi. On bf16 or fp16 weights it keeps a
@@ -45,7 +46,7 @@ libraries as follows:
   checkpoints and the saved adapter. `use_ema` averages y, the weights after each step (switching to x at every
   step would copy every weight each step). SimpleTuner's `adamw_schedulefree` is its own subclass with Kahan
   summation (AdamWScheduleFreeKahan) with betas (0.9, 0.999), weight_decay 1e-2 and eps 1e-8 (difftune's
-  adam_* defaults are the same), lr_warmup_steps as its warm-up, and no LR scheduler (any lr_scheduler is
+  defaults for the name are the same), lr_warmup_steps as its warm-up, and no LR scheduler (any lr_scheduler is
   ignored; here a decaying one is an error). difftune uses the upstream class, without Kahan summation: on
   bf16 weights (a bf16 full fine-tune) updates below bf16's resolution round away, as with `adamw`.
 
@@ -203,6 +204,38 @@ _SPECS: dict[str, _Spec] = {
                                 clashes={"warmup_steps": "lr_warmup_steps"}),
 }
 assert set(_SPECS) == set(OPTIMIZERS)
+
+# Each name's (betas, weight_decay, eps) where adam_beta1, adam_beta2, adam_weight_decay or adam_epsilon is unset:
+# SimpleTuner's `optimizer_choices[name]["default_settings"]` (simpletuner/helpers/training/optimizer_param.py), so a
+# config copied from SimpleTuner trains with the same hyper-parameters (SimpleTuner never applies its global adam_*
+# defaults outside DeepSpeed). `adamw8bit` is SimpleTuner's `bnb-adamw8bit`; `prodigy` takes SimpleTuner's `prodigy`
+# entry (a different class there, ProdigyPlusScheduleFree). SimpleTuner has no `lion` (lion-pytorch): it keeps the
+# values difftune always used. eps None: the optimizer has none (Lion).
+DEFAULTS: dict[str, tuple[tuple[float, float], float, float | None]] = {
+    "adamw": ((0.9, 0.999), 1e-2, 1e-8),
+    "adamw_bf16": ((0.9, 0.999), 1e-2, 1e-6),
+    "lion": ((0.9, 0.999), 1e-2, None),
+    "optimi-stableadamw": ((0.9, 0.99), 1e-2, 1e-6),
+    "optimi-adamw": ((0.9, 0.99), 0.0, 1e-6),
+    "optimi-lion": ((0.9, 0.99), 0.0, None),
+    "prodigy": ((0.9, 0.99), 0.0, 1e-8),
+    "adamw8bit": ((0.9, 0.999), 1e-2, 1e-6),
+    "adamw_schedulefree": ((0.9, 0.999), 1e-2, 1e-8),
+}
+assert set(DEFAULTS) == set(OPTIMIZERS)
+
+
+def hyper_parameters(name: str, beta1: float | None = None, beta2: float | None = None,
+                     weight_decay: float | None = None, eps: float | None = None,
+                     ) -> tuple[tuple[float, float], float, float | None]:
+    """(betas, weight_decay, eps) that optimizer `name` trains with: each value given, else the name's DEFAULTS."""
+    name = OPTIMIZER_ALIASES.get(name, name)
+    _check_name(name)
+    (b1, b2), decay, epsilon = DEFAULTS[name]
+    return ((b1 if beta1 is None else beta1, b2 if beta2 is None else beta2),
+            decay if weight_decay is None else weight_decay, epsilon if eps is None else eps)
+
+
 KEYWORDS: dict[str, dict[str, Any]] = {name: spec.keywords for name, spec in _SPECS.items()}
 
 
@@ -284,13 +317,14 @@ def build_optimizer(
     name: str,
     params: Iterable[torch.nn.Parameter],
     lr: float,
-    betas: tuple[float, float],
-    weight_decay: float,
-    eps: float,
+    betas: tuple[float | None, float | None],
+    weight_decay: float | None,
+    eps: float | None,
     settings: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer `name` (a key of OPTIMIZERS) over `params`, with one parameter group. `settings` (from
-    optimizer_config) are more constructor arguments; they replace difftune's own of the same name.
+    """The optimizer `name` (a key of OPTIMIZERS) over `params`, with one parameter group. A beta, weight_decay or
+    eps of None is the name's default (DEFAULTS: SimpleTuner's for that name). `settings` (from optimizer_config)
+    are more constructor arguments; they replace difftune's own of the same name.
 
     Raises ValueError for an unknown name, no parameters or a setting `setting_problem` refuses, ImportError
     when the library is missing, and RuntimeError when the parameters live on a device the optimizer cannot
@@ -309,6 +343,7 @@ def build_optimizer(
         reason = _probe(name, device) if device.split(":")[0] not in _KNOWN_DEVICE_TYPES else None
         if reason:
             raise RuntimeError(f"optimizer {name!r} cannot run on {device}: {reason}")
+    betas, weight_decay, eps = hyper_parameters(name, *betas, weight_decay, eps)
     return _construct(name, params, lr, betas, weight_decay, eps, settings)
 
 

@@ -1,0 +1,154 @@
+"""Small differences a SimpleTuner config runs into: numbers and "not set" spelled its way, its tracker lists, its
+other config files, its optimizer and scheduler names without an equivalent here, and the messages about them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import config_problems as problems
+from conftest import write_config
+from difftune.config import ConfigError, load_config
+
+
+def test_a_json_number_is_a_validation_resolution(tmp_path, dataset):
+    assert load_config(write_config(tmp_path, dataset, validation_resolution=64)).train.validation_sizes() == [(64, 64)]
+
+
+@pytest.mark.parametrize("key", ["max_grad_norm", "lora_alpha", "validation_seed", "validation_guidance",
+                                 "gradient_checkpointing_interval", "checkpoints_total_limit", "tokenizer_max_length",
+                                 "base_model_default_dtype", "crop"])
+def test_empty_and_none_mean_unset_for_optional_keys(tmp_path, dataset, key):
+    """Their help says "Empty ..."; the file's "" and the command line's none both mean the key is not set."""
+    path = write_config(tmp_path, dataset, **{key: ""})
+    assert getattr(load_config(path).train, key) is None
+    assert getattr(load_config(path, {key: "none"}).train, key) is None
+
+
+def test_none_for_a_file_key_on_the_command_line(tmp_path, dataset):
+    library = tmp_path / "library.json"
+    library.write_text('{"cat": "a cat"}')
+    path = write_config(tmp_path, dataset, user_prompt_library=str(library), validation_prompt="a dog")
+    assert load_config(path, {"user_prompt_library": "none"}).train.user_prompt_library is None
+    # free text keeps the word: a prompt may be "none"
+    assert load_config(path, {"validation_prompt": "none"}).train.validation_prompt == "none"
+
+
+@pytest.mark.parametrize("key", ["num_train_epochs", "checkpoint_step_interval", "validation_step_interval"])
+def test_null_is_the_off_value_of_epochs_and_intervals(tmp_path, dataset, key):
+    assert getattr(load_config(write_config(tmp_path, dataset, **{key: None})).train, key) == 0
+
+
+@pytest.mark.parametrize("given,value", [("wandb,tensorboard", "all"), (" tensorboard , wandb", "all"),
+                                         ("tensorboard,none", "tensorboard"), ("TensorBoard", "tensorboard"),
+                                         (None, "none"), ("", "none")])
+def test_report_to_as_simpletuner_writes_it(tmp_path, dataset, given, value):
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    assert load_config(write_config(tmp_path, dataset, report_to=given)).train.report_to == value
+
+
+@pytest.mark.parametrize("given", ["comet_ml", "wandb,comet_ml", "mlflow"])
+def test_report_to_other_trackers_are_not_implemented(tmp_path, dataset, given):
+    text = problems(write_config(tmp_path, dataset, report_to=given))
+    assert "report_to:" in text and "not implemented yet" in text and "use 'wandb' or 'tensorboard'" in text
+
+
+TOML = 'model_family = "lumina2"\nmodel_flavour = "tiny-random"\n'
+
+
+@pytest.mark.parametrize("name,text,kind", [("config.toml", TOML, "a TOML"), ("config.env", "MODEL_TYPE=lora\n",
+                                             "an ENV"), ("config.json", TOML, "a TOML")])
+def test_simpletuner_toml_and_env_configs_are_named(tmp_path, name, text, kind):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"{path}: this is {kind} config, not JSON" in info.value.problems[0]
+    assert "write its keys as a JSON object in" in info.value.problems[0]
+
+
+def test_json_is_read_whatever_the_name(tmp_path, dataset):
+    path = write_config(tmp_path, dataset)
+    toml = path.with_suffix(".toml")
+    toml.write_text(path.read_text())  # JSON in a .toml: read as JSON
+    assert load_config(toml).train.model_family == "lumina2"
+
+
+@pytest.mark.parametrize("name", ["config.toml", "config.env"])
+def test_a_missing_config_json_beside_a_toml_or_env_one(tmp_path, name):
+    (tmp_path / name).write_text(TOML)
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "config.json")
+    assert f"not found, but {tmp_path / name} is there" in info.value.problems[0]
+
+
+def test_train_sh_warns_that_config_env_is_not_read(tmp_path, dataset):
+    script = Path(__file__).resolve().parents[1] / "train.sh"
+    write_config(tmp_path, dataset, lora_rank="many")  # a bad value: exits 2 before any model loads
+    (tmp_path / "config" / "config.env").write_text("TRAINING_NUM_PROCESSES=2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ENV", "CONFIG_PATH")}
+    done = subprocess.run([str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "warning: config/config.env is not read" in done.stderr and "TRAINING_NUM_PROCESSES" in done.stderr
+
+
+@pytest.mark.parametrize("key,value,closest", [
+    ("optimizer", "ao-adamw8bit", "'adamw8bit'"), ("optimizer", "adamw_schedulefree+aggressive", "'adamw_schedulefree'"),
+    ("optimizer", "adamw_schedulefree+no_kahan", "'adamw_schedulefree'"), ("optimizer", "bnb-lion8bit", "'lion'"),
+    ("optimizer", "optimi-radam", "no counterpart here; choose one of adamw,"), ("optimizer", "soap", "no counterpart"),
+    ("lr_scheduler", "sine", "'cosine_with_restarts'"), ("mixed_precision", "fp8", "'bf16'")])
+def test_simpletuner_values_without_an_implementation_name_the_closest(tmp_path, dataset, key, value, closest):
+    text = problems(write_config(tmp_path, dataset), **{key: value})
+    assert f"command line: {key}: not implemented yet: {key} {value!r}" in text and closest in text
+
+
+@pytest.mark.parametrize("resolution,kind,noted", [(1.0, "pixel", True), (0.5, "pixel_area", True),
+                                                   (64.5, "pixel", True), (4, "pixel", True),
+                                                   (32, "pixel_area", False), (64, "pixel", False),
+                                                   (1.0, "area", False)])
+def test_a_megapixel_resolution_with_a_pixel_type_gets_a_note(tmp_path, dataset, resolution, kind, noted):
+    run = load_config(write_config(tmp_path, dataset, dataset={"resolution": resolution, "resolution_type": kind}))
+    notes = [n for n in run.notes() if "did you mean resolution_type 'area'" in n]
+    assert bool(notes) == noted
+    if noted:
+        assert f"dataset 'train': resolution {resolution:g} with resolution_type '{kind}'" in notes[0]
+
+
+def test_video_keys_on_an_image_family_are_named_as_written(tmp_path, dataset):
+    text = problems(write_config(tmp_path, dataset, framerate=24))
+    assert "framerate (difftune's frame_rate) applies only to video families" in text and "remove it for lumina2" in text
+    text = problems(write_config(tmp_path, dataset), framerate="24")  # where: the command line that wrote it
+    assert "command line: framerate (difftune's frame_rate) applies only" in text
+    text = problems(write_config(tmp_path, dataset, validation_num_video_frames=17))
+    assert "validation_num_video_frames applies only to video families" in text
+
+
+def test_config_level_caption_strategy_instance_prompt(tmp_path, dataset):
+    path = write_config(tmp_path, dataset, caption_strategy="instance_prompt", instance_prompt="a photo of sks")
+    backend = tmp_path / "config" / "multidatabackend.json"
+    entries = json.loads(backend.read_text())
+    del entries[0]["caption_strategy"]  # the config-level one applies
+    backend.write_text(json.dumps(entries))
+    run = load_config(path)
+    assert run.train.caption_strategy == "instanceprompt"
+    assert run.datasets.images[0].caption_strategy == "instanceprompt"
+
+
+def test_data_pipeline_knobs_are_accepted_with_a_note(tmp_path, dataset):
+    """SimpleTuner's write_batch_size, max_workers and metadata_update_interval change no result here."""
+    quiet = load_config(write_config(tmp_path, dataset, write_batch_size=128, max_workers=None,
+                                     metadata_update_interval=3600))
+    assert not [n for n in quiet.notes() if "changes nothing here" in n]
+    run = load_config(write_config(tmp_path, dataset, write_batch_size=64, max_workers=16, metadata_update_interval=65,
+                                   dataset={"metadata_update_interval": 60}))
+    notes = "\n".join(run.notes())
+    for key, value in (("write_batch_size", 64), ("max_workers", 16), ("metadata_update_interval", 65)):
+        assert f"{key} {value} changes nothing here" in notes
+    assert "dataset 'train': metadata_update_interval 60 changes nothing here" in notes
+    # the text_embeds entry's own write_batch_size still sets its text-encoder batch
+    assert run.datasets.text_embeds.encode_batch() == 128

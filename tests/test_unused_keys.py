@@ -1,0 +1,76 @@
+"""Keys whose combination with another key leaves them unused: refused where the user narrowed what trains
+(lora_target_modules with LyCORIS), a note before the run where SimpleTuner's own configs carry them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import config_problems, write_config
+from difftune.config import load_config
+
+
+def lycoris_file(tmp_path) -> str:
+    path = tmp_path / "lycoris_config.json"
+    path.write_text(json.dumps({"algo": "lokr", "linear_dim": 4, "linear_alpha": 1, "factor": 4}))
+    return str(path)
+
+
+def notes(path, **overrides) -> str:
+    return "\n".join(load_config(path, overrides).notes())
+
+
+def test_lora_target_modules_with_lycoris_is_refused(tmp_path, dataset):
+    lycoris = dict(lora_type="lycoris", lycoris_config=lycoris_file(tmp_path))
+    text = config_problems(write_config(tmp_path, dataset, lora_target_modules=["to_q"], **lycoris))
+    assert "lora_target_modules" in text and "apply_preset target_name" in text
+    for alias in ("peft_lora_target_modules",):  # SimpleTuner's name for the same key
+        assert "apply_preset target_name" in config_problems(write_config(tmp_path, dataset, **{alias: "to_q"},
+                                                                          **lycoris))
+    load_config(write_config(tmp_path, dataset, lora_target_modules=["to_q"]))  # standard LoRA: used
+
+
+@pytest.mark.parametrize("kind", [dict(lora_type="lycoris"), dict(model_type="full")])
+def test_lora_size_keys_unused_by_the_adapter_get_a_note(tmp_path, dataset, kind):
+    if "lora_type" in kind:
+        kind = {**kind, "lycoris_config": lycoris_file(tmp_path)}
+    path = write_config(tmp_path, dataset, lora_alpha=8, lora_dropout=0.1, **kind)  # lora_rank: written by conftest
+    text = notes(path)
+    assert "lora_rank, lora_alpha, lora_dropout not used" in text
+    assert "not used" not in notes(write_config(tmp_path, dataset, lora_alpha=8, lora_dropout=0.1))  # standard
+
+
+def test_flow_shift_beside_auto_shift_gets_a_note(tmp_path, dataset):
+    path = write_config(tmp_path, dataset, flow_schedule_auto_shift=True, flow_schedule_shift=3.0)
+    assert "flow_schedule_shift 3 not used: flow_schedule_auto_shift" in notes(path)
+    for shift in (0, 1):
+        quiet = write_config(tmp_path, dataset, flow_schedule_auto_shift=True, flow_schedule_shift=shift)
+        assert "flow_schedule_shift" not in notes(quiet)
+    assert "flow_schedule_shift" not in notes(write_config(tmp_path, dataset, flow_schedule_shift=3.0))
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "optimi-lion"])
+def test_adam_epsilon_with_lion_gets_a_note(tmp_path, dataset, optimizer):
+    path = write_config(tmp_path, dataset, optimizer=optimizer, adam_epsilon=1e-6)
+    assert f"adam_epsilon 1e-06 not used: optimizer {optimizer!r} (Lion) has no epsilon" in notes(path)
+    assert "adam_epsilon" not in notes(write_config(tmp_path, dataset, optimizer=optimizer))
+    assert "adam_epsilon" not in notes(write_config(tmp_path, dataset, adam_epsilon=1e-6))  # adamw uses it
+
+
+@pytest.mark.parametrize("entry,config,expected", [
+    (dict(crop=True, crop_aspect="square", crop_aspect_buckets=[1.0, 0.75]), {},
+     "crop_aspect_buckets not used: crop_aspect 'square'"),
+    (dict(crop=False, crop_aspect="closest", crop_aspect_buckets=[1.0, 0.75]), {},
+     "crop_aspect and crop_aspect_buckets not used: crop is false"),
+    ({}, dict(crop=False, crop_style="random", crop_aspect="square"), "crop_aspect not used: crop is false"),
+])
+def test_crop_keys_the_crop_leaves_unused_get_a_note(tmp_path, dataset, entry, config, expected):
+    text = notes(write_config(tmp_path, dataset, dataset=entry, **config))
+    assert expected in text and "dataset 'train'" in text.split(expected)[0].splitlines()[-1]
+    assert "crop_style" not in text  # it still places the trim to the bucket without crop
+
+
+def test_used_crop_keys_get_no_note(tmp_path, dataset):
+    entry = dict(crop=True, crop_aspect="closest", crop_aspect_buckets=[1.0, 0.75], crop_style="random")
+    assert "not used" not in notes(write_config(tmp_path, dataset, dataset=entry))
