@@ -74,3 +74,12 @@ def test_crop_keys_the_crop_leaves_unused_get_a_note(tmp_path, dataset, entry, c
 def test_used_crop_keys_get_no_note(tmp_path, dataset):
     entry = dict(crop=True, crop_aspect="closest", crop_aspect_buckets=[1.0, 0.75], crop_style="random")
     assert "not used" not in notes(write_config(tmp_path, dataset, dataset=entry))
+
+
+def test_adamw8bit_stepping_on_the_cpu_gets_a_note(tmp_path, dataset):
+    """bitsandbytes' 8-bit AdamW steps about 8x slower on the CPU than adamw_bf16 (BENCHMARKS.md): with the
+    optimizer in CPU memory the user is told which to use instead."""
+    full = {"model_type": "full", "optimizer_cpu_offload_method": "cpu"}
+    assert "bitsandbytes steps about 8x slower" in notes(write_config(tmp_path, dataset, optimizer="adamw8bit", **full))
+    assert "bitsandbytes" not in notes(write_config(tmp_path, dataset, optimizer="adamw_bf16", **full))
+    assert "bitsandbytes" not in notes(write_config(tmp_path, dataset, optimizer="adamw8bit", model_type="full"))

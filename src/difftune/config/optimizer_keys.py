@@ -20,7 +20,7 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from difftune.config.fields import field
 from difftune.config.pending import coerce
-from difftune.train.optimizers import hyper_parameters, setting_problem
+from difftune.train.optimizers import OPTIMIZER_ALIASES, hyper_parameters, setting_problem
 
 SCHEDULE_FREE = "adamw_schedulefree"
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")  # the lr_scheduler values schedule-free takes
@@ -89,10 +89,16 @@ def parse_optimizer_config(text: str) -> dict[str, Any]:
 def optimizer_notes(cfg: Any) -> list[str]:
     """Settings the chosen optimizer has no use for (accepted: SimpleTuner's configs set adam_epsilon whatever the
     optimizer)."""
+    notes = []
     if cfg.adam_epsilon is not None and hyper_parameters(cfg.optimizer)[2] is None:
-        return [f"adam_epsilon {cfg.adam_epsilon:g} not used: optimizer {cfg.optimizer!r} (Lion) has no epsilon; "
-                "remove it"]
-    return []
+        notes.append(f"adam_epsilon {cfg.adam_epsilon:g} not used: optimizer {cfg.optimizer!r} (Lion) has no "
+                     "epsilon; remove it")
+    if cfg.optimizer_cpu_offload_method == "cpu" and OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer) == "adamw8bit":
+        # bitsandbytes' CPU path: 82 M weights/s on 2 cores against 694 for adamw_bf16 (BENCHMARKS.md)
+        notes.append("optimizer adamw8bit with optimizer_cpu_offload_method cpu: bitsandbytes steps about 8x slower "
+                     "on the CPU than adamw_bf16 (make bench-host-optimizer), and CPU memory is rarely short; "
+                     "adamw_bf16 or adamw with optimizer_config fused=true step much faster there")
+    return notes
 
 
 def optimizer_checks(cfg: Any) -> None:
