@@ -113,3 +113,15 @@ def dataset(tmp_path) -> Path:
     folder = tmp_path / "images"
     make_dataset(folder, count=4)
     return folder
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fails the test if a Lumina2 model is loaded or built: for errors that must come before any model loads."""
+    from difftune.models.lumina2 import Lumina2Family
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded, but this error must come before any model loads")
+
+    monkeypatch.setattr(Lumina2Family, "load", boom)
+    monkeypatch.setattr(Lumina2Family, "build_tiny", boom)

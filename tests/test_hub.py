@@ -205,17 +205,6 @@ def test_result_patterns_skip_logs_and_hidden_files(tmp_path, name):
 # --- push_to_hub's access, checked before any model loads; a result that never reached the hub
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    from difftune.models.lumina2 import Lumina2Family
-
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded although the hub refuses the uploads")
-
-    monkeypatch.setattr(Lumina2Family, "load", boom)
-    monkeypatch.setattr(Lumina2Family, "build_tiny", boom)
-
-
 @pytest.mark.parametrize("me,repo,expected", [
     (OSError("Token is required (`token=True`), but no token found"), "me/tiny-lora", "no usable Hugging Face login"),
     ({"name": "me", "orgs": [], "auth": {"accessToken": {"role": "read"}}}, "me/tiny-lora", "is read-only"),
