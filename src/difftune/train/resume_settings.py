@@ -74,8 +74,8 @@ def check_batches(run: Run, saved: dict, path: Path) -> None:
     gradient_accumulation_steps or process count, an epoch-based run would train the wrong number of epochs
     (refused), a step-based one reads its data from a shifted place (warned)."""
     cfg = run.cfg
-    now = {"train_batch_size": cfg.train_batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-           "processes": run.ranks.count}
+    settings = recorded(run)
+    now = {k: settings[k] for k in ("train_batch_size", "gradient_accumulation_steps", "processes")}
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     if not changed:
         return

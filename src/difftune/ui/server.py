@@ -276,21 +276,22 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         folder = confined.confine(path)
         if not folder.is_dir():
             raise ApiError(400, f"{path!r} is not a folder")
+        # the types discovery reads (the data layer, which imports torch: not at server start); this folder only,
+        # a picker answer must not walk a whole tree
+        from difftune.data.discovery import VIDEO_SUFFIXES
+        from difftune.data.images import IMAGE_EXTENSIONS
+
+        listed = list(folder.iterdir())  # one read of the folder for the entries and both counts
+        images = sum(1 for e in listed if e.suffix.lower() in IMAGE_EXTENSIONS)
+        clips = sum(1 for e in listed if e.suffix.lower() in VIDEO_SUFFIXES)
         entries = []
-        for entry in sorted(folder.iterdir(), key=lambda p: (not p.is_dir(), p.name.lower()))[:2000]:
+        for entry in sorted(listed, key=lambda p: (not p.is_dir(), p.name.lower()))[:2000]:
             if entry.name.startswith(".") or not confined.inside(entry):
                 continue  # hidden files, and symlinks that lead out of the roots
             if entry.is_dir():
                 entries.append({"name": entry.name, "path": str(entry), "kind": "folder"})
             elif files:
                 entries.append({"name": entry.name, "path": str(entry), "kind": "file"})
-        # the types discovery reads (the data layer, which imports torch: not at server start); this folder only,
-        # a picker answer must not walk a whole tree
-        from difftune.data.discovery import VIDEO_SUFFIXES
-        from difftune.data.images import IMAGE_EXTENSIONS
-
-        images = sum(1 for e in folder.iterdir() if e.suffix.lower() in IMAGE_EXTENSIONS)
-        clips = sum(1 for e in folder.iterdir() if e.suffix.lower() in VIDEO_SUFFIXES)
         parent = folder.parent if folder.parent != folder and confined.inside(folder.parent) else None
         return {"path": str(folder), "parent": str(parent) if parent else None, "entries": entries,
                 "images": images, "clips": clips}
