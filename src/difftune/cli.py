@@ -105,6 +105,16 @@ def result_line(cfg: TrainConfig, path: Path) -> str:
     return f"{kind} saved to {path}"
 
 
+def end_processes() -> None:
+    """Several processes: leave the process group once every one has finished. Left to the interpreter's exit,
+    gloo's worker threads can outlive it and abort the process (SIGABRT, "terminate called without an active
+    exception") after the run succeeded: torchrun then reports the run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
@@ -121,6 +131,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
             run = build_run(run_cfg)
             result = train(run)
+            end_processes()
     except OutputDirInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
