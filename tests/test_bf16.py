@@ -7,6 +7,8 @@ dtype, as the stock pipeline does after `load_lora_weights`: the bf16 samples ar
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import write_config
 from difftune.config import ConfigError, load_config
 from difftune.data.images import fit
-from difftune.data.video import decode_frames
+from difftune.data.video import decode_frames, probe_video, write_mp4
 from difftune.train.loop import train
 from difftune.train.setup import build_run
 from families import CASES, case_data, wake_lora
@@ -76,11 +78,12 @@ def test_bf16_trains_validates_checkpoints_resumes_and_saves(case, kind, tmp_pat
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset):
+def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset, monkeypatch):
     """Our bf16 sample is the one a user gets from the stock pipeline in bf16 with load_lora_weights."""
     config, data = case_config(case, tmp_path, dataset, "lora", max_train_steps=2, validation_step_interval=0,
                                checkpoint_step_interval=0, resume_from_checkpoint=None)
-    run = build_run(load_config(config))
+    run_cfg = load_config(config)
+    run = build_run(run_cfg)
     wake_lora(run.transformer)
     train(run)
     name = sample_names(case)[1].replace("000004", "000002")
@@ -102,6 +105,71 @@ def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset)
     theirs = np.asarray(theirs).astype(int)
     assert ours.shape == theirs.shape and ours.std() > 0
     assert np.abs(ours - theirs).max() <= 2
+    run_card_usage(run_cfg, run, tmp_path, monkeypatch, image, (64, 48, (17 if case.i2v else 9) if case.video else None))
+
+
+def run_card_usage(run_cfg, run, tmp_path, monkeypatch, image, size) -> None:
+    """The model card's diffusers code, run as written against the stock pipeline (the base and repo names
+    pointed at the local folders, cuda at the run's device): it loads the LoRA and writes the sample."""
+    from types import SimpleNamespace
+
+    from difftune.train.model_card import model_card
+
+    card = model_card(run_cfg, SimpleNamespace(data=SimpleNamespace(items=[]), state=run.state), [])
+    code = card.split("## Use with diffusers")[1].split("```python\n")[1].split("```")[0]
+    code = re.sub(r'from_pretrained\("[^"]*"', f'from_pretrained({str(run.comps.source)!r}', code, count=1)
+    code = code.replace('"your-name/your-model"', repr(str(tmp_path / "output")))
+    code = code.replace('"cuda"', repr(str(run.accelerator.device)))
+    for ext in ("png", "mp4"):
+        code = code.replace(f'"sample.{ext}"', repr(str(tmp_path / f"card-sample.{ext}")))
+    if image is not None:
+        image.save(tmp_path / "input.png")
+        code = code.replace('load_image("input.png")', f'load_image({str(tmp_path / "input.png")!r})')
+    def export_to_video(frames, path, fps):  # diffusers' needs imageio-ffmpeg or OpenCV, not installed here
+        write_mp4(frames, Path(path), fps)
+
+    monkeypatch.setattr("diffusers.utils.export_to_video", export_to_video)
+    names = {}
+    if run.cfg.model_family != "lumina2":  # without torchvision, Qwen2VLProcessor needs the image-only processor
+        from difftune.models.tiny_kandinsky5 import load_qwen_processor
+
+        names["processor"] = load_qwen_processor(run.comps.source)
+        code = code.replace("torch_dtype=torch.bfloat16)", "torch_dtype=torch.bfloat16, tokenizer=processor)", 1)
+    exec(compile(code, "model card", "exec"), names)
+    width, height, frames = size
+    if frames is None:
+        size = Image.open(tmp_path / "card-sample.png").size
+        # Kandinsky 5 Image's pipeline snaps a size outside its 1K buckets (pipe.resolutions), as the card says
+        assert size == (width, height) if run.cfg.model_family == "lumina2" else size[0] % 16 == size[1] % 16 == 0
+    else:
+        info = probe_video(tmp_path / "card-sample.mp4")
+        assert (info.width, info.height, info.frames) == (width, height, frames)
+
+
+@pytest.mark.parametrize("algo", ["full", "glora", "lokr"])
+def test_bf16_lycoris_validation_equals_load_lycoris_in_the_stock_bf16_pipeline(algo, tmp_path, dataset):
+    """A LyCORIS network samples in the base's dtype, as load_lycoris puts it into a bf16 pipeline. `full` and
+    `glora` multiply their own weights with the activations: in fp32 beside a bf16 base, validation crashed."""
+    from difftune.adapters.lycoris import load_lycoris
+
+    case = CASES[0]
+    config, _ = case_config(case, tmp_path, dataset, "lora", max_train_steps=2, validation_step_interval=0,
+                            checkpoint_step_interval=0, resume_from_checkpoint=None)
+    lycoris = tmp_path / "lycoris.json"
+    lycoris.write_text(json.dumps({"algo": algo, "linear_dim": 4, "linear_alpha": 2}))
+    run = build_run(load_config(config, {"lora_type": "lycoris", "lycoris_config": str(lycoris)}))
+    train(run)
+    ours = np.asarray(Image.open(tmp_path / "output" / "validation" / "final-step-000002-64x48.png")).astype(int)
+    pipe = case.stock(run.comps.source, torch_dtype=torch.bfloat16)
+    network = load_lycoris(pipe.transformer, tmp_path / "output" / "pytorch_lora_weights.safetensors")
+    assert {p.dtype for p in network.parameters()} == {torch.bfloat16}
+    theirs = np.asarray(case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 2, 4.0, 11,
+                                          device=run.accelerator.device)[0]).astype(int)
+    assert ours.shape == theirs.shape and ours.std() > 0
+    if algo == "full":  # the file stores the difference to the base weight: bf16 rounds base + difference anew
+        assert np.abs(ours - theirs).mean() < 1.5 and np.abs(ours - theirs).max() <= 12
+    else:
+        assert np.abs(ours - theirs).max() <= 2
 
 
 # Lumina2 in `make test`; the other families' fp16 runs (about 30 s together) in `make test-slow`: their

@@ -219,3 +219,13 @@ def test_prompt_library_names_taken_by_the_runs_own_samples_are_refused(tmp_path
     (tmp_path / "prompts.json").write_text(json.dumps({"cat": "a cat", name: "a prompt of mine"}))
     found = problems(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "prompts.json")))
     assert f"['{name}']" in found and "rename those entries" in found
+
+
+def test_prompt_library_names_too_long_for_a_file_name_are_refused(tmp_path, dataset):
+    """A name is part of each sample's file name: 250 characters passed check, then training died with 'File name
+    too long' at its first validation."""
+    (tmp_path / "prompts.json").write_text(json.dumps({"cat": "a cat", "x" * 250: "a prompt of mine"}))
+    found = problems(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "prompts.json")))
+    assert "longer than 120 characters" in found and "shorten them" in found
+    (tmp_path / "prompts.json").write_text(json.dumps({"x" * 120: "a prompt of mine"}))
+    assert load_config(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "prompts.json")))

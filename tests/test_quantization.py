@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,6 +183,28 @@ def test_each_precision_shrinks_a_layer_and_keeps_its_output(precision, at_most)
     assert weight_bytes(model) < at_most * before, (weight_bytes(model), before)
     error = (model(x) - expected).abs().mean() / expected.abs().mean()
     assert 0 < error < {"int2-quanto": 0.8, "fp8uz-quanto": 0.1, "fp8-torchao": 0.1}.get(precision, 0.2), error
+
+
+def test_int8_quanto_layer_takes_an_input_that_starts_off_alignment():
+    """torch's CPU int8 x bf16 kernel, which quanto calls for qint8 weights, crashed the process (a segmentation
+    fault) on an input view starting 16 bytes into its storage: Kandinsky 5's bf16 validation died that way. Run in
+    a child process, so a crash fails this test rather than the test run."""
+    code = """
+import torch
+from difftune.models.quantize import QUANTIZERS, quantized_layers
+model = torch.nn.Sequential(torch.nn.Linear(32, 32)).to(torch.bfloat16).requires_grad_(False)
+expected = [model(torch.ones(m, 32, dtype=torch.bfloat16)) for m in (1, 10)]
+QUANTIZERS["int8-quanto"](model, quantized_layers(model))
+for m, want in zip((1, 10), expected):
+    x = torch.ones(m * 32 + 64, dtype=torch.bfloat16)[8:8 + m * 32].view(m, 32)
+    assert x.data_ptr() % 64 == 16
+    with torch.no_grad():
+        got = model(x)
+    assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05), (got, want)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])
 
 
 def test_weight_bytes_count_quantized_tensors():

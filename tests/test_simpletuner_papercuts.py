@@ -19,6 +19,16 @@ def test_a_json_number_is_a_validation_resolution(tmp_path, dataset):
     assert load_config(write_config(tmp_path, dataset, validation_resolution=64)).train.validation_sizes() == [(64, 64)]
 
 
+def test_a_json_list_or_whole_float_is_a_validation_resolution(tmp_path, dataset):
+    sizes = load_config(write_config(tmp_path, dataset, validation_resolution=["64x48", 32])).train.validation_sizes()
+    assert sizes == [(64, 48), (32, 32)]
+    assert load_config(write_config(tmp_path, dataset, validation_resolution=64.0)).train.validation_sizes() == [
+        (64, 64)]
+    for megapixels in (1.0, 0.5):
+        text = problems(write_config(tmp_path, dataset, validation_resolution=megapixels))
+        assert f"validation_resolution: {megapixels!r} is not a size in pixels" in text and "WIDTHxHEIGHT" in text
+
+
 @pytest.mark.parametrize("key", ["max_grad_norm", "lora_alpha", "validation_seed", "validation_guidance",
                                  "gradient_checkpointing_interval", "checkpoints_total_limit", "tokenizer_max_length",
                                  "base_model_default_dtype", "crop"])
@@ -36,6 +46,17 @@ def test_none_for_a_file_key_on_the_command_line(tmp_path, dataset):
     assert load_config(path, {"user_prompt_library": "none"}).train.user_prompt_library is None
     # free text keeps the word: a prompt may be "none"
     assert load_config(path, {"validation_prompt": "none"}).train.validation_prompt == "none"
+
+
+def test_empty_and_none_mean_unset_in_dataset_entries(tmp_path, dataset):
+    """The dataset list takes SimpleTuner's "not set" spellings as config.json does; a prompt keeps the word."""
+    path = write_config(tmp_path, dataset, dataset={"minimum_image_size": "", "probability": "none",
+                                                    "maximum_aspect_ratio": "None", "crop_aspect_buckets": "",
+                                                    "instance_prompt": "none"})
+    entry = load_config(path).datasets.images[0]
+    assert (entry.minimum_image_size, entry.probability, entry.maximum_aspect_ratio,
+            entry.crop_aspect_buckets) == (None, None, None, None)
+    assert entry.instance_prompt == "none"
 
 
 @pytest.mark.parametrize("key", ["num_train_epochs", "checkpoint_step_interval", "validation_step_interval"])

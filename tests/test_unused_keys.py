@@ -83,3 +83,15 @@ def test_adamw8bit_stepping_on_the_cpu_gets_a_note(tmp_path, dataset):
     assert "bitsandbytes steps about 8x slower" in notes(write_config(tmp_path, dataset, optimizer="adamw8bit", **full))
     assert "bitsandbytes" not in notes(write_config(tmp_path, dataset, optimizer="adamw_bf16", **full))
     assert "bitsandbytes" not in notes(write_config(tmp_path, dataset, optimizer="adamw8bit", model_type="full"))
+
+
+def test_validation_keys_without_a_prompt_get_a_note(tmp_path, dataset):
+    """An empty validation_prompt switches validation off (a SimpleTuner habit); its settings then sample nothing,
+    and check says so instead of passing them silently."""
+    text = notes(write_config(tmp_path, dataset, validation_prompt="", validation_steps=5,
+                              validation_resolution="64x64", validation_guidance=3.0, validation_seed=7))
+    assert ("validation_step_interval (validation_steps), validation_resolution, validation_guidance, "
+            "validation_seed not used: no validation prompt is set") in text and "remove them" in text
+    assert "no validation prompt" not in notes(write_config(tmp_path, dataset, validation_prompt="a cat",
+                                                            validation_steps=5))
+    assert "no validation prompt" not in notes(write_config(tmp_path, dataset))

@@ -44,6 +44,7 @@ import json
 import logging
 import re
 import sys
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
@@ -238,6 +239,18 @@ def load_lycoris(transformer: torch.nn.Module, path: str | Path, multiplier: flo
         raise ValueError(f"{path}: modules not in {type(transformer).__name__} (or not loadable): "
                          f"{sorted(stored - built)[:5]}")
     network.apply_to()
-    network.to(device=next(transformer.parameters()).device)
+    # in the transformer's dtype, as load_lora_weights puts a LoRA: `full` and `glora` modules multiply their
+    # weights with the activations as they are, so fp32 weights in a bf16 pipeline would be an error
+    network.to(device=next(transformer.parameters()).device, dtype=base_dtype(transformer))
     network.difftune_lycoris_config = config
     return network
+
+
+def base_dtype(transformer: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of the transformer's floating-point weights, by size (its bf16 or fp32, not a small fp32
+    adapter's; a quantized weight reports the dtype it computes in; a packed 4-bit one is not counted)."""
+    counts: Counter[torch.dtype] = Counter()
+    for p in transformer.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else torch.float32

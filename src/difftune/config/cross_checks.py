@@ -96,9 +96,29 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
 def cross_notes(cfg: TrainConfig) -> list[str]:
     """Keys set to a value their combination with another key leaves unused. SimpleTuner's configs carry such
     values (it ignores them too), so they are notes printed before the run, not errors."""
-    notes = lora_notes(cfg) + optimizer_notes(cfg)
+    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg)
     if cfg.flow_schedule_auto_shift and cfg.flow_schedule_shift not in (0, 1):
         notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "
                      "flow_schedule_auto_shift to false to use it)")
     return notes
+
+
+# keys that shape validation samples: set without a prompt they do nothing (the other validation keys are errors
+# then: config/validation_triggers.py)
+SAMPLE_KEYS = ("validation_step_interval", "validation_resolution", "validation_guidance", "validation_seed",
+               "validation_negative_prompt", "validation_num_inference_steps", "validation_num_video_frames")
+
+
+def unsampled_notes(cfg: TrainConfig) -> list[str]:
+    """Validation keys the file sets while no prompt is set: the run samples nothing. A note, not an error: an
+    empty validation_prompt is how a SimpleTuner config switches validation off and keeps its settings."""
+    if cfg.validation_prompts():
+        return []
+    unused = [k + (" (validation_steps)" if k == "validation_step_interval" else "") for k in SAMPLE_KEYS
+              if k in cfg.model_fields_set and getattr(cfg, k) not in (None, 0, "")]
+    if not unused:
+        return []
+    return [f"{', '.join(unused)} not used: no validation prompt is set, so the run samples nothing; set "
+            "validation_prompt (or user_prompt_library, or validation_prompt_library: true) for samples during "
+            "training, or remove " + ("it" if len(unused) == 1 else "them")]

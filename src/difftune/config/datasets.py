@@ -4,17 +4,18 @@ caching work the same; a video dataset adds its `video` block."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from difftune.config.fields import expand_home, field
+from difftune.config.fields import UnsetSpellings, expand_home, field
 from difftune.config.source_aws_keys import AwsSource
 from difftune.config.source_csv_keys import CsvSource
 from difftune.config.source_huggingface_keys import HuggingfaceSource
 
 
-class ParquetCaptions(BaseModel):
+class ParquetCaptions(UnsetSpellings):  # "" and "none" as null, as in config.json
     """Captions (and optionally sizes) from a parquet or JSONL table instead of files beside the images."""
 
     model_config = ConfigDict(extra="forbid")
@@ -42,7 +43,7 @@ def four_k_plus_one(n: int) -> str:
     return f"{low} or {low + 4}" if low >= 1 else "1 or 5"
 
 
-class VideoOptions(BaseModel):
+class VideoOptions(UnsetSpellings):  # "" and "none" as null, as in config.json
     """How clips become training samples (the `video` block of a video dataset)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -81,6 +82,14 @@ class VideoOptions(BaseModel):
         if (self.num_frames - 1) % 4:
             raise ValueError(f"num_frames {self.num_frames} is not 4k+1 (the VAE compresses time 4x); use "
                              f"{four_k_plus_one(self.num_frames)}")
+        step = math.lcm(4, self.frame_interval)
+        if self.bucket_strategy == "resolution_frames" and 1 < self.num_frames < 1 + step:
+            # counts round down to 1 + a multiple of step, and num_frames caps them: every clip would be a still
+            divisors = [i for i in range(self.frame_interval, 0, -1) if (self.num_frames - 1) % math.lcm(4, i) == 0]
+            raise ValueError(
+                f"num_frames {self.num_frames} with frame_interval {self.frame_interval}: frame counts are 1 + a "
+                f"multiple of {step} (of 4 and of {self.frame_interval}), so every clip would train on 1 frame; "
+                f"use num_frames {1 + step} or more" + (f", or frame_interval {divisors[0]}" if divisors else ""))
         if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
             raise ValueError("min_frames is larger than max_frames")
         if self.bucket_strategy == "aspect_ratio" and self.frame_interval != type(self).model_fields["frame_interval"].default:
@@ -104,11 +113,15 @@ def safe_id(value: str) -> str:
     return value
 
 
-class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
+class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     """A folder of images (or, with dataset_type 'video', of clips) with captions. dataset_type 'eval': held-out
     images (or clips, with a video block) that are never trained on: train/eval_loss.py measures the loss on them."""
 
     model_config = ConfigDict(extra="forbid")
+    # optional keys whose text may be the word "none" itself (a prompt, a name, a column): only "" or null unsets them
+    FREE_TEXT = frozenset(("instance_prompt", "dataset_name", "dataset_config", "data_files", "revision",
+                           "csv_caption_column", "fallback_caption_column", "aws_bucket_name", "aws_access_key_id",
+                           "aws_secret_access_key", "aws_session_token"))
 
     @field_validator("id")
     @classmethod
@@ -335,7 +348,7 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource):
         return self.cache_dir_vae or f"cache/vae/{family}/{self.id}"
 
 
-class TextEmbedsDataset(BaseModel):
+class TextEmbedsDataset(UnsetSpellings):  # "" and "none" as null, as in config.json
     """Where text embeddings are cached."""
 
     model_config = ConfigDict(extra="forbid")
@@ -403,7 +416,7 @@ class TextEmbedsDataset(BaseModel):
         return self.text_encoder_batch_size or self.write_batch_size
 
 
-class ConditioningDataset(BaseModel):
+class ConditioningDataset(UnsetSpellings):  # "" and "none" as null, as in config.json
     """Conditioning images (image-to-image): each pairs with the training image of the same file name."""
 
     model_config = ConfigDict(extra="forbid")

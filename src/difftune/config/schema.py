@@ -519,7 +519,15 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     @classmethod
     def _resolution_number(cls, v: object) -> object:
         # a JSON number (64) is the one-number form, as on the command line and in SimpleTuner (which passes
-        # config.json values on as command-line text)
+        # config.json values on as command-line text); a JSON list is the comma-separated form
+        if isinstance(v, float) and v.is_integer() and v >= 16:  # below: a megapixel figure (1.0), not pixels
+            v = int(v)
+        if isinstance(v, float):
+            raise ValueError(f"{v!r} is not a size in pixels: write WIDTHxHEIGHT such as \"1024x1024\", or one "
+                             "whole number for a square (megapixel sizes are a dataset's resolution_type 'area', "
+                             "not a validation size)")
+        if isinstance(v, list) and v and all(isinstance(x, str | int) and not isinstance(x, bool) for x in v):
+            return ",".join(str(x) for x in v)
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @field_validator("validation_resolution")
@@ -529,7 +537,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
             return None
         for w, h in parse_resolutions(v):
             if w <= 0 or h <= 0:
-                raise ValueError(f"{w}x{h}: width and height must be positive")
+                raise ValueError(f"{v!r}: {w}x{h}: width and height must be positive")
         return v
 
     @model_validator(mode="after")

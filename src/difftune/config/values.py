@@ -45,6 +45,12 @@ def prompt_library(path: str) -> dict[str, str]:
     bad = [k for k in data if not re.fullmatch(r"[\w.-]+", k)]
     if bad:
         raise ValueError(f"prompt library {path}: names {bad} must be letters, digits, '_', '-' or '.' (used in file names)")
+    # a sample's file name is the name plus up to ~60 characters (step, size, -1ofN, -ema, -vs-base, .tmp); most
+    # file systems stop at 255 bytes
+    long = [k for k in data if len(k.encode()) > MAX_PROMPT_NAME]
+    if long:
+        raise ValueError(f"prompt library {path}: the names {[k[:40] + '...' for k in long]} are longer than "
+                         f"{MAX_PROMPT_NAME} characters; they name the sample files, so shorten them")
     # the samples of validation_prompt and of the empty prompt carry these names: an entry of the same name would
     # overwrite the other's file (unconditional) or share its label in the trackers (validation)
     reserved = [k for k in data if k.lower() in RESERVED_PROMPT_NAMES]
@@ -55,3 +61,4 @@ def prompt_library(path: str) -> dict[str, str]:
 
 
 RESERVED_PROMPT_NAMES = ("validation", "unconditional")
+MAX_PROMPT_NAME = 120

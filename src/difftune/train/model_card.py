@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config import RunConfig
+from difftune.config.load import validation_video_frames
 from difftune.config.reporting_keys import pipeline_name
+from difftune.models.registry import FAMILY_FACTS
 
 MAX_CAPTIONS = 5
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # owner/name: the hub's base_model takes no paths
@@ -50,27 +52,62 @@ def _parts_elsewhere(cfg: Any) -> str:
 
 
 def _pipeline_base(cfg: Any) -> str:
-    return cfg.model_source() if cfg.pretrained_model_name_or_path or cfg.flavour() != "tiny-random" else \
-        f"(tiny random {cfg.model_family} model, built offline)"
+    if cfg.pretrained_model_name_or_path or not cfg.flavour().startswith("tiny-random"):
+        return cfg.model_source()
+    return f"(tiny random {cfg.model_family} model, built offline)"
 
 
-def _usage(cfg: Any, repo: str, pipeline: str, base: str) -> str:
-    prompt = cfg.validation_prompt or "your prompt"
+def _generate(run_cfg: RunConfig, steps: bool) -> str:
+    """The lines that run the pipeline and keep its result, as the family's stock pipeline takes and returns them:
+    an input image first for image-to-image and image-to-video, `.images` (Lumina2), `.image` (Kandinsky 5
+    Image) or `.frames` (Kandinsky 5 Video, written with export_to_video)."""
+    cfg = run_cfg.train
+    width, height = cfg.validation_sizes()[0]
+    video = "video" in cfg.model_family
+    takes_image = FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour())
+    args = ["image"] if takes_image else []
+    args.append(repr(cfg.validation_prompt or "your prompt"))
+    args += [f"height={height}", f"width={width}"]
+    if video:
+        args.append(f"num_frames={validation_video_frames(cfg, run_cfg.datasets)}")
+    if steps:
+        args += [f"num_inference_steps={cfg.validation_num_inference_steps}", f"guidance_scale={cfg.guidance():g}"]
+    head = 'image = load_image("input.png")  # the input image\n' if takes_image else ""
+    if video:
+        return (head + f"frames = pipe({', '.join(args)}).frames[0]\n"
+                "# export_to_video needs imageio and imageio-ffmpeg (or opencv-python)\n"
+                f'export_to_video(frames, "sample.mp4", fps={cfg.video_fps():g})\n')
+    if cfg.model_family == "lumina2":
+        return head + f"result = pipe({', '.join(args)}).images[0]\nresult.save(\"sample.png\")\n"
+    return (head + "# the pipeline snaps a size outside pipe.resolutions (its 1K buckets) to the closest of them\n"
+            f"result = pipe({', '.join(args)}).image[0]\nresult.save(\"sample.png\")\n")
+
+
+def _imports(run_cfg: RunConfig, pipeline: str) -> str:
+    cfg = run_cfg.train
+    utils = (["load_image"] if FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()) else []) + \
+        (["export_to_video"] if "video" in cfg.model_family else [])
+    needs = "  # Kandinsky 5's Qwen2.5-VL processor needs torchvision" if cfg.model_family != "lumina2" else ""
+    return (f"import torch{needs}\nfrom diffusers import {pipeline}\n"
+            + (f"from diffusers.utils import {', '.join(utils)}\n" if utils else "") + "\n")
+
+
+def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
+    cfg = run_cfg.train
     if cfg.model_type == "full":
-        return (f"```python\nimport torch\nfrom diffusers import {pipeline}\n\n"
+        return (f"```python\n{_imports(run_cfg, pipeline)}"
                 f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n"
                 f"{_parts_elsewhere(cfg) if cfg.pretrained_vae_model_name_or_path else ''}"
                 f"pipe.transformer = type(pipe.transformer).from_pretrained(\"{repo}\", subfolder=\"transformer\",\n"
-                f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\nimage = pipe({prompt!r}).images[0]\n```\n")
+                f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg, steps=False)}```\n")
     if cfg.lora_type == "lycoris":
         return ("This is a LyCORIS network (`pytorch_lora_weights.safetensors`, with its `lycoris_config` in the "
                 "file's metadata). diffusers' `load_lora_weights` does not read LyCORIS algorithms: apply it with "
-                "the `lycoris-lora` package (`create_lycoris_from_weights`) on the pipeline's transformer.\n")
-    return (f"```python\nimport torch\nfrom diffusers import {pipeline}\n\n"
+                "the `lycoris-lora` package (`create_lycoris_from_weights`) on the pipeline's transformer, in the "
+                "transformer's dtype (`network.to(dtype=pipe.transformer.dtype)`).\n")
+    return (f"```python\n{_imports(run_cfg, pipeline)}"
             f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
-            f"pipe.load_lora_weights(\"{repo}\")\npipe.to(\"cuda\")\n"
-            f"image = pipe({prompt!r}, num_inference_steps={cfg.validation_num_inference_steps}, "
-            f"guidance_scale={cfg.guidance():g}).images[0]\n```\n")
+            f"pipe.load_lora_weights(\"{repo}\")\npipe.to(\"cuda\")\n{_generate(run_cfg, steps=True)}```\n")
 
 
 def _comfyui(cfg: Any) -> str:
@@ -92,7 +129,9 @@ def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
     pipeline = pipeline_name(cfg)
     triggers = instance_prompts(run_cfg)
     kind = "full fine-tune" if cfg.model_type == "full" else ("LyCORIS" if cfg.lora_type == "lycoris" else "LoRA")
-    tags = ["difftune", cfg.model_family, "text-to-video" if "video" in cfg.model_family else "text-to-image",
+    takes_image = FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour())
+    task = ("image-to-" if takes_image else "text-to-") + ("video" if "video" in cfg.model_family else "image")
+    tags = ["difftune", cfg.model_family, task,
             "lora" if cfg.model_type == "lora" else "full-finetune", "diffusers"]
     hub_base = trained_on if _HUB_ID.fullmatch(trained_on) and not Path(trained_on).expanduser().exists() else ""
     front = ["---", f"base_model: {hub_base}" if hub_base else "", "library_name: diffusers", "tags:",
@@ -122,5 +161,5 @@ def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
         lines += ["## Samples", "", f"Validation samples at step {run.state.step}"
                   + (f" for \"{cfg.validation_prompt}\"" if cfg.validation_prompt else "") + ":", ""]
         lines += [f"![{p.stem}]({p.as_posix()})" for p in samples] + [""]
-    lines += ["## Use with diffusers", "", _usage(cfg, repo, pipeline, base), "## Use with ComfyUI", "", _comfyui(cfg)]
+    lines += ["## Use with diffusers", "", _usage(run_cfg, repo, pipeline, base), "## Use with ComfyUI", "", _comfyui(cfg)]
     return "\n".join(lines)

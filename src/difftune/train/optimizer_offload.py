@@ -174,6 +174,8 @@ class HostStepOptimizer(torch.optim.Optimizer):
         if self.stream is not None:
             self.stream.synchronize()  # the CPU reads the gradients next
         self.inner.step()
+        if self.stream is not None:  # whatever the device queued after the last gradient copy reads the old weights
+            self.stream.wait_stream(torch.cuda.current_stream(self.params[0].device))
         with self._side():
             for _, p, h in self._pairs():
                 p.detach().copy_(h, non_blocking=True)

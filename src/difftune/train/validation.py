@@ -133,14 +133,23 @@ def plain_forward(model: Any) -> Iterator[Any]:
 
 
 @contextmanager
-def as_loaded(model: Any) -> Iterator[None]:
+def as_loaded(model: Any, network: Any = None) -> Iterator[None]:
     """LoRA weights in the dtype a user's pipeline holds them while sampling, then back to fp32.
 
     Adapters train in fp32 on a bf16/fp16 base; `load_lora_weights` (peft) puts each LoRA layer in the
     dtype of the layer it adapts. Sampling with the same rounding makes the samples the user's samples.
-    A full fine-tune is sampled as it trains (its saved folder loads in the same dtypes), and LyCORIS
-    has no stock loader to imitate."""
+    A LyCORIS `network` goes to the base's dtype as `adapters.lycoris.load_lycoris` puts it: without
+    autocast, its `full` and `glora` modules would multiply fp32 weights with bf16 activations (an error).
+    A full fine-tune is sampled as it trains (its saved folder loads in the same dtypes)."""
     kept = []
+    if network is not None:
+        from difftune.adapters.lycoris import base_dtype
+
+        dtype = base_dtype(model)
+        for p in network.parameters():
+            if p.dtype != dtype and p.is_floating_point():
+                kept.append((p, p.data))
+                p.data = p.data.to(dtype)
     for module in model.modules():
         base = getattr(module, "base_layer", None)
         if base is None or not hasattr(module, "lora_A") or getattr(base, "weight", None) is None:
@@ -166,7 +175,8 @@ def _sample_all(run: Run, label: str | None, suffix: str, requests: list[SampleR
     device = run.accelerator.device
     vae = run.comps.vae
     offload = model_cpu_offload(run.cfg.enable_model_cpu_offload, model, vae, device)
-    with plain_forward(model), as_loaded(model), offload, attention.sampling(model):  # sageattention: sampling only
+    network = getattr(run.adapter, "network", None)  # LyCORIS
+    with plain_forward(model), as_loaded(model, network), offload, attention.sampling(model):  # sageattention: sampling only
         return _sample_requests(run, model, vae, label, suffix, run.validation if requests is None else requests)
 
 
