@@ -266,3 +266,56 @@ def test_a_killed_writers_temporary_file_is_removed_when_the_cache_opens_again(t
     assert entry.exists() and set(entry.parent.glob(f".part-{host}-{os.getpid()}-*")) <= {writing}  # put leaves none
     TensorCache(tmp_path, {"kind": "test"})
     assert not leftover.exists() and writing.exists() and elsewhere.exists()
+
+
+def refuse_writes_under(monkeypatch, folder):
+    """A read-only cache folder, as a bind mount or another user's cache gives it (the tests run as root, for whom
+    permissions do not stop a write): creating a file under `folder` fails with EROFS."""
+    import errno
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and str(dir).startswith(str(folder)):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def test_a_read_only_cache_serves_its_entries_and_names_the_folder_for_a_missing_one(tmp_path, monkeypatch):
+    from difftune.data.cache import CacheWriteError
+
+    TensorCache(tmp_path / "cache", {"a": 1}).put("there", {"x": torch.ones(2)})
+    refuse_writes_under(monkeypatch, tmp_path / "cache")
+    cache = TensorCache(tmp_path / "cache", {"a": 1})
+    assert torch.equal(cache.get("there")["x"], torch.ones(2))
+    with pytest.raises(CacheWriteError) as info:
+        cache.put("missing", {"x": torch.ones(2)})
+    assert str(cache.folder) in str(info.value) and "Read-only file system" in str(info.value)
+    assert "cache_dir_vae" in str(info.value)
+
+
+def test_discovery_writes_its_file_sizes_only_when_they_change_and_survives_a_read_only_folder(
+        tmp_path, dataset, monkeypatch):
+    from difftune.data.discovery import MetadataCache
+
+    path = tmp_path / "meta" / "metadata.json"
+    for damaged in ("null", "[1, 2]", "{not json"):  # valid JSON of another shape, or none: a rescan
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(damaged)
+        assert MetadataCache(path).entries == {}
+    first = MetadataCache(path)
+    for i, image in enumerate(sorted(dataset.glob("*.png"))):
+        first.size(image, str(i))
+    assert first.save() is None and len(json.loads(path.read_text())) == 4
+    refuse_writes_under(monkeypatch, path.parent)
+    again = MetadataCache(path)
+    for i, image in enumerate(sorted(dataset.glob("*.png"))):
+        assert again.size(image, str(i))[2] is False  # from the file, not probed
+    assert again.save() is None  # nothing changed: nothing written (a read-only shared cache still scans)
+    (dataset / "extra.png").write_bytes(next(dataset.glob("*.png")).read_bytes())
+    again.size(dataset / "extra.png", "extra")
+    note = again.save()
+    assert "could not be kept" in note and "Read-only file system" in note

@@ -1,5 +1,7 @@
 """The command line's own words (difftune/cli.py)."""
 
+import pytest
+
 from conftest import write_config
 from difftune.cli import main
 
@@ -17,6 +19,30 @@ def test_check_names_the_flavour_it_will_train(tmp_path, dataset, capsys):
     real = write_config(tmp_path / "real", dataset, model_flavour=None)  # lumina2's default flavour: a hub id
     assert main(["check", "--config", str(real)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"{real}: OK (lumina2, 2.0, Alpha-VLLM/Lumina-Image-2.0)"
+
+
+@pytest.mark.parametrize("command", ["cache", "train"])
+def test_ctrl_c_while_caching_says_what_is_kept(tmp_path, dataset, monkeypatch, capsys, command):
+    """Ctrl-C before the first step: no checkpoint exists, so the message must not offer one to resume; the cache
+    entries written so far are what is kept. `difftune cache` records the stop in events.jsonl."""
+    import json
+    import signal
+
+    from difftune.train import caching
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(caching, "_fill_latents", interrupted)
+    path = write_config(tmp_path, dataset)
+    assert main([command, "--config", str(path)]) == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert "\ninterrupted; " in err and "checkpoint can be resumed" not in err
+    assert ("no checkpoint was written yet" if command == "train" else "the caches written so far are kept") in err
+    if command == "cache":
+        events = [json.loads(x) for x in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
+        assert {k: events[-1].get(k) for k in ("event", "stage", "reason")} == {
+            "event": "stopped", "stage": "cache", "reason": "interrupted"}
 
 
 def test_cache_stops_on_sigterm_keeping_what_it_wrote(tmp_path, dataset, monkeypatch, capsys):

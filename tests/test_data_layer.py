@@ -160,6 +160,18 @@ def test_text_cache_follows_caption_changes(tmp_path, dataset):
     assert len(messages) == 2 and messages[1] == "text cache: 4 captions, 4 distinct: 3 from the cache, 1 newly encoded"
 
 
+def test_text_cache_counts_captions_two_datasets_share_once(tmp_path, dataset):
+    """Two datasets of the same captions in one text cache: the line said "6 distinct: 3 from the cache" on an
+    empty cache, counting the second dataset's finds of the first one's entries."""
+    twin = {"id": "twin", "type": "local", "dataset_type": "image", "instance_data_dir": str(dataset),
+            "caption_strategy": "textfile", "resolution": 64, "resolution_type": "pixel_area",
+            "cache_dir_vae": str(tmp_path / "cache" / "vae-twin")}
+    run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1, extra_datasets=[twin])))
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    messages = [e["message"] for e in events if e["event"] == "info" and e["message"].startswith("text cache")]
+    assert messages == ["text cache: 8 captions, 3 distinct: 0 from the cache, 3 newly encoded"]
+
+
 def test_cache_counts_add_up(tmp_path, dataset):
     """One entry deleted (rebuilt), one image damaged after discovery's header read (fails to decode):
     the line says what happened to each file, and the parts add up to the total."""
@@ -174,6 +186,21 @@ def test_cache_counts_add_up(tmp_path, dataset):
     events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
     lines = [e["message"] for e in events if e["event"] == "info" and e["message"].startswith("latent cache")]
     assert lines[-1] == "latent cache: 4 files: 2 from the cache, 1 newly encoded, 1 failed (skipped: see the data report)"
+
+
+def test_a_dataset_whose_every_file_fails_to_decode_names_the_reasons(tmp_path, dataset):
+    """Every image damaged after discovery read its header: the error named 'the warnings above', which are kept
+    for the data report, printed only after this point. It gives each file's reason itself."""
+    from difftune.train.plan import DataError
+
+    for image in dataset.glob("*.png"):
+        blob = image.read_bytes()
+        image.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(DataError) as info:
+        build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1)))
+    text = str(info.value)
+    assert "dataset(s) 'train' have no file (image or clip) that could be decoded:" in text
+    assert all(f"{image}: " in text for image in dataset.glob("*.png")) and "warnings above" not in text
 
 
 def test_kill_during_caching_resumes(tmp_path):
@@ -288,6 +315,10 @@ def test_max_num_samples_and_per_dataset_text_cache(tmp_path, dataset):
     found = discover_all(run_cfg)
     assert len(found[0].samples) == 2 and len(found[1].samples) == 6
     assert [s.path for s in found[0].samples] == [s.path for s in discover_all(run_cfg)[0].samples]
+    from difftune.data.report import DataReport
+
+    row = next(line for line in DataReport(found, [], {}).render().splitlines() if line.strip().startswith("train"))
+    assert row.split() == ["train", "4", "2", "2"]  # found counts the files max_num_samples did not draw
     run = build_run(run_cfg)
     assert len(run.data.items) == 8
     assert list((tmp_path / "alt").rglob("*.safetensors"))

@@ -242,3 +242,56 @@ def test_kandinsky5_transformer_and_vae_from_elsewhere(family, tmp_path):
     assert _same(comps.transformer, other) and not _same(comps.transformer, default.transformer)
     assert _same(comps.vae, default.vae)  # the pipeline folder's vae/
     assert fingerprint(loader.identity(comps)["text"]) == fingerprint(loader.identity(default)["text"])
+
+
+def test_new_weights_saved_over_a_local_model_make_new_cache_entries(tmp_path, dataset):
+    """A fine-tuned VAE or text encoder saved into the same local folder: the caches were keyed by the folder's
+    path and the components' configs, so the old latents and embeddings were reused silently."""
+    from safetensors.torch import load_file
+
+    from difftune.cli import main
+    from difftune.models import tiny_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("lumina2", "tiny-random"), folder)
+    path = write_config(tmp_path, dataset, pretrained_model_name_or_path=str(folder))
+
+    def cache_lines() -> list[str]:
+        assert main(["cache", "--config", str(path)]) == 0
+        events = [json.loads(line) for line in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
+        return [e["message"] for e in events if e["event"] == "info" and "cache:" in e["message"]][-2:]
+
+    assert cache_lines()[1] == "latent cache: 4 files: 0 from the cache, 4 newly encoded"
+    assert cache_lines()[1] == "latent cache: 4 files: 4 from the cache, 0 newly encoded"
+    weights = next((folder / "vae").glob("*.safetensors"))
+    save_file({k: v * 1.5 for k, v in load_file(weights).items()}, weights)
+    text, latents = cache_lines()
+    assert latents == "latent cache: 4 files: 0 from the cache, 4 newly encoded"
+    assert "0 newly encoded" in text  # the text encoders did not change
+    encoder = next((folder / "text_encoder").glob("*.safetensors"))
+    save_file({k: v * 1.5 for k, v in load_file(encoder).items()}, encoder)
+    text, latents = cache_lines()
+    assert text.endswith("0 from the cache, 3 newly encoded") and latents.endswith("4 from the cache, 0 newly encoded")
+
+
+def test_check_reads_a_local_folders_pipeline_class_before_loading(tmp_path, dataset, no_model_loads):
+    """An image-to-video folder with a text-to-video flavour passed `check` and failed only after loading; a
+    Kandinsky 5 folder given as Lumina2 failed deep in loading. Both are config errors now."""
+    from difftune.models import tiny_model
+
+    i2v = tiny_model("kandinsky5-video", "tiny-random-i2v")
+    text = config_problems(write_config(tmp_path, dataset, model_family="kandinsky5-video",
+                                        pretrained_model_name_or_path=str(i2v)))
+    assert "holds a Kandinsky5I2VPipeline (image-conditioned (i2i/i2v)) model, but model_flavour " \
+           "'tiny-random' trains Kandinsky5T2VPipeline" in text
+    text = config_problems(write_config(tmp_path, dataset, pretrained_model_name_or_path=str(i2v)))
+    assert "a kandinsky5-video model, not a lumina2 one; set model_family to 'kandinsky5-video'" in text
+    older = tmp_path / "lumina"  # diffusers' earlier name of Lumina2's pipeline: not refused
+    older.mkdir()
+    (older / "model_index.json").write_text(json.dumps({"_class_name": "Lumina2Text2ImgPipeline"}))
+    from difftune.config.model_source_keys import _check_pipeline_class
+
+    found: list[str] = []
+    _check_pipeline_class(load_config(write_config(tmp_path, dataset)).train.model_copy(
+        update={"pretrained_model_name_or_path": str(older)}), lambda key: "here", found)
+    assert found == []

@@ -76,6 +76,19 @@ def test_video_block_validation(tmp_path):
     assert "frame_interval applies to bucket_strategy 'resolution_frames'" in problems(
         video_config(tmp_path, folder, {"frame_interval": 8})
     )
+    # a misspelt key inside the block gets the closest one; a block key beside the entry's keys is pointed there
+    assert "video.num_frame: unknown key 'num_frame'; did you mean 'num_frames'?" in problems(
+        video_config(tmp_path, folder, {"num_frame": 33}))
+    flat = video_config(tmp_path, folder, {})
+    backend = flat.parent / "multidatabackend.json"
+    entries = json.loads(backend.read_text())
+    entries[0]["num_frames"] = 33
+    backend.write_text(json.dumps(entries))
+    assert "num_frames belongs in the 'video' block: write \"video\": {\"num_frames\": 33}" in problems(flat)
+    # 9 frames with frame_interval 3 (counts 1, 13, 25, ...): every clip trained as a still, with no error
+    text = problems(video_config(tmp_path, folder, {"num_frames": 9, "frame_interval": 3,
+                                                    "bucket_strategy": "resolution_frames"}))
+    assert "every clip would train on 1 frame; use num_frames 13 or more, or frame_interval 2" in text
     assert "min_frames is larger than max_frames" in problems(
         video_config(tmp_path, folder, {"min_frames": 50, "max_frames": 40, "bucket_strategy": "resolution_frames"})
     )

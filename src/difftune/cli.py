@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,17 @@ def end_processes() -> None:
         dist.destroy_process_group()
 
 
+def resume_hint(output_dir: Path) -> str:
+    """What a stopped `difftune train` leaves to go on from: its last checkpoint, or (stopped while it cached,
+    before a step was trained) the cache entries written so far."""
+    from difftune.train.checkpoint import find_latest
+
+    latest = find_latest(output_dir)
+    if latest is None:
+        return "no checkpoint was written yet; the cache entries written so far are kept, and the next run reuses them"
+    return f"the last checkpoint ({latest.name}) can be resumed with resume_from_checkpoint latest"
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
@@ -135,9 +147,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except OutputDirInUse as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Terminated as e:
-        print(f"{e.reason}; the last checkpoint can be resumed with resume_from_checkpoint latest", file=sys.stderr)
-        return 128 + e.signum  # the shell's status for a process ended by that signal
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+        reason, signum = (e.reason, e.signum) if isinstance(e, Terminated) else ("interrupted", signal.SIGINT)
+        print(f"{reason}; {resume_hint(Path(run_cfg.train.output_dir))}", file=sys.stderr)
+        return 128 + signum  # the shell's status for a process ended by that signal
     print(result_line(run_cfg.train, result))
     written = [p for p in (run.output_dir / "validation").glob("*") if p.suffix in (".png", ".mp4")]
     if run.validation and written:
@@ -192,10 +205,11 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         with sigterm_stops():  # as Ctrl-C: every cache entry is written whole (temp file + rename)
             prepared = prepare_data(run_cfg, events, device)
-    except Terminated as e:
-        events.emit("stopped", quiet=True, step=0, stage="cache", reason=e.reason)
-        print(f"{e.reason}; the caches written so far are kept and reused", file=sys.stderr)
-        return 128 + e.signum
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+        reason, signum = (e.reason, e.signum) if isinstance(e, Terminated) else ("interrupted", signal.SIGINT)
+        events.emit("stopped", quiet=True, step=0, stage="cache", reason=reason)
+        print(f"{reason}; the caches written so far are kept and reused", file=sys.stderr)
+        return 128 + signum
     finally:
         events.close()
     print(f"caches complete: {len(prepared.data.items)} training items")
@@ -262,17 +276,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from difftune.data.cache import CacheWriteError
         from difftune.models.hub import ComponentError
         from difftune.train.checkpoint import CheckpointError
         from difftune.train.hub import HubAccessError
         from difftune.train.plan import DataError
 
-        if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError):
+        if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; the last checkpoint can be resumed with resume_from_checkpoint latest", file=sys.stderr)
+    except KeyboardInterrupt:  # train and cache say what is kept; check, plan, configure have nothing to keep
+        print("interrupted", file=sys.stderr)
         return 130
 
 

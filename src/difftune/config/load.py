@@ -6,8 +6,10 @@ Nothing here loads a model.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,9 +131,26 @@ def _split_known(
         elif model is not TrainConfig and key in TrainConfig.model_fields:  # a config.json key in a dataset entry
             problems.append(f"{where_of(key)}: {key} is a config.json key (it applies to every dataset), not a "
                             "dataset entry's; move it to config.json")
+        elif (block := _block_of(model, key)) is not None:  # SimpleTuner habit: num_frames beside the entry's keys
+            problems.append(f"{where_of(key)}: {key} belongs in the {block!r} block: write "
+                            f"\"{block}\": {{\"{key}\": {json.dumps(value)}}}")
         else:
             problems.append(f"{where_of(key)}: unknown key {key!r}{_suggest(key, known + list(pending))}")
     return kept
+
+
+def _blocks(model: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """The model's keys whose value is a block of keys (a nested model: a dataset entry's `video`), by key."""
+    out = {}
+    for name, info in model.model_fields.items():
+        for kind in (info.annotation, *typing.get_args(info.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                out[name] = kind
+    return out
+
+
+def _block_of(model: type[BaseModel], key: str) -> str | None:
+    return next((name for name, block in _blocks(model).items() if key in block.model_fields), None)
 
 
 _MISSING_HINTS = {
@@ -156,6 +175,9 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
                 msg = "required key is missing" + (f"; {_MISSING_HINTS[loc]}" if loc in _MISSING_HINTS else "")
             elif err["type"] == "literal_error":
                 msg = f"{err['input']!r} is not allowed; {msg.lower()}"
+            elif err["type"] == "extra_forbidden" and len(err["loc"]) == 2 and str(err["loc"][0]) in _blocks(model):
+                block = _blocks(model)[str(err["loc"][0])]  # a misspelt key inside a block (video.num_frame)
+                msg = f"unknown key {err['loc'][1]!r}{_suggest(str(err['loc'][1]), list(block.model_fields))}"
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"{err['input']!r}: {msg}"
             where = where_of(first) if first else _where_of_named(where_of, msg, data)

@@ -7,6 +7,7 @@ models/sources.py loads them.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +84,7 @@ class ModelSourceKeys(BaseModel):
 
 def check_model_sources(train: Any, where_of: Callable[[str], str], problems: list[str]) -> None:
     """Everything about these keys that can be known before a model loads."""
+    _check_pipeline_class(train, where_of, problems)
     own, subfolder = train.pretrained_transformer_model_name_or_path, train.pretrained_transformer_subfolder
     if own is not None:
         _check_transformer(train, own, subfolder, where_of, problems)
@@ -152,3 +154,35 @@ def _check_hub_id(key: str, value: str, where_of: Callable[[str], str], problems
     elif not _HUB_ID.fullmatch(value):
         problems.append(f"{where_of(key)}: {key}: {value!r} is neither an existing folder nor a hub id (owner/name, "
                         "one slash); fix the path")
+
+
+def _check_pipeline_class(train: Any, where_of: Callable[[str], str], problems: list[str]) -> None:
+    """A local pretrained_model_name_or_path's model_index.json names its pipeline: one of another family, or of
+    the family's other kind (an image-to-video folder with a text-to-video flavour), is refused now rather than
+    after loading."""
+    from difftune.config.reporting_keys import PIPELINES
+
+    source = train.pretrained_model_name_or_path
+    index = Path(source).expanduser() / "model_index.json" if source else None
+    if index is None or not index.is_file():
+        return
+    try:
+        name = json.loads(index.read_text(encoding="utf-8-sig")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return  # loading reports a damaged model_index.json with the library's own words
+    text_to, image_to = PIPELINES[train.model_family]
+    wants = image_to if FAMILY_FACTS[train.model_family].takes_input_image(train.flavour()) else text_to
+    if not isinstance(name, str) or name == wants:
+        return
+    key = "pretrained_model_name_or_path"
+    if name in (text_to, image_to):
+        kind = "image-conditioned (i2i/i2v)" if name == image_to else "text-only"
+        problems.append(f"{where_of(key)}: {key}: {source!r} holds a {name} ({kind}) model, but model_flavour "
+                        f"{train.flavour()!r} trains {wants}; set model_flavour to a matching flavour of "
+                        f"{train.model_family}")
+    else:  # only another family's pipeline: an older name of this family's (Lumina2Text2ImgPipeline) still loads
+        family = next((f for f, names in PIPELINES.items() if name in names), None)
+        if family is not None:
+            problems.append(f"{where_of(key)}: {key}: {source!r} holds a {name}, a {family} model, not a "
+                            f"{train.model_family} one; set model_family to {family!r}, or give a "
+                            f"{train.model_family} folder")

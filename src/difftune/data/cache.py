@@ -155,18 +155,35 @@ def header_metadata(blob: bytes) -> dict[str, str] | None:
         return None
 
 
+class CacheWriteError(OSError):
+    """A cache folder that cannot be written (read-only, no permission, disk full), where an entry is missing."""
+
+    def __init__(self, folder: Path, error: OSError):
+        super().__init__(f"cannot write into the cache folder {folder} ({error.strerror or error}): make it "
+                         "writable, or point the dataset's cache_dir_vae (latents) or the text_embeds entry's "
+                         "cache_dir (text) at a folder you can write; a read-only cache works once every entry "
+                         "is in it")
+
+
 class TensorCache:
     """A folder of safetensors files, one per key, under `root/<fingerprint>/`; `compress`: write them
-    compressed (compress_disk_cache). Either form is read."""
+    compressed (compress_disk_cache). Either form is read. A read-only folder serves the entries it has; writing
+    a missing one raises CacheWriteError."""
 
     def __init__(self, root: Path, identity: dict[str, Any], compress: bool = False):
         self.compress = compress
         self.folder = Path(root) / fingerprint(identity)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(self.folder)  # a killed run's half-written entries
-        meta = self.folder / "fingerprint.json"
-        if not meta.exists():
-            _atomic_write(meta, json.dumps(identity, indent=2, sort_keys=True, default=str).encode())
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheWriteError(self.folder, e) from e
+        try:
+            clean_leftovers(self.folder)  # a killed run's half-written entries
+            meta = self.folder / "fingerprint.json"
+            if not meta.exists():
+                _atomic_write(meta, json.dumps(identity, indent=2, sort_keys=True, default=str).encode())
+        except OSError:
+            pass  # a read-only cache: nothing to clean, and its fingerprint.json only informs a reader
 
     def path(self, key: str) -> Path:
         digest = _digest(key)
@@ -205,14 +222,19 @@ class TensorCache:
         if bad is not None:
             raise DamagedEntry(f"the encoder produced NaN or inf in {bad!r}; nothing was cached")
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
+        except OSError as e:
+            raise CacheWriteError(self.folder, e) from e
         as_created(fd)
         os.close(fd)
         try:
             blob = save(tensors, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
             Path(tmp).write_bytes(pack(blob) if self.compress else blob)
             os.replace(tmp, path)
+        except OSError as e:  # a full disk
+            raise CacheWriteError(self.folder, e) from e
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -87,6 +87,7 @@ class Discovery:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     notes: list[tuple[Path, str]] = field(default_factory=list)  # used, but worth telling the user
     probed: int = 0  # files whose header was read this time (the rest came from the metadata file)
+    not_drawn: int = 0  # usable files max_num_samples left out of this run (train/plan.py limit)
     held_out: bool = False  # an eval dataset's (dataset_type 'eval'): measured, never trained on
     masks: str | None = None  # the id of its mask dataset (conditioning_type 'mask'), for the report
     regularisation: bool = False  # is_regularisation_data: the memory planner's teacher pass (memory_plan/passes.py)
@@ -134,11 +135,15 @@ class MetadataCache:
         self.path = path
         self.entries: dict[str, list] = {}
         self.seen: set[str] = set()
+        self.changed = False  # probed a file, or found the file damaged: worth writing
         if path is not None and path.is_file():
             try:
                 self.entries = json.loads(path.read_text())
             except (OSError, ValueError):
                 self.entries = {}  # a damaged metadata file only costs a rescan
+            if not isinstance(self.entries, dict):  # valid JSON, but not ours (null, a list)
+                self.entries = {}
+            self.changed = not self.entries
 
     def size(self, file: Path, rel: str) -> tuple[tuple[int, int] | None, str | None, bool]:
         """((width, height) or None, problem or None, whether the file was probed now)."""
@@ -147,6 +152,7 @@ class MetadataCache:
         entry = self.entries.get(rel)
         if entry and len(entry) == 5 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
             return (None if entry[2] is None else (entry[2], entry[3])), entry[4], False
+        self.changed = True
         try:
             width, height = probe_size(file)
             self.entries[rel] = [st.st_size, st.st_mtime_ns, width, height, None]
@@ -164,6 +170,7 @@ class MetadataCache:
         entry = self.entries.get(rel)
         if entry and len(entry) == 4 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
             return (None if entry[2] is None else VideoInfo(*entry[2])), entry[3], False
+        self.changed = True
         try:
             info = probe_video(file)
             self.entries[rel] = [st.st_size, st.st_mtime_ns, list(info.__dict__.values()), None]
@@ -172,16 +179,27 @@ class MetadataCache:
             self.entries[rel] = [st.st_size, st.st_mtime_ns, None, str(e)]
             return None, str(e), True
 
-    def save(self) -> None:
-        if self.path is None:
-            return
-        self.entries = {k: v for k, v in self.entries.items() if k in self.seen}  # removed files go
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-        as_created(fd)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.entries, f)
-        os.replace(tmp, self.path)
+    def save(self) -> str | None:
+        """Write the entries if anything changed; the reason it could not (a read-only cache folder: a shared
+        cache whose entries are all made still trains), or None. Losing it only costs a rescan next time."""
+        kept = {k: v for k, v in self.entries.items() if k in self.seen}  # removed files go
+        if self.path is None or not self.changed and len(kept) == len(self.entries):
+            return None
+        self.entries = kept
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            as_created(fd)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return f"the file sizes found could not be kept in {self.path} ({e.strerror or e}): the next scan " \
+                   "reads every file again"
+        return None
 
 
 @dataclass
@@ -376,8 +394,8 @@ def discover(spec: DatasetSpec) -> Discovery:
                 problem = f"filesystem error: {getattr(e, 'strerror', None) or e}"
         if problem:
             result.skipped.append((path, problem))
-    if spec.write_metadata:
-        metadata.save()
+    if spec.write_metadata and (problem := metadata.save()) is not None:
+        result.notes.append((spec.metadata_file, problem))
     return result
 
 

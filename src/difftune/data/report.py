@@ -30,7 +30,7 @@ class DataReport:
         out = ["data report:", f"  {'dataset':<24} {'found':>7} {'used':>7} {'left out':>9}"]
         for d in self.found:
             used = sum(1 for s in d.samples if s.path not in failed_paths and (d.dataset_id, s.group) not in self.pruned)
-            total = len(d.samples) + len(d.skipped)
+            total = len(d.samples) + len(d.skipped) + d.not_drawn
             kind = "  (eval: measured, never trained on)" if d.held_out else \
                 "  (regularisation: trained towards the base model)" if d.regularisation else ""
             out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}{kind}")

@@ -181,4 +181,29 @@ def cache_origin(where: ModelSource, part: str) -> dict[str, Any]:
         origin["revision"] = where.revision
     if where.variant is not None:
         origin["variant"] = where.variant
+    if (stamps := local_stamps(source, part)) is not None:
+        origin["files"] = stamps
     return origin
+
+
+def local_stamps(source: str, part: str) -> dict[str, list[int]] | None:
+    """Size and modification time of a local model folder's files that make this cache's entries (`part` 'vae':
+    the VAE's; 'text': the text encoders' and tokenizers'), so new weights saved over old ones in the same folder
+    make new entries, as a changed config does. None for a hub id (its revision names its files)."""
+    path = Path(source).expanduser()
+    if path.is_file():  # a single-file VAE
+        files = [path]
+    elif path.is_dir():
+        if part == "vae":
+            parts = [path / "vae"] if (path / "vae").is_dir() else [path]
+        else:
+            parts = [p for p in path.iterdir() if p.is_dir() and p.name.startswith(("text_encoder", "tokenizer"))]
+        files = [f for folder in parts for f in folder.iterdir() if f.is_file() and not f.name.startswith(".")]
+    else:
+        return None
+    stamps = {}
+    for f in sorted(files):
+        st = f.stat()
+        stamps[f.name if f == path else str(f.relative_to(path))] = [st.st_size, st.st_mtime_ns]
+    return stamps
+

@@ -172,7 +172,8 @@ def _fill_text(run_cfg: RunConfig, datasets: list, found: list[Discovery], text_
                text_identity: dict, encode, events: Events, ranks: Ranks) -> tuple[int, list, int, int]:
     """The datasets' captions, each process its share, then a second pass that retries only failures."""
     cfg = run_cfg.train
-    encoded, text_failed, total, distinct = 0, [], 0, 0
+    encoded, text_failed, total = 0, [], 0
+    distinct: set[tuple[Path, str]] = set()  # over datasets: two that share captions and a cache encode them once
     all_jobs = {}
     for ds, d in zip(datasets, found, strict=True):
         cache, batch = text_cache_for(run_cfg, ds, text_identity)
@@ -180,7 +181,8 @@ def _fill_text(run_cfg: RunConfig, datasets: list, found: list[Discovery], text_
         jobs = text_jobs(d.samples, ds.crop_style, cfg.seed, with_empty=cfg.caption_dropout_probability > 0)
         unique = sorted({job.key: job for job in jobs}.values(), key=lambda job: job.key)
         all_jobs[ds.id] = (cache, batch, unique)
-        total, distinct = total + len(jobs), distinct + len(unique)
+        total += len(jobs)
+        distinct |= {(cache.folder, job.key) for job in unique}
         mine = ranks.shard(unique)
         n, _ = fill_text_cache(  # failures are reported by the second pass
             cache, mine, encode, batch, on_progress=progress(events, f"text embeddings ({ds.id})", len(mine)),
@@ -190,7 +192,7 @@ def _fill_text(run_cfg: RunConfig, datasets: list, found: list[Discovery], text_
     for cache, batch, unique in all_jobs.values():  # after the others' shares: only failures are retried
         n, bad = fill_text_cache(cache, unique, encode, batch)
         encoded, text_failed = encoded + n, text_failed + bad
-    return encoded, text_failed, total, distinct
+    return encoded, text_failed, total, len(distinct)
 
 
 def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: list[Discovery],

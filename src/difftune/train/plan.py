@@ -143,8 +143,9 @@ def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
     keep = set(sorted(found.samples, key=rank)[:max_num_samples])
     dropped = [s for s in found.samples if s not in keep]
     found.samples = [s for s in found.samples if s in keep]
-    found.notes.append((Path(found.dataset_id), f"max_num_samples {max_num_samples}: "
-                                                f"{len(dropped)} image(s) not used this run"))
+    found.not_drawn = len(dropped)
+    found.notes.append((Path(found.dataset_id), f"max_num_samples {max_num_samples}: {len(dropped)} "
+                                                f"{'clip' if found.video else 'image'}(s) not used this run"))
     return found
 
 

@@ -131,9 +131,11 @@ def build_data(
     global_batch = step.global_batch
     datasets = run_cfg.datasets.images
     lost = sorted({ds.id for ds in datasets} - {c.sample.dataset_id for c in cached.samples})
-    if lost:
-        raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no image that could be decoded; "
-                        "see the warnings above for each file")
+    if lost:  # the files' reasons here: the data report that names them comes after this point
+        shown = [f"\n  {path}: {reason}" for path, reason in cached.failed[:5]]
+        more = f"\n  ... and {len(cached.failed) - 5} more (events.jsonl has each)" if len(cached.failed) > 5 else ""
+        raise DataError(f"dataset(s) {', '.join(map(repr, lost))} have no file (image or clip) that could be "
+                        "decoded" + (":" + "".join(shown) + more if shown else ""))
     # the same plan `difftune check` and discover_all make before any model loads (train/plan.py), now on the
     # files that decoded; it raises when every bucket holds fewer items than one global batch
     plan = plan_buckets(run_cfg, [c.sample for c in cached.samples], ranks.count)
