@@ -229,3 +229,14 @@ def test_prompt_library_names_too_long_for_a_file_name_are_refused(tmp_path, dat
     assert "longer than 120 characters" in found and "shorten them" in found
     (tmp_path / "prompts.json").write_text(json.dumps({"x" * 120: "a prompt of mine"}))
     assert load_config(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "prompts.json")))
+
+
+@pytest.mark.parametrize("key,value,said", [
+    ("seed", -1, "greater than or equal to 0"), ("seed", 2**64, "less than or equal to"),
+    ("learning_rate", "inf", "finite number"), ("tracker_project_name", "../../elsewhere", "is a path"),
+    ("tracker_project_name", "/tmp/logs", "is a path"),
+    ("tracker_project_name", "run#2: 50%?", "has # % : ?, which W&B does not take")])
+def test_values_that_failed_after_loading_or_wrote_elsewhere_are_config_errors(tmp_path, dataset, key, value, said):
+    """A negative seed crashed the sampler after caching; learning_rate inf trained every weight to NaN and exited
+    0; a tracker_project_name path put TensorBoard's logs outside output_dir (past the web UI's roots)."""
+    assert said in problems(write_config(tmp_path, dataset, **{key: value}))

@@ -59,3 +59,22 @@ def test_the_noise_filter_keeps_other_warnings():
     err = buffer.getvalue()
     assert "a warning the user needs" in err
     assert "torchvision" not in err and "kernels-community" not in err
+
+
+def test_the_event_log_is_strict_json_when_a_value_is_not_finite(tmp_path):
+    """A NaN loss (a skipped step) was written as `NaN`, which JavaScript's JSON.parse and the web server's strict
+    JSON answers refuse: it is null in the log (the warning says what happened)."""
+    import json
+    import math
+
+    from difftune.train.events import Events
+
+    events = Events(tmp_path / "events.jsonl", console=False)
+    events.emit("step", step=1, loss=math.nan, lr=math.inf, parts=[1.0, -math.inf], nested={"x": math.nan})
+    events.close()
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    record = json.loads((tmp_path / "events.jsonl").read_text(), parse_constant=refuse)
+    assert (record["loss"], record["lr"], record["parts"], record["nested"]) == (None, None, [1.0, None], {"x": None})

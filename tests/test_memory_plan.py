@@ -562,3 +562,43 @@ def test_building_the_measured_model_prints_no_diffusers_cast_warning(tiny_cfg):
         logger.removeHandler(handler)
     assert not [r.getMessage() for r in records if "kept in float32" in r.getMessage()]
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("flavour", ["i2i-lite-sft", "i2i-lite-pretrain"])
+def test_image_to_image_flavours_plan_with_the_text_to_image_measurement(flavour):
+    """Their only difference, visual_cond, widens the patch embedder's input: `difftune plan` refused them ("too
+    large to measure now") with advice no command could follow."""
+    arch = A.real_architecture("kandinsky5-image", flavour)
+    assert arch is not None and arch[0] == "K5 Image Lite (i2i)" and arch[1]["visual_cond"] is True
+    coefficients, source = coefficients_for(A.Architecture("kandinsky5-image", arch[0], arch[1], known=True))
+    from difftune.memory_plan.coefficients import COEFFICIENTS
+
+    assert source == "measured on K5 Image Lite (coefficients.py)" and coefficients is COEFFICIENTS["K5 Image Lite"]
+
+
+def test_choose_drops_checkpointing_a_later_rung_made_needless(tmp_path):
+    """K5 Video Pro at 24 GiB: int8 and offload_during_startup fit without checkpointing. One pruning pass kept
+    checkpointing because activation offload (a later rung, which needs it) was still in the set when it was tried."""
+    from families import make_clips
+
+    clips = make_clips(tmp_path / "clips")
+    cfg = load_config(write_config(
+        tmp_path, clips, model_family="kandinsky5-video", model_flavour="t2v-pro-sft-10s-hd", mixed_precision="bf16",
+        validation_resolution="32x32", validation_num_video_frames=5,
+        dataset={"dataset_type": "video", "resolution": 64, "video": {"num_frames": 9}})).train
+    choice = choose(cfg, None, 24)
+    assert choice.fits and not choice.settings().get("gradient_checkpointing"), choice.settings()
+    assert choice.settings() == {"offload_during_startup": True, "base_model_precision": "int8-quanto"}
+
+
+def test_nothing_fits_names_the_phase_still_over_and_what_helps_it(tmp_path):
+    """K5 Image at 12 GiB on 4 processes: the text encoders' caching phase is over, which FSDP does not divide;
+    the message said to add processes."""
+    from difftune.demo import make_dataset
+
+    make_dataset(tmp_path / "images", count=2)
+    cfg = load_config(write_config(tmp_path, tmp_path / "images", model_family="kandinsky5-image",
+                                   model_flavour="t2i-lite-sft", mixed_precision="bf16")).train
+    choice = choose(cfg, None, 12, 4)
+    assert not choice.fits and "GiB (caching: text)" in choice.message
+    assert "more processes do not divide the text encoders" in choice.message and "fsdp_enable" not in choice.message

@@ -295,3 +295,29 @@ def test_check_reads_a_local_folders_pipeline_class_before_loading(tmp_path, dat
     _check_pipeline_class(load_config(write_config(tmp_path, dataset)).train.model_copy(
         update={"pretrained_model_name_or_path": str(older)}), lambda key: "here", found)
     assert found == []
+
+
+@pytest.mark.parametrize("error,said", [
+    ("LocalEntryNotFoundError", "cannot reach the Hugging Face hub, and the model is not in the local cache"),
+    ("RepositoryNotFoundError", "no such repository on the Hugging Face hub, or a private one"),
+    ("GatedRepoError", "a gated repository: accept its terms on https://huggingface.co/owner/name"),
+    ("RevisionNotFoundError", "revision 'v9' does not exist there")])
+def test_hub_failures_of_the_first_download_are_one_line_with_the_fix(monkeypatch, error, said):
+    """No network (an offline node) ended `difftune train` in a huggingface_hub traceback after `check` said OK."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    from difftune.models.hub import ComponentError, model_index
+
+    def fails(*args, **kwargs):
+        if error == "LocalEntryNotFoundError":
+            raise errors.LocalEntryNotFoundError("the library's own words")
+        import httpx
+
+        response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/owner/name"))
+        raise getattr(errors, error)("the library's own words", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fails)
+    with pytest.raises(ComponentError) as info:
+        model_index("owner/name", revision="v9")
+    assert str(info.value).startswith("owner/name: ") and said in str(info.value)

@@ -315,3 +315,21 @@ def test_a_failing_subscriber_is_dropped_with_a_warning(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in log] == ["step", "warning", "step"]
     assert "tracker down" in log[1]["message"] and seen == ["step", "warning", "step"]
+
+
+def test_wandb_without_a_login_is_one_line_before_any_model_loads(tmp_path, dataset):
+    """No W&B key and no WANDB_MODE=offline: a wandb traceback (exit 1) came out of `difftune train`. In a child
+    process: wandb keeps its settings (an earlier test's offline mode) for the life of a process."""
+    pytest.importorskip("wandb")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env |= {"HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "home" / "wandb")}  # no ~/.netrc
+    path = write_config(tmp_path, dataset, report_to="wandb", max_train_steps=1)
+    done = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "error: report_to 'wandb': W&B did not start" in done.stderr and "WANDB_MODE=offline" in done.stderr
+    assert "Traceback" not in done.stderr and "loading lumina2" not in done.stderr + done.stdout

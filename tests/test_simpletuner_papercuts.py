@@ -59,6 +59,25 @@ def test_empty_and_none_mean_unset_in_dataset_entries(tmp_path, dataset):
     assert entry.instance_prompt == "none"
 
 
+@pytest.mark.parametrize("key", ["seed", "num_train_epochs", "checkpoint_step_interval", "validation_step_interval",
+                                 "eval_steps_interval", "validation_using_datasets", "lr_num_cycles", "huber_c",
+                                 "masked_loss_probability", "flow_beta_schedule_alpha"])
+def test_empty_and_none_mean_the_default_where_null_does(tmp_path, dataset, key):
+    """Keys whose null is their default took null but refused "" and none, which the README says mean null."""
+    from difftune.config.schema import TrainConfig
+
+    default = TrainConfig.model_fields[key].default
+    for spelling in ("", "none", "None"):
+        assert getattr(load_config(write_config(tmp_path, dataset, **{key: spelling})).train, key) == default
+        assert getattr(load_config(write_config(tmp_path, dataset), {key: spelling}).train, key) == default
+
+
+@pytest.mark.parametrize("key", ["logging_dir", "snr_gamma", "aspect_bucket_rounding"])
+def test_empty_is_the_off_value_of_keys_not_implemented(tmp_path, dataset, key):
+    """Their off value is null; "" (the web UI's empty box) was refused as 'not implemented yet'."""
+    assert load_config(write_config(tmp_path, dataset, **{key: ""}))
+
+
 @pytest.mark.parametrize("key", ["num_train_epochs", "checkpoint_step_interval", "validation_step_interval"])
 def test_null_is_the_off_value_of_epochs_and_intervals(tmp_path, dataset, key):
     assert getattr(load_config(write_config(tmp_path, dataset, **{key: None})).train, key) == 0
@@ -173,3 +192,15 @@ def test_data_pipeline_knobs_are_accepted_with_a_note(tmp_path, dataset):
     assert "dataset 'train': metadata_update_interval 60 changes nothing here" in notes
     # the text_embeds entry's own write_batch_size still sets its text-encoder batch
     assert run.datasets.text_embeds.encode_batch() == 128
+
+
+def test_list_and_object_keys_typed_on_the_command_line(tmp_path, dataset):
+    """The command line gives text: crop_aspect_buckets refused every spelling, and optimizer_config's JSON object
+    (accepted in the file, shown in the README) was split at its comma."""
+    path = write_config(tmp_path, dataset)
+    for text in ("[0.75, 1.0]", "0.75,1.0"):
+        entry = load_config(path, {"crop_aspect_buckets": text, "crop": "true", "crop_aspect": "random"}).datasets
+        assert entry.images[0].crop_aspect_buckets == [0.75, 1.0]
+    train = load_config(path, {"optimizer_config": '{"amsgrad": true, "foreach": false}'}).train
+    assert train.optimizer_settings() == {"amsgrad": True, "foreach": False}
+    assert "starts like a JSON object but is not one" in problems(path, optimizer_config='{"amsgrad": tru}')

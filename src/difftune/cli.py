@@ -176,7 +176,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.memory_plan.render import render
     from difftune.train.plan import discover_all
 
-    found = discover_all(run_cfg, processes=args.processes)
+    found = discover_all(run_cfg, processes=args.processes, given="--processes")
     try:
         prediction = predict(run_cfg.train, found, args.processes)
         choice = None
@@ -217,6 +217,10 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:  # the demo's settings are fixed: an override would be silently ignored
+        raise ConfigError([f"command line: unexpected {' '.join(rest)!r} for difftune demo (it takes only --dir); "
+                           "to train with other settings, edit the demo's config.json and run difftune train "
+                           "--config on it"])
     from difftune.demo import run_demo
 
     quiet_libraries()
@@ -242,6 +246,22 @@ def cmd_configure(args: argparse.Namespace, rest: list[str]) -> int:
     return run_wizard(args.path)
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a finite number above 0 (argparse prints the message as a usage error)."""
+    import math
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="difftune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="predict peak accelerator memory; --gpu-memory picks levers that fit "
                                        f"(exit {PLAN_DOES_NOT_FIT} when nothing fits)")
     plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
-    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+    plan.add_argument("--gpu-memory", type=_positive(float), default=None, metavar="GiB",
                       help="accelerator memory to fit, in GiB (e.g. 24)")
-    plan.add_argument("--processes", type=int, default=1, metavar="N",
+    plan.add_argument("--processes", type=_positive(int), default=1, metavar="N",
                       help="processes (GPUs) the run will use; FSDP divides the weights between them")
     demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
@@ -281,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         from difftune.train.checkpoint import CheckpointError
         from difftune.train.hub import HubAccessError
         from difftune.train.plan import DataError
+        from difftune.train.trackers import TrackerError
 
-        if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError):
+        if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
+                          | TrackerError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import field, text_list
 
 _DEFAULT = "Default {} of every dataset that does not set its own"
 
@@ -53,6 +53,11 @@ class DatasetDefaultKeys(BaseModel):
         None, "Default aws_max_pool_connections of every dataset of type 'aws' that does not set its own (its "
         "connections to the store at once; 128 when neither is set).", "data", ge=1, advanced=True,
     )
+
+    @field_validator("crop_aspect_buckets", mode="before")
+    @classmethod
+    def _buckets_text(cls, value: Any) -> Any:
+        return text_list(value)  # '0.75,1.0' or '[0.75, 1.0]' on the command line
 
     @field_validator("caption_strategy", mode="before")
     @classmethod

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from difftune.config.fields import UnsetSpellings, expand_home, field
+from difftune.config.fields import UnsetSpellings, expand_home, field, text_list
 from difftune.config.source_aws_keys import AwsSource
 from difftune.config.source_csv_keys import CsvSource
 from difftune.config.source_huggingface_keys import HuggingfaceSource
@@ -127,6 +127,11 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     @classmethod
     def _id(cls, v: str) -> str:
         return safe_id(v)
+
+    @field_validator("crop_aspect_buckets", mode="before")
+    @classmethod
+    def _buckets_text(cls, value: object) -> object:
+        return text_list(value)  # the config-level default as the command line gives it: '0.75,1.0'
 
     id: str = field(..., "Unique name of the dataset (used in reports and cache paths).", "data", min_length=1)
     type: Literal["local", "huggingface", "csv", "aws"] = field(

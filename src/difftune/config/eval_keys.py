@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, field_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import field, unset
 
 DEFAULT_TIMESTEPS = 28  # SimpleTuner's default
 # Keys of an image entry that act only on training, which never sees an eval entry: set on one, each is refused
@@ -48,7 +48,7 @@ class EvalKeys(BaseModel):
     @classmethod
     def _eval_null_is_default(cls, value: Any, info: Any) -> Any:
         """SimpleTuner configs may write null for these: it means the default."""
-        return cls.model_fields[info.field_name].default if value is None else value
+        return cls.model_fields[info.field_name].default if unset(value) else value
 
 
 def eval_loss_on(train: Any, plan: Any) -> bool:

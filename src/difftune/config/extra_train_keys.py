@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator, model_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import field, text_list, unset
 
 BETA_DEFAULT = 2.0  # SimpleTuner's flow_beta_schedule_alpha and _beta
 TIMESTEPS = 1000.0  # flow_custom_timesteps above 1 are timesteps of 0..1000: sigma = t / 1000
@@ -94,23 +94,18 @@ class ExtraTrainKeys(BaseModel):
     @classmethod
     def _extra_custom_list(cls, value: Any) -> Any:
         """'1000, 979.2, 957.5' (SimpleTuner's form) or a JSON list -> floats; empty -> not set."""
-        if value is None or (isinstance(value, str) and not value.strip()):
-            return None
-        if isinstance(value, str):  # '[0.2, 0.5]' too: a JSON list typed on the command line
-            text = value.strip().removeprefix("[").removesuffix("]")
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return text_list(value)
 
     @field_validator("lr_scale", "lr_scale_sqrt", "ignore_final_epochs", "flow_use_uniform_schedule",
                      "flow_use_beta_schedule", mode="before")
     @classmethod
     def _extra_null_is_off(cls, value: Any) -> Any:
-        return False if value is None else value  # SimpleTuner writes null for its default
+        return False if unset(value) else value  # SimpleTuner writes null for its default
 
     @field_validator("flow_beta_schedule_alpha", "flow_beta_schedule_beta", mode="before")
     @classmethod
     def _extra_null_is_default(cls, value: Any) -> Any:
-        return BETA_DEFAULT if value is None else value
+        return BETA_DEFAULT if unset(value) else value
 
     @model_validator(mode="before")
     @classmethod

@@ -38,6 +38,21 @@ def expand_home(value: Any) -> Any:
     return value
 
 
+def unset(value: Any) -> bool:
+    """Null as SimpleTuner's configs and the web UI spell it: null, "" or "none" (for keys whose null means their
+    default: their validators call this rather than comparing with None)."""
+    return value is None or isinstance(value, str) and value.strip().lower() in ("", "none")
+
+
+def text_list(value: Any) -> Any:
+    """A list key written as text (the command line's only form): '0.5, 1.0' or '[0.5, 1.0]' -> its items as
+    strings (the field's type converts them); empty -> None; anything else unchanged."""
+    if isinstance(value, str):
+        text = value.strip().removeprefix("[").removesuffix("]")
+        return [part.strip() for part in text.split(",") if part.strip()] or None
+    return value
+
+
 def unset_values(fields: dict[str, Any], data: Any, free_text: frozenset[str] = frozenset()) -> Any:
     """A model's input with "not set" spelled as SimpleTuner users spell it turned into None, for every field that
     takes None (`fields`: the model's model_fields): "" (the web UI's and SimpleTuner's empty text box) and, but for

@@ -35,7 +35,7 @@ def _syntax_message(path: Path, text: str, e: json.JSONDecodeError) -> str:
     if pos < len(text) and text[pos] in "}]" and before >= 0 and text[before] == ",":
         line, col = _line_col(text, before)
         closer = "object" if text[pos] == "}" else "list"
-        return (f"{path}: trailing comma at line {line}, column {col} (a comma after the last item of a {closer} "
+        return (f"{path}: trailing comma at line {line}, column {col} (a comma after the last item of {'an' if closer == 'object' else 'a'} {closer} "
                 "is not allowed in JSON); remove it")
     return f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
 
@@ -65,6 +65,11 @@ def _sibling_config(path: Path) -> Path | None:
     return next((other for other in (path.with_suffix(".toml"), path.with_suffix(".env")) if other.is_file()), None)
 
 
+def _a_file(what: str) -> str:
+    """'a config file', 'a dataset list file' ('config file' names the file already)."""
+    return f"a {what}" if what.endswith("file") else f"a {what} file"
+
+
 def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = None, *, config: bool = False) -> Any:
     """Parse `path`. Raises JsonFileError when it is missing, unreadable, empty or not JSON. A key that
     appears twice in one object is appended to `duplicates` as a problem (the file is still returned).
@@ -74,13 +79,13 @@ def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = N
             raise JsonFileError(f"{path}: {what} not found, but {other} is there; {CONVERT} {path}")
         raise JsonFileError(f"{path}: {what} not found; {hint}")
     if path.is_dir():
-        raise JsonFileError(f"{path}: is a folder, not a {what} file; give the path of the JSON file")
+        raise JsonFileError(f"{path}: is a folder, not {_a_file(what)}; give the path of the JSON file")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not JSON
     except (OSError, UnicodeDecodeError) as e:
         raise JsonFileError(f"{path}: cannot read {what}: {e}") from e
     if not text.strip():
-        raise JsonFileError(f"{path}: the {what} file is empty; write a JSON "
+        raise JsonFileError(f"{path}: the {_a_file(what)[2:]} is empty; write a JSON "
                             f"{'list' if what == 'dataset list' else 'object'} in it ({hint})")
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import field, unset
 
 LOSS_TYPES = ("l2", "huber", "smooth_l1")
 HUBER_SCHEDULES = ("snr", "exponential", "constant")
@@ -58,4 +58,4 @@ class LossKeys(BaseModel):
     @classmethod
     def _loss_null_is_default(cls, value: Any, info: Any) -> Any:
         """SimpleTuner configs may write null for these: it means the default."""
-        return cls.model_fields[info.field_name].default if value is None else value
+        return cls.model_fields[info.field_name].default if unset(value) else value

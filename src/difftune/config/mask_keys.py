@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, field_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import field, unset
 
 
 class MaskKeys(BaseModel):
@@ -37,7 +37,7 @@ class MaskKeys(BaseModel):
     @field_validator("masked_loss_probability", mode="before")
     @classmethod
     def _mask_null_is_default(cls, value: Any) -> Any:
-        return 1.0 if value is None else value  # SimpleTuner writes null for "not set"
+        return 1.0 if unset(value) else value  # SimpleTuner writes null for "not set"
 
 
 def mask_checks(train: Any, plan: Any, path: Path, where_of: Callable[[str], str], problems: list[str]) -> None:

@@ -14,6 +14,7 @@ optimizer_config is set; here adam_beta1/2 (and their aliases) always set the be
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, field_validator, model_validator
@@ -41,6 +42,12 @@ class OptimizerKeys(BaseModel):
     @classmethod
     def _optimizer_config_object(cls, value: Any) -> Any:
         # a JSON object is what a user writing config.json by hand reaches for first; it becomes the same string
+        if isinstance(value, str) and value.strip().startswith("{"):  # the same object typed on the command line
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"{value!r} starts like a JSON object but is not one ({e}); write it as "
+                                 "'{\"amsgrad\": true}' or as key=value,key2=value2") from None
         if not isinstance(value, dict):
             return value
         parts = []

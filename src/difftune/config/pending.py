@@ -461,6 +461,8 @@ def coerce(value: Any) -> Any:
 
 
 def _is_off(neutral: tuple[Any, ...], value: Any) -> bool:
+    if isinstance(value, str) and not value.strip() and None in neutral:  # "" is "not set" (the README's rule)
+        return True
     for candidate in (value, coerce(value)):
         if any(type(candidate) is type(n) and candidate == n for n in neutral):
             return True

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, field_validator, model_validator
 
-from difftune.config.fields import field
+from difftune.config.fields import field, unset
 
 # lr_scheduler values each key acts on
 LR_END_SCHEDULERS = ("polynomial", "cosine", "cosine_with_restarts")
@@ -45,7 +45,7 @@ class ScheduleKeys(BaseModel):
     @classmethod
     def _schedule_null_is_default(cls, value: Any, info: Any) -> Any:
         """SimpleTuner configs may write null for these: it means the default."""
-        return cls.model_fields[info.field_name].default if value is None else value
+        return cls.model_fields[info.field_name].default if unset(value) else value
 
     @model_validator(mode="after")
     def _schedule_checks(self) -> ScheduleKeys:

@@ -21,7 +21,7 @@ from difftune.config.eval_keys import EvalKeys
 from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
-from difftune.config.fields import UnsetSpellings, expand_home, field
+from difftune.config.fields import UnsetSpellings, expand_home, field, unset
 from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
@@ -157,11 +157,12 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     # --- training
     seed: int = field(
         42, "Random seed: data order, noise and timesteps all derive from it (null: 42; a run is always seeded, so "
-        "that a resume repeats it).", "training",
+        "that a resume repeats it).", "training", ge=0, le=2**63 - 1,  # torch.manual_seed's range
     )
     train_batch_size: int = field(1, "Images per micro-batch.", "training", gt=0)
     gradient_accumulation_steps: int = field(1, "Micro-batches per optimizer step.", "training", gt=0)
-    learning_rate: float = field(1e-4, "Peak learning rate. LoRA: 1e-4 (5e-5 if artifacts).", "training", gt=0)
+    learning_rate: float = field(1e-4, "Peak learning rate. LoRA: 1e-4 (5e-5 if artifacts).", "training", gt=0,
+                                 allow_inf_nan=False)
     lr_scheduler: Literal[LR_SCHEDULERS] = field(  # type: ignore[valid-type]
         "constant", "Learning-rate schedule, after lr_warmup_steps of linear warm-up: "
         "'constant', 'constant_with_warmup', 'linear' (to 0), 'cosine' (to lr_end, else 0), 'cosine_with_restarts' "
@@ -464,7 +465,21 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     def _null_is_default(cls, v: object, info: Any) -> object:
         """SimpleTuner writes null for these (its default, or "no epoch / step limit or interval"): the same as
         leaving them out, whose default 0 is that "off"."""
-        return cls.model_fields[info.field_name].default if v is None else v
+        return cls.model_fields[info.field_name].default if unset(v) else v
+
+    @field_validator("tracker_project_name")
+    @classmethod
+    def _project_name(cls, v: str | None) -> str | None:
+        # TensorBoard writes under output_dir/tensorboard/<this>: a path here wrote outside output_dir (and past
+        # the web UI's roots, which confine paths, not names)
+        if v is not None and (any(c in v for c in "/\\\0") or v.strip() in (".", "..")):
+            raise ValueError(f"{v!r} is a path; tracker_project_name is a name (TensorBoard's logs go to "
+                             "output_dir/tensorboard/<name>, W&B's project is named so): use letters, digits, "
+                             "'-', '_', '.', and move the whole run with output_dir")
+        if v is not None and (bad := sorted({c for c in v if c in "#?%:"})):  # W&B refuses them in a project name
+            raise ValueError(f"{v!r} has {' '.join(bad)}, which W&B does not take in a project name; use letters, "
+                             "digits, '-', '_', '.'")
+        return v
 
     @field_validator("init_lora")
     @classmethod

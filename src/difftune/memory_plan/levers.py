@@ -138,9 +138,12 @@ def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int =
     before = before or predict(cfg, found, processes)
     if before.peak <= limit:
         return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed")
+    frugal = before  # the prediction of the last (most frugal) set tried
     for rung in ladder(cfg, before, processes):
         # a rung's alternatives save more and more (more blocks swapped, smaller groups): bisect for the first
         options = [(changes, candidate) for changes in rung if (candidate := _valid(cfg, changes)) is not None]
+        if options:
+            frugal = predict(options[-1][1], found, processes)
         low, high, best = 0, len(options) - 1, None
         while low <= high:
             middle = (low + high) // 2
@@ -150,18 +153,42 @@ def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int =
             else:
                 low = middle + 1
         if best is not None:
-            changes, after = best
-            for key in list(changes):  # a lever the answer fits without (e.g. a free one that saved nothing) goes
-                fewer = {k: v for k, v in changes.items() if k != key}
-                candidate = _valid(cfg, fewer) if fewer else None
-                if candidate is not None and (lighter := predict(candidate, found, processes)).peak <= limit:
-                    changes, after = fewer, lighter
+            changes, after = _without_needless(cfg, *best, found, processes, limit)
             return Choice(True, gigabytes, before, after, explain(cfg, changes, found, processes, before),
                           f"fits with {len(changes)} change(s)")
     return Choice(False, gigabytes, before, None, [],
-                  f"nothing fits in {gigabytes:g} GiB: the most frugal settings still need more "
-                  + ("(more processes with fsdp_enable would divide the weights)" if processes > 1 or not
-                     _has(cfg, "fsdp_enable") else "(run on more GPUs: --processes N with fsdp_enable)"))
+                  f"nothing fits in {gigabytes:g} GiB: the most frugal settings still need "
+                  f"{frugal.peak / GIB:.2f} GiB ({frugal.peak_phase})" + _beyond(cfg, frugal, processes))
+
+
+def _without_needless(cfg: Any, changes: dict[str, Any], after: Prediction, found: list[Any] | None,
+                      processes: int, limit: float) -> tuple[dict[str, Any], Prediction]:
+    """`changes` less every lever the answer fits without (a free one that saved nothing, or checkpointing a later
+    rung made needless), tried again after each removal: a lever may be needed only by another (activation offload
+    needs checkpointing), so one pass in ladder order could keep one that can go once the other has gone."""
+    removed = True
+    while removed:
+        removed = False
+        for key in list(changes):
+            fewer = {k: v for k, v in changes.items() if k != key}
+            candidate = _valid(cfg, fewer) if fewer else None
+            if candidate is not None and (lighter := predict(candidate, found, processes)).peak <= limit:
+                changes, after, removed = fewer, lighter, True
+    return changes, after
+
+
+def _beyond(cfg: Any, frugal: Prediction, processes: int) -> str:
+    """What could go further when no lever fits, by the phase still over: processes divide the training step's
+    weights (FSDP), not the text encoders or the VAE of the caching phases."""
+    if frugal.peak_phase.startswith("caching: text"):
+        return ("; more processes do not divide the text encoders: text_encoder_1_precision (and _2) int8-quanto "
+                "quantizes them (other embeddings: the specs keep Qwen2.5-VL at no_change), or fill the text "
+                "cache on a larger GPU once (`difftune cache`; training reuses it)")
+    if frugal.peak_phase.startswith("caching"):
+        return "; the VAE's phase: lower vae_batch_size, or fill the latent cache on a larger GPU once (`difftune cache`)"
+    if processes > 1 or not _has(cfg, "fsdp_enable"):
+        return " (more processes with fsdp_enable would divide the weights)"
+    return " (run on more GPUs: --processes N with fsdp_enable)"
 
 
 def explain(cfg: Any, changes: dict[str, Any], found: list[Any] | None, processes: int,

@@ -163,6 +163,12 @@ def optimizer_bytes(name: str, sizes: list[int], itemsize: int) -> int:
 # --- activations ----------------------------------------------------------------------------------------
 
 
+# Config keys that leave the saved activations as they are: the attention kernel's name, and Kandinsky 5's
+# visual_cond (image-to-image's input latents and mask widen only the patch embedder's input: +136 bytes per image
+# token, under 0.01% of the blocks' figure), so the i2i flavours use K5 Image Lite's measurement.
+SAME_ACTIVATIONS = ("attention_type", "visual_cond")
+
+
 def coefficients_for(arch: A.Architecture, full: bool = False) -> tuple[dict[str, dict[str, tuple[float, ...]]], str]:
     """(the measured coefficients of this architecture, where they come from)."""
     if arch.name in COEFFICIENTS:
@@ -170,7 +176,7 @@ def coefficients_for(arch: A.Architecture, full: bool = False) -> tuple[dict[str
     for name, entry in COEFFICIENTS.items():
         found = _known_config(arch.family, name)
         if found is not None and all(arch.config.get(k) == v or (isinstance(v, tuple) and list(v) == arch.config.get(k))
-                                     for k, v in found.items() if k != "attention_type"):
+                                     for k, v in found.items() if k not in SAME_ACTIVATIONS):
             return entry, f"measured on {name} (coefficients.py)"
     return _measured_now(arch, full), "measured now on the CPU (a model not in coefficients.py)"
 

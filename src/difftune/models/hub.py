@@ -25,10 +25,37 @@ def model_index(source: str, revision: str | None = None) -> dict[str, Any]:
             raise ComponentError(f"{source}: no model_index.json; give the folder of a diffusers pipeline "
                                  "(the hub layout: model_index.json, transformer/, vae/, text_encoder/, ...)")
     else:
-        from huggingface_hub import hf_hub_download
-
-        index = Path(hf_hub_download(source, "model_index.json", revision=revision))
+        index = _download_index(source, revision)
     return json.loads(index.read_text(encoding="utf-8"))
+
+
+def _download_index(source: str, revision: str | None) -> Path:
+    """model_index.json of a hub repository, its failures said in one line with the fix (the first file a run
+    fetches: no network, a gated or missing repository, a wrong revision end here, not in a traceback)."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(hf_hub_download(source, "model_index.json", revision=revision))
+    except GatedRepoError as e:
+        raise ComponentError(f"{source}: a gated repository: accept its terms on https://huggingface.co/{source} "
+                             "and log in (`hf auth login` or HF_TOKEN)") from e
+    except RepositoryNotFoundError as e:
+        raise ComponentError(f"{source}: no such repository on the Hugging Face hub, or a private one you cannot "
+                             "see; check the name, log in (`hf auth login` or HF_TOKEN), or give a local folder") from e
+    except RevisionNotFoundError as e:
+        raise ComponentError(f"{source}: revision {revision!r} does not exist there; fix revision") from e
+    except LocalEntryNotFoundError as e:  # no connection (or HF_HUB_OFFLINE), and not in the local cache
+        raise ComponentError(
+            f"{source}: cannot reach the Hugging Face hub, and the model is not in the local cache "
+            f"({constants.HF_HUB_CACHE}); check the connection (or unset HF_HUB_OFFLINE), download it once with "
+            f"`hf download {source}` where there is one, or give a local folder as pretrained_model_name_or_path"
+        ) from e
 
 
 def component_class(index: dict[str, Any], name: str) -> str | None:

@@ -7,6 +7,7 @@ trainer never imports a UI.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -17,6 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+
+def finite(value: Any) -> Any:
+    """`value` with NaN and infinities as null: the log is strict JSON (a loss that went NaN written as `NaN`
+    broke JavaScript's JSON.parse, and the web server, which answers with strict JSON, could not send it on)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 class Events:
@@ -40,7 +53,7 @@ class Events:
             if self.log_path is not None:
                 if self._log is None:
                     self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-                self._log.write(json.dumps(record, default=str) + "\n")
+                self._log.write(json.dumps(finite(record), default=str) + "\n")
                 self._log.flush()  # readers (the web UI, a tail -f) see each event at once
         failed = []
         for subscriber in list(self.subscribers):

@@ -204,19 +204,22 @@ def planned_buckets(found: list[Discovery], plan: RepeatsPlan) -> dict[tuple[int
     ))
 
 
-def plan_note(run_cfg: RunConfig, processes: int) -> str:
+def plan_note(run_cfg: RunConfig, processes: int, given: str | None = None) -> str:
+    """`given`: what set the number of processes (`difftune plan`'s --processes); else WORLD_SIZE or its absence."""
     batch = run_cfg.train.train_batch_size
-    said = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "WORLD_SIZE is not set: set it to plan a run on more"
+    said = given or ("WORLD_SIZE" if "WORLD_SIZE" in os.environ else
+                     "WORLD_SIZE is not set: set it to plan a run on more")
     return (f"buckets planned for {processes} process(es) ({said}): one global batch is {batch * processes} "
             f"(train_batch_size {batch} x {processes})")
 
 
-def planned(run_cfg: RunConfig, found: list[Discovery], processes: int) -> RepeatsPlan:
+def planned(run_cfg: RunConfig, found: list[Discovery], processes: int, given: str | None = None) -> RepeatsPlan:
     """plan_buckets on the discovered files; when it fails, training's message followed by the data report."""
     try:
         return plan_buckets(run_cfg, (s for d in found for s in d.samples), processes)
     except NothingToTrain as e:
-        report = DataReport(found, [], e.plan.pruned, repeats=e.plan.changes, plan_note=plan_note(run_cfg, processes))
+        report = DataReport(found, [], e.plan.pruned, repeats=e.plan.changes,
+                            plan_note=plan_note(run_cfg, processes, given))
         said = str(e).splitlines()
         raise DataError("\n".join([*said, *(line for line in report.render().splitlines() if line not in said)])) \
             from e
@@ -233,12 +236,12 @@ def check_data(run_cfg: RunConfig) -> str:
 
 
 def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True,
-                 processes: int | None = None) -> list[Discovery]:
+                 processes: int | None = None, given: str | None = None) -> list[Discovery]:
     """Every dataset's usable files, after checking that training would have a bucket to train on (`processes`:
-    the run's; None: world_size()). `fetch`: download remote datasets first (process 0 of a run does it before
+    the run's; None: world_size(); `given`: what set it, for the message). `fetch`: download remote datasets first (process 0 of a run does it before
     the others discover; the web UI never downloads)."""
     found = discover_datasets(run_cfg, write_metadata, fetch)
-    planned(run_cfg, found, processes or world_size())
+    planned(run_cfg, found, processes or world_size(), given)
     return found
 
 

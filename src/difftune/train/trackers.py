@@ -46,6 +46,10 @@ def _tag(text: str) -> str:
     return re.sub(r"[^\w./-]+", "_", text)
 
 
+class TrackerError(RuntimeError):
+    """A tracker that cannot start (a W&B login missing): said in one line with the fix."""
+
+
 class TrackerForwarder:
     """Forwards events to `accelerator.log` / each tracker's `log_images`. Values are logged at the step
     the run has reached (memory events before the first step at the resume step, or 0)."""
@@ -56,10 +60,18 @@ class TrackerForwarder:
         self.accelerator = accelerator
         self.step = 0
         self.last: tuple[int, float] | None = None  # (step, elapsed) of the previous step event
-        accelerator.init_trackers(
-            cfg.tracker_project_name or "difftune", config=flat_config(cfg),
-            init_kwargs={"wandb": {"name": cfg.tracker_run_name, "dir": str(output_dir)}},
-        )
+        try:
+            accelerator.init_trackers(
+                cfg.tracker_project_name or "difftune", config=flat_config(cfg),
+                init_kwargs={"wandb": {"name": cfg.tracker_run_name, "dir": str(output_dir)}},
+            )
+        except Exception as e:
+            if not type(e).__module__.startswith("wandb"):
+                raise
+            # before any model loads: no login, a bad key, no network to W&B
+            raise TrackerError(f"report_to {cfg.report_to!r}: W&B did not start ({type(e).__name__}: {e}); log in "
+                               "with `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log here and "
+                               "`wandb sync` later, or set report_to to 'tensorboard' or 'none'") from e
 
     def __call__(self, kind: str, record: dict[str, Any]) -> None:
         step = record.get("step")
