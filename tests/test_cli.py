@@ -75,3 +75,53 @@ def test_cache_stops_on_sigterm_keeping_what_it_wrote(tmp_path, dataset, monkeyp
     events = [json.loads(x) for x in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "info" and e["message"].startswith("text cache") and "0 newly encoded" in e["message"]
                for e in events)
+
+
+def test_demo_never_replaces_a_users_config_nor_deletes_their_output(tmp_path, capsys):
+    """`difftune demo --dir .` in a project replaced config/config.json and deleted output/ without a word."""
+    import json
+
+    from difftune.demo import MARKER, demo_config, folder_problem
+
+    project = tmp_path / "project"
+    (project / "config").mkdir(parents=True)
+    (project / "config" / "config.json").write_text('{"model_family": "lumina2", "learning_rate": 1e-5}')
+    (project / "output").mkdir()
+    (project / "output" / "pytorch_lora_weights.safetensors").write_bytes(b"weeks of training")
+    assert main(["demo", "--dir", str(project)]) == 2
+    assert "holds files the demo did not make" in capsys.readouterr().err
+    assert (project / "output" / "pytorch_lora_weights.safetensors").read_bytes() == b"weeks of training"
+    assert json.loads((project / "config" / "config.json").read_text())["learning_rate"] == 1e-5
+    (tmp_path / "afile").write_text("x")
+    assert "a file, not a folder" in folder_problem(tmp_path / "afile")
+    assert folder_problem(tmp_path / "new") is None and folder_problem(project / "config" / "empty") is None
+    earlier = tmp_path / "earlier"  # a demo folder from before the marker: its own config.json says so
+    (earlier / "config").mkdir(parents=True)
+    (earlier / "config" / "config.json").write_text(json.dumps(demo_config(earlier)))
+    assert folder_problem(earlier) is None
+    (project / MARKER).write_text("")
+    assert folder_problem(project) is None
+
+
+def test_a_bare_flag_is_true_for_on_off_keys_only():
+    """`--output_dir --max_train_steps 3` set output_dir to the text 'true', and check accepted it."""
+    from difftune.cli import parse_overrides
+    from difftune.config import ConfigError
+
+    assert parse_overrides(["--gradient_checkpointing", "--max_train_steps", "3"]) == {
+        "gradient_checkpointing": "true", "max_train_steps": "3"}
+    for key in ("output_dir", "validation_prompt", "validation_steps"):  # the last: SimpleTuner's name of a number
+        with pytest.raises(ConfigError) as info:
+            parse_overrides([f"--{key}", "--max_train_steps", "3"])
+        assert f"--{key} needs a value" in str(info.value)
+
+
+def test_cache_into_a_training_runs_output_dir_is_refused(tmp_path, dataset, capsys):
+    """`difftune cache` wrote its discovery, loading and data-report events into a live run's events.jsonl."""
+    from difftune.train.run_lock import output_dir_lock
+
+    path = write_config(tmp_path, dataset)
+    with output_dir_lock(tmp_path / "output"):  # a training run holds it (2 s of waiting, then refused)
+        assert main(["cache", "--config", str(path)]) == 2
+    assert "is in use by another training run" in capsys.readouterr().err
+    assert not (tmp_path / "output" / "events.jsonl").exists()

@@ -38,6 +38,7 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
                 value = rest[i + 1]
                 i += 1
             else:
+                _needs_value(key.lstrip("-"))
                 value = "true"
         if not key:
             raise ConfigError([f"command line: {token!r} names no key; options are written --key value"])
@@ -46,6 +47,19 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
         out[key.lstrip("-")] = value
         i += 1
     return out
+
+
+def _needs_value(key: str) -> None:
+    """A bare `--key` means true, which only an on/off key takes: `--output_dir --max_train_steps 3` set output_dir
+    to 'true'. Keys the schema does not know are left to the loader's message."""
+    import typing
+
+    from difftune.config.compat import KEY_ALIASES
+
+    info = TrainConfig.model_fields.get(KEY_ALIASES.get(key, key))
+    if info is not None and bool not in (info.annotation, *typing.get_args(info.annotation)):
+        raise ConfigError([f"command line: --{key} needs a value (a bare --flag means true, for on/off keys "
+                           f"only); write --{key} VALUE"])
 
 
 def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
@@ -196,15 +210,20 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     import torch
 
     from difftune.train.events import Events
-    from difftune.train.run_lock import Terminated, sigterm_stops
+    from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
     from difftune.train.setup import prepare_data
 
     output_dir = Path(run_cfg.train.output_dir)
     events = Events(output_dir / "events.jsonl")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        with sigterm_stops():  # as Ctrl-C: every cache entry is written whole (temp file + rename)
+        # as Ctrl-C: every cache entry is written whole (temp file + rename); the lock: not into a training run's
+        # output_dir (its events.jsonl would get this command's events)
+        with sigterm_stops(), output_dir_lock(output_dir):
             prepared = prepare_data(run_cfg, events, device)
+    except OutputDirInUse as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
         reason, signum = (e.reason, e.signum) if isinstance(e, Terminated) else ("interrupted", signal.SIGINT)
         events.emit("stopped", quiet=True, step=0, stage="cache", reason=reason)
