@@ -301,6 +301,7 @@ def test_unknown_keys_can_be_renamed_or_dropped_so_the_review_passes(tmp_path, d
     code, transcript = wizard_run(str(path))
     assert code == 0, transcript
     assert "unknown key 'learnig_rate'; did you mean 'learning_rate'?" in transcript
+    # the memory step's message names the user's file, not the wizard's temporary copy of it
     assert "Rename learnig_rate to learning_rate (its value kept)? [Y/n]: " in asked
     assert "Drop zzz_unheard_of (its value 1)? [Y/n]: " in asked
     assert json.loads(path.read_text())["learning_rate"] == 2e-4
@@ -340,3 +341,17 @@ def test_a_new_config_beside_an_existing_dataset_list_edits_that_list(tmp_path, 
     assert code == 0, transcript
     assert "config/multidatabackend.json exists: its entries are kept" in transcript
     assert json.loads((tmp_path / "config" / "multidatabackend.json").read_text()) == before
+
+
+def test_the_memory_step_names_the_users_files_when_the_planner_cannot_run(tmp_path, dataset):
+    """Its message named the wizard's temporary copy (/tmp/difftune-configure-.../config.json)."""
+    from difftune.ui.wizard import Wizard
+
+    path = write_config(tmp_path, dataset, learnig_rate=2e-4)
+    out = io.StringIO()
+    wizard = Wizard(str(path), out=out)
+    assert wizard.planned(24, {"mixed_precision": "bf16"}) is None
+    said = out.getvalue()
+    assert f"the memory planner could not run: the configuration cannot be used:\n  - {path}: unknown key " \
+           "'learnig_rate'" in said and "difftune-configure-" not in said
+

@@ -354,7 +354,10 @@ class Wizard:
                 found = discover_all(run_cfg, write_metadata=False)
                 choice = choose(run_cfg.train, found, gigabytes)
             except Exception as e:  # noqa: BLE001 - the wizard falls back to its fixed suggestion
-                self.say(f"  (the memory planner could not run: {e}; a fixed suggestion follows)")
+                said = str(e).replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data),
+                                                                                   str(self.datasets_path()))
+                self.say(f"  (the memory planner could not run: {said}; a fixed suggestion follows, and the review "
+                         "below says what to fix)")
                 return None
         self.say(f"Predicted peak as configured: {choice.before.peak / GIB:.1f} GiB ({choice.before.peak_phase}).")
         if not choice.fits:
