@@ -125,3 +125,10 @@ def test_cache_into_a_training_runs_output_dir_is_refused(tmp_path, dataset, cap
         assert main(["cache", "--config", str(path)]) == 2
     assert "is in use by another training run" in capsys.readouterr().err
     assert not (tmp_path / "output" / "events.jsonl").exists()
+
+
+def test_cache_under_several_processes_is_refused(tmp_path, dataset, monkeypatch, capsys):
+    """Under torchrun each worker filled every cache on its own: twice the work, every log line twice."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["cache", "--config", str(write_config(tmp_path, dataset))]) == 2
+    assert "difftune cache runs as one process, not 2 (WORLD_SIZE)" in capsys.readouterr().err

@@ -602,3 +602,15 @@ def test_nothing_fits_names_the_phase_still_over_and_what_helps_it(tmp_path):
     choice = choose(cfg, None, 12, 4)
     assert not choice.fits and "GiB (caching: text)" in choice.message
     assert "more processes do not divide the text encoders" in choice.message and "fsdp_enable" not in choice.message
+
+
+def test_plan_takes_world_size_as_check_does(tmp_path, monkeypatch, capsys):
+    """`WORLD_SIZE=2 difftune plan` planned one process (and its buckets) while `difftune check` planned two."""
+    from difftune.demo import make_dataset
+
+    make_dataset(tmp_path / "images", count=8)
+    path = write_config(tmp_path, tmp_path / "images", train_batch_size=5)
+    assert main(["plan", "--config", str(path)]) == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["plan", "--config", str(path)]) == 2
+    assert "buckets planned for 2 process(es) (WORLD_SIZE)" in capsys.readouterr().err

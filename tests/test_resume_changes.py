@@ -172,3 +172,30 @@ def test_changed_lora_alpha_and_seed_are_warned_about(tmp_path, dataset):
 def test_bare_resume_flag_asks_for_a_value(tmp_path, dataset):
     problems = config_problems(write_config(tmp_path, dataset, resume_from_checkpoint="true"))
     assert "resume_from_checkpoint needs a value: latest, a checkpoint folder or its name" in problems
+
+
+def test_the_same_global_batches_on_another_process_count_resume(tmp_path, monkeypatch):
+    """2 processes of train_batch_size 1 and 1 process of 2 draw the same batches (the losses repeat exactly): an
+    epoch run was refused, and the advice (train_batch_size 1 on 1 process) failed after loading."""
+    import json
+
+    from difftune.config.resume_check import batch_changes
+
+    then = {"train_batch_size": 1, "gradient_accumulation_steps": 1, "processes": 2}
+    assert batch_changes(then, {**then, "train_batch_size": 2, "processes": 1}) == {}
+    assert batch_changes(then, {**then, "processes": 1}) == {"processes": (2, 1)}
+    assert batch_changes(then, {**then, "train_batch_size": 2, "processes": 1, "gradient_accumulation_steps": 2}) \
+        == {"train_batch_size": (1, 2), "gradient_accumulation_steps": (1, 2), "processes": (2, 1)}
+    images = tmp_path / "images"
+    make_dataset(images, count=4)
+    run_with(tmp_path, images, max_train_steps=0, num_train_epochs=1, train_batch_size=2)
+    state = next((tmp_path / "output" / "checkpoints").glob("checkpoint-*")) / "training_state.json"
+    saved = json.loads(state.read_text())
+    saved["settings"] |= {"train_batch_size": 1, "processes": 2}  # as a 2-process run of train_batch_size 1 saves it
+    state.write_text(json.dumps(saved))
+    settings = dict(max_train_steps=0, num_train_epochs=2, resume_from_checkpoint="latest")
+    assert load_config(write_config(tmp_path, images, train_batch_size=2, **settings))  # 1 process x 2: the same
+    problems = config_problems(write_config(tmp_path, images, train_batch_size=1, **settings))
+    assert "processes 2 then, 1 now" in problems and "train_batch_size x processes" in problems
+    monkeypatch.setenv("WORLD_SIZE", "2")  # launched by torchrun on 2 processes: the same again
+    assert load_config(write_config(tmp_path, images, train_batch_size=1, **settings))

@@ -136,8 +136,11 @@ def test_kill_from_the_web_ui_passes_sigterm_on_and_then_sigkills(tmp_path):
     assert forward.wait() == -signal.SIGKILL and time.monotonic() - began < 5
 
 
-def test_a_held_sigterm_is_raised_at_the_block_end_and_a_second_one_at_once():
+def test_a_held_sigterm_is_raised_at_the_block_end_and_a_second_one_at_once(monkeypatch):
+    from difftune.train import run_lock
     from difftune.train.run_lock import Terminated, held, sigterm_stops, take_held
+
+    monkeypatch.setattr(run_lock, "REPEAT_S", 0.0)  # every signal here is a new request (see the test below)
 
     def term():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -163,3 +166,28 @@ def test_a_held_sigterm_is_raised_at_the_block_end_and_a_second_one_at_once():
         assert take_held() == signal.SIGTERM  # taken (the loop's exchange between processes): no longer raised
     with held():  # no handler of ours installed: nothing to hold
         assert take_held() is None
+
+
+def test_the_same_sigterm_delivered_twice_is_one_request():
+    """A group kill reaches a torchrun worker directly and again through torchrun: taken as a second SIGTERM, it
+    stopped one process at once, mid-step, while the other waited in a collective (and was SIGKILLed 30 s later)."""
+    from difftune.train import run_lock
+    from difftune.train.run_lock import Terminated, held, sigterm_stops
+
+    def term():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+
+    reached = []
+    with pytest.raises(Terminated), sigterm_stops(), held():
+        term()
+        term()  # the same request, delivered again within REPEAT_S: still held
+        reached.append("the step finishes")
+    assert reached == ["the step finishes"]
+    with sigterm_stops():  # outside a held block the first raises; a repeat during the interrupted save does not
+        with pytest.raises(Terminated):
+            term()
+        term()
+        reached.append("the save finishes")
+    assert reached[-1] == "the save finishes" and run_lock.REPEAT_S >= 1
+

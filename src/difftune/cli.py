@@ -185,17 +185,19 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     or exit 3 when nothing fits."""
     run_cfg = _load(args, rest)
     quiet_libraries()
+    from difftune.config.resume_check import world_size
     from difftune.memory_plan.levers import choose
     from difftune.memory_plan.predict import predict
     from difftune.memory_plan.render import render
     from difftune.train.plan import discover_all
 
-    found = discover_all(run_cfg, processes=args.processes, given="--processes")
+    processes = args.processes or world_size()  # as `difftune check`: WORLD_SIZE when --processes is not given
+    found = discover_all(run_cfg, processes=processes, given="--processes" if args.processes else None)
     try:
-        prediction = predict(run_cfg.train, found, args.processes)
+        prediction = predict(run_cfg.train, found, processes)
         choice = None
         if args.gpu_memory is not None:
-            choice = choose(run_cfg.train, found, args.gpu_memory, args.processes, prediction)
+            choice = choose(run_cfg.train, found, args.gpu_memory, processes, prediction)
     except ValueError as e:  # e.g. an architecture without a config or coefficients: said, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -205,6 +207,12 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     """Fill every cache (text embeddings, latents, metadata) without training."""
+    from difftune.config.resume_check import world_size
+
+    if world_size() > 1:  # each torchrun worker would fill every cache on its own, twice the work and the logs
+        raise ConfigError([f"difftune cache runs as one process, not {world_size()} (WORLD_SIZE): start it without "
+                           "torchrun or accelerate launch; `torchrun ... -m difftune.cli train` splits its caching "
+                           "between the processes"])
     run_cfg = _load(args, rest)
     quiet_libraries()
     import torch
@@ -294,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
     plan.add_argument("--gpu-memory", type=_positive(float), default=None, metavar="GiB",
                       help="accelerator memory to fit, in GiB (e.g. 24)")
-    plan.add_argument("--processes", type=_positive(int), default=1, metavar="N",
-                      help="processes (GPUs) the run will use; FSDP divides the weights between them")
+    plan.add_argument("--processes", type=_positive(int), default=None, metavar="N",
+                      help="processes (GPUs) the run will use (default: WORLD_SIZE, else 1); FSDP divides the "
+                           "weights between them")
     demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
     server = sub.add_parser("server", help="web UI: set runs up, start, watch and stop them (http://127.0.0.1:8001)")

@@ -11,6 +11,7 @@ changed (`batches_problem`; the process count is checked when the run starts).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,21 @@ def lora_problem(train: Any, folder: Path) -> str | None:
     return None
 
 
+def batch_changes(saved: dict[str, Any], now: dict[str, int]) -> dict[str, tuple[Any, Any]]:
+    """train_batch_size, gradient_accumulation_steps and processes, (the checkpoint's, this run's), when the batches
+    differ: each draw of the sampler is train_batch_size x processes images (one global micro-batch) and a step is
+    gradient_accumulation_steps draws, so 2 processes of 1 and 1 process of 2 are the same batches (the same data
+    position and losses on resume); nothing when they are."""
+    keys = ("train_batch_size", "gradient_accumulation_steps", "processes")
+    if not all(k in saved for k in keys[:2]):
+        return {}
+    then = {k: saved.get(k, 1) for k in keys}
+    draw = then["train_batch_size"] * then["processes"] == now["train_batch_size"] * now["processes"]
+    if draw and then["gradient_accumulation_steps"] == now["gradient_accumulation_steps"]:
+        return {}
+    return {k: (then[k], now[k]) for k in keys if then[k] != now[k]}
+
+
 def batches_refusal(path: Path, changed: dict[str, tuple[Any, Any]], epochs: int) -> str:
     """Why an epoch-based run cannot resume `path` with other batches: `changed` maps train_batch_size,
     gradient_accumulation_steps and processes to (the checkpoint's, this run's)."""
@@ -59,7 +75,8 @@ def batches_refusal(path: Path, changed: dict[str, tuple[Any, Any]], epochs: int
     processes = f" on {changed['processes'][0]} process(es)" if "processes" in changed else ""
     return (f"{path} was trained with other batches ({what}); this run ends after num_train_epochs {epochs}, and the "
             "checkpoint's step and data position count batches of the old size, so it would train the wrong number "
-            f"of epochs. Resume with {restore or 'the same batches'}{processes}, or set max_train_steps to the total "
+            f"of epochs. Resume with {restore or 'the same batches'}{processes} (or any train_batch_size x processes "
+            "equal to the checkpoint's, with its gradient_accumulation_steps), or set max_train_steps to the total "
             "steps to train instead")
 
 
@@ -72,6 +89,15 @@ def batches_problem(train: Any, folder: Path) -> str | None:
         saved = json.loads((folder / "training_state.json").read_text()).get("settings") or {}
     except (OSError, ValueError, AttributeError):  # unreadable: the resume reports it
         return None
-    changed = {k: (saved[k], getattr(train, k)) for k in ("train_batch_size", "gradient_accumulation_steps")
-               if k in saved and saved[k] != getattr(train, k)}
+    now = {"train_batch_size": train.train_batch_size, "gradient_accumulation_steps": train.gradient_accumulation_steps,
+           "processes": world_size()}
+    changed = batch_changes(saved, now)
     return batches_refusal(folder, changed, train.num_train_epochs) if changed else None
+
+
+def world_size() -> int:
+    """The processes of a run started here (WORLD_SIZE, set by torchrun and accelerate launch), else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

@@ -159,7 +159,7 @@ def shard(cfg: Any, transformer: torch.nn.Module, adapter: Any, ranks: Ranks, de
         return None
     if ranks.count == 1:
         emit("warning", message="fsdp_enable with a single process: nothing to shard, training as one process "
-                                "(launch several: accelerate launch --num_processes N -m difftune train ...)")
+                                "(launch several: torchrun --nproc_per_node N -m difftune.cli train ...)")
         return None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -102,6 +102,11 @@ OPTIMIZERS: dict[str, str] = {
     "learning_rate (the library's advice). No Kahan summation (use 'adamw_bf16' for a bf16 full fine-tune).",
 }
 
+# Optimizers whose updates of bf16/fp16 weights keep what rounding drops (Kahan summation, torch-optimi); every
+# other one loses small updates in a full fine-tune of such weights, and setup warns (with the one to use instead)
+KAHAN = frozenset(("adamw_bf16", "optimi-adamw", "optimi-stableadamw", "optimi-lion"))
+KAHAN_INSTEAD: dict[str, str] = {"lion": "optimi-lion"}  # else 'adamw_bf16'
+
 # SimpleTuner's names -> ours (the same library and class)
 OPTIMIZER_ALIASES: dict[str, str] = {"torch-adamw": "adamw", "bnb-adamw8bit": "adamw8bit"}
 

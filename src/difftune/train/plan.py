@@ -20,6 +20,7 @@ from pathlib import Path
 
 from difftune.config import ImageDataset, RunConfig, TrainConfig, caption_filter_keys
 from difftune.config.datasets import REMOTE_TYPES
+from difftune.config.resume_check import world_size
 from difftune.data.buckets import SizeRule
 from difftune.data.caption_filter import CaptionFilter
 from difftune.data.captions import CaptionRule, CaptionTable
@@ -153,14 +154,6 @@ def encoded_in_training(train: TrainConfig, ds: ImageDataset) -> bool:
     """Whether a dataset's latents are encoded during training: vae_cache_disable (the run's or its own), or
     vae_cache_clear_each_epoch (a new random crop each epoch: nothing cached)."""
     return train.vae_cache_disable or ds.vae_cache_disable or ds.vae_cache_clear_each_epoch
-
-
-def world_size() -> int:
-    """The processes a run started here would have: WORLD_SIZE (set by accelerate launch and torchrun), else 1."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def bucket_counts(run_cfg: RunConfig, samples: Iterable[Sample]) -> dict[Bucket, int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from difftune.config.resume_check import batches_refusal
+from difftune.config.resume_check import batch_changes, batches_refusal
 from difftune.train.optimizers import OPTIMIZER_ALIASES
 
 if TYPE_CHECKING:
@@ -75,8 +75,8 @@ def check_batches(run: Run, saved: dict, path: Path) -> None:
     (refused), a step-based one reads its data from a shifted place (warned)."""
     cfg = run.cfg
     settings = recorded(run)
-    now = {k: settings[k] for k in ("train_batch_size", "gradient_accumulation_steps", "processes")}
-    changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    changed = batch_changes(saved, {k: settings[k] for k in ("train_batch_size", "gradient_accumulation_steps",
+                                                              "processes")})
     if not changed:
         return
     if _epoch_bound(run):  # config/load.py refused it already before any model loaded, unless processes changed

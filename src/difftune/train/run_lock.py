@@ -53,10 +53,20 @@ def stop_reason(error: KeyboardInterrupt) -> str:
 # The handler's state. Python runs signal handlers in the main thread, which is also the one that trains.
 _depth = 0  # of `held` blocks
 _pending: int | None = None  # a SIGTERM that arrived inside one
+_last: float | None = None  # when (time.monotonic) the last SIGTERM acted on arrived
+# A SIGTERM within this many seconds of the last one is the same request delivered again, not a second one: a
+# group kill (timeout, Slurm's scancel, `kill -- -PGID`) reaches each torchrun worker directly and once more through
+# torchrun's forwarding. Raised, it would stop one process mid-step while the others wait in a collective, or cut
+# short the interrupted checkpoint the first one started.
+REPEAT_S = 3.0
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
-    global _pending
+    global _pending, _last
+    now = time.monotonic()
+    if _last is not None and now - _last < REPEAT_S:
+        return
+    _last = now
     if _depth and _pending is None:
         _pending = signum
         return
@@ -68,8 +78,8 @@ def _on_sigterm(signum: int, _frame: object) -> None:
 def sigterm_stops() -> Iterator[None]:
     """The command line's `train` and `cache`: SIGTERM raises `Terminated` (a KeyboardInterrupt) while inside;
     the handler that was there before is put back afterwards."""
-    global _pending
-    _pending = None
+    global _pending, _last
+    _pending, _last = None, None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
@@ -81,7 +91,8 @@ def sigterm_stops() -> Iterator[None]:
 def held(on: bool = True) -> Iterator[None]:
     """Inside (with `on`), a first SIGTERM is held rather than raised in the middle of the work: it is raised when
     the outermost `held` block ends (also when the block is left by `continue`), or taken earlier with `take_held`.
-    A second one is raised at once. Without `sigterm_stops` installed it changes nothing."""
+    A second one (REPEAT_S or more after the first) is raised at once. Without `sigterm_stops` installed it changes
+    nothing."""
     global _depth, _pending
     if not on:
         yield
