@@ -132,3 +132,33 @@ def test_cache_under_several_processes_is_refused(tmp_path, dataset, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["cache", "--config", str(write_config(tmp_path, dataset))]) == 2
     assert "difftune cache runs as one process, not 2 (WORLD_SIZE)" in capsys.readouterr().err
+
+
+def test_world_size_without_a_launcher_is_one_line(tmp_path, dataset, monkeypatch, capsys):
+    """`export WORLD_SIZE=2` (as for `difftune check`) then a plain `difftune train`: accelerate's traceback
+    ('MASTER_ADDR env was not set') after the config was read."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert main(["train", "--config", str(write_config(tmp_path, dataset))]) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE is 2, but this process was not started by torchrun" in err and "Traceback" not in err
+
+
+def test_only_process_0_says_what_the_run_did(tmp_path, dataset, monkeypatch, capsys):
+    """Under torchrun every process printed its notes, a result line naming the folder, and (stopped by torchrun
+    after process 0 failed) a checkpoint to resume from another run."""
+    from difftune.train import setup
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(setup, "build_run", stopped)
+    monkeypatch.setenv("RANK", "1")
+    path = write_config(tmp_path, dataset, validation_prompt="", validation_steps=5)  # a config with a note
+    assert main(["train", "--config", str(path)]) == 130
+    said = capsys.readouterr()
+    assert "note:" not in said.out and "interrupted" not in said.err
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--config", str(path)]) == 130
+    said = capsys.readouterr()
+    assert "note: " in said.out and "interrupted; no checkpoint was written yet" in said.err

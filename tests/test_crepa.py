@@ -185,6 +185,25 @@ def test_lambda_zero_is_off_and_crepa_trains_outside_the_adapter(tmp_path, datas
     assert not (off_ckpt / crepa.PROJECTOR_FILE).exists()
 
 
+def test_crepa_switched_across_a_resume(tmp_path, dataset, dino):
+    """On over a checkpoint without a projector: refused in words about CREPA (was torch's "loaded state dict
+    contains a parameter group that doesn't match"). Off over one with a projector: goes on, the optimizer afresh."""
+    import json
+
+    common = dict(max_train_steps=2, train_batch_size=2, checkpoint_step_interval=2, resume_from_checkpoint="latest")
+    train(build_run(load_config(write_config(tmp_path / "plain", dataset, **common))))
+    with pytest.raises(ValueError, match="was trained without CREPA .* but crepa_enabled is on"):
+        train(build_run(load_config(write_config(tmp_path / "plain", dataset, **{**common, "max_train_steps": 3},
+                                                 **on(dino)))))
+    train(build_run(load_config(write_config(tmp_path / "with", dataset, **common, **on(dino)))))
+    train(build_run(load_config(write_config(tmp_path / "with", dataset, **{**common, "max_train_steps": 3}))))
+    out = tmp_path / "with" / "output"
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "step"][-1] == 3
+    assert any(e["event"] == "warning" and "was trained with CREPA, and crepa_enabled is off now" in e["message"]
+               for e in events)
+
+
 @pytest.mark.slow
 def test_crepa_resumes_exactly(tmp_path, dataset, dino, monkeypatch):
     common = dict(max_train_steps=4, train_batch_size=2, checkpoint_step_interval=2, resume_from_checkpoint="latest",

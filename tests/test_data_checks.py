@@ -273,3 +273,14 @@ def test_t2v_trains_on_avi_m4v_and_mpg_clips(tmp_path):
     assert all(c.latent_file is not None and c.latent_file.is_file() for c in run.data.items)
     train(run)
     assert (run.output_dir / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_disable_bucket_pruning_keeps_small_buckets_on_one_process_only(tmp_path, dataset, monkeypatch):
+    """With several processes training drops a partial batch; check reported the small bucket as used."""
+    from difftune.train.plan import DataError, check_data
+
+    path = write_config(tmp_path, dataset, train_batch_size=3, disable_bucket_pruning=True)  # 4 images
+    assert "pruned bucket" not in check_data(load_config(path))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one global batch of 6: no bucket fills it
+    with pytest.raises(DataError, match="it keeps small buckets on one process only"):
+        check_data(load_config(path))

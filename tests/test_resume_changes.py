@@ -199,3 +199,22 @@ def test_the_same_global_batches_on_another_process_count_resume(tmp_path, monke
     assert "processes 2 then, 1 now" in problems and "train_batch_size x processes" in problems
     monkeypatch.setenv("WORLD_SIZE", "2")  # launched by torchrun on 2 processes: the same again
     assert load_config(write_config(tmp_path, images, train_batch_size=1, **settings))
+
+
+def test_an_fsdp_checkpoint_resumed_without_fsdp_is_refused_before_loading(tmp_path, dataset, monkeypatch):
+    """Its optimizer state loads into an FSDP run only; the refusal came after the model loaded, and said 'sharded'
+    of a FULL_STATE_DICT checkpoint."""
+    import json
+
+    from difftune.config.resume_check import fsdp_problem
+
+    folder = tmp_path / "output" / "checkpoints" / "checkpoint-0000002"
+    folder.mkdir(parents=True)
+    (folder / "optimizer_fsdp.pt").write_bytes(b"")
+    (folder / "training_state.json").write_text(json.dumps({"step": 2, "settings": {"optimizer": "adamw"}}))
+    train_cfg = load_config(write_config(tmp_path, dataset)).train
+    assert "loads into an FSDP run only" in fsdp_problem(train_cfg, folder)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "loads into an FSDP run only" in fsdp_problem(train_cfg, folder)  # two processes, but not sharded
+    assert fsdp_problem(train_cfg.model_copy(update={"fsdp_enable": True}), folder) is None
+    assert fsdp_problem(train_cfg.model_copy(update={"optimizer": "lion"}), folder) is None  # starts afresh

@@ -95,3 +95,11 @@ def test_validation_keys_without_a_prompt_get_a_note(tmp_path, dataset):
     assert "no validation prompt" not in notes(write_config(tmp_path, dataset, validation_prompt="a cat",
                                                             validation_steps=5))
     assert "no validation prompt" not in notes(write_config(tmp_path, dataset))
+
+
+def test_prodigy_with_an_adamw_learning_rate_gets_a_note(tmp_path, dataset):
+    """It was a Python UserWarning with a source path, absent from check, events and the web UI."""
+    text = notes(write_config(tmp_path, dataset, optimizer="prodigy", learning_rate=1e-4))
+    assert "learning_rate 0.0001 with optimizer prodigy" in text and "about 10000x slower" in text
+    assert "prodigy" not in notes(write_config(tmp_path, dataset, optimizer="prodigy", learning_rate=1.0))
+

@@ -141,8 +141,30 @@ def resume_hint(output_dir: Path) -> str:
     return f"the last checkpoint ({latest.name}) can be resumed with resume_from_checkpoint latest"
 
 
+def _launched() -> None:
+    """WORLD_SIZE above 1 without a launcher's rendezvous (an `export WORLD_SIZE=4` kept from `difftune check`):
+    accelerate failed with 'MASTER_ADDR env was not set' after the config was read."""
+    import os
+
+    from difftune.config.resume_check import world_size
+
+    if world_size() > 1 and "MASTER_ADDR" not in os.environ:
+        raise ConfigError([f"WORLD_SIZE is {world_size()}, but this process was not started by torchrun or "
+                           "accelerate launch (MASTER_ADDR is not set): unset WORLD_SIZE to train as one process, or "
+                           f"launch torchrun --nproc_per_node {world_size()} -m difftune.cli train ..."])
+
+
+def _main_process() -> bool:
+    """Process 0 of a launch (or the only one): the one that prints what the run did. The others say nothing but
+    errors, so a torchrun console reads as one run."""
+    import os
+
+    return os.environ.get("RANK", "0") in ("0", "")
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
+    _launched()
     from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
 
     # SIGTERM stops like Ctrl-C (an interrupted checkpoint); a second run into the same output_dir is refused
@@ -150,7 +172,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         with sigterm_stops(), output_dir_lock(Path(run_cfg.train.output_dir)):
             quiet_libraries()
-            for note in run_cfg.notes():
+            for note in run_cfg.notes() if _main_process() else []:
                 print(f"note: {note}")
             from difftune.train.loop import train
             from difftune.train.setup import build_run
@@ -163,8 +185,11 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
         reason, signum = (e.reason, e.signum) if isinstance(e, Terminated) else ("interrupted", signal.SIGINT)
-        print(f"{reason}; {resume_hint(Path(run_cfg.train.output_dir))}", file=sys.stderr)
+        if _main_process():  # another: stopped by torchrun when process 0 failed, maybe before its run began
+            print(f"{reason}; {resume_hint(Path(run_cfg.train.output_dir))}", file=sys.stderr)
         return 128 + signum  # the shell's status for a process ended by that signal
+    if not _main_process():
+        return 0
     print(result_line(run_cfg.train, result))
     written = [p for p in (run.output_dir / "validation").glob("*") if p.suffix in (".png", ".mp4")]
     if run.validation and written:

@@ -53,7 +53,7 @@ from difftune.config.regularisation_keys import (
     NOT_ON_OTHER_ENTRIES,
     regularisation_problems,
 )
-from difftune.config.resume_check import batches_problem, lora_problem, newest
+from difftune.config.resume_check import batches_problem, fsdp_problem, lora_problem, newest
 from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
 from difftune.config.small_keys import pipeline_notes
@@ -352,7 +352,8 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
     # a changed lora_rank (or adapter type), or an epoch-based run's batches: refused before any model loads
     target = newest(Path(train.output_dir)) if resume == "latest" else Path(resume).expanduser() if resume else None
     if target is not None and (target / "training_state.json").is_file():
-        for why in filter(None, (lora_problem(train, target), batches_problem(train, target))):
+        for why in filter(None, (lora_problem(train, target), batches_problem(train, target),
+                                 fsdp_problem(train, target))):
             problems.append(f"{where_of('resume_from_checkpoint')}: resume_from_checkpoint: {why}")
     sources = [("pretrained_model_name_or_path", train.pretrained_model_name_or_path, "hub layout, with model_index.json")]
     if train.evaluation_type == "clip":  # the CLIP model loads at the first evaluation: fail its path now

@@ -100,6 +100,10 @@ def optimizer_notes(cfg: Any) -> list[str]:
     if cfg.adam_epsilon is not None and hyper_parameters(cfg.optimizer)[2] is None:
         notes.append(f"adam_epsilon {cfg.adam_epsilon:g} not used: optimizer {cfg.optimizer!r} (Lion) has no "
                      "epsilon; remove it")
+    if cfg.optimizer == "prodigy" and cfg.learning_rate < 0.1:
+        notes.append(f"learning_rate {cfg.learning_rate:g} with optimizer prodigy: Prodigy estimates the step size "
+                     "itself and learning_rate multiplies it, so 1.0 is usual; this trains about "
+                     f"{1 / cfg.learning_rate:.0f}x slower (used as given)")
     if cfg.optimizer_cpu_offload_method == "cpu" and OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer) == "adamw8bit":
         # bitsandbytes' CPU path: 82 M weights/s on 2 cores against 694 for adamw_bf16 (BENCHMARKS.md)
         notes.append("optimizer adamw8bit with optimizer_cpu_offload_method cpu: bitsandbytes steps about 8x slower "

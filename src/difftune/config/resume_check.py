@@ -101,3 +101,23 @@ def world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def fsdp_problem(train: Any, folder: Path) -> str | None:
+    """A checkpoint of an FSDP run (its optimizer state in optimizer_fsdp/ or optimizer_fsdp.pt, no optimizer.pt)
+    resumed by a run that will not shard (fsdp_enable off, or one process): why not, found before any model loads.
+    Another optimizer than the checkpoint's starts afresh and needs no saved state."""
+    if (folder / "optimizer.pt").is_file() or not any((folder / n).exists() for n in ("optimizer_fsdp", "optimizer_fsdp.pt")):
+        return None
+    if train.fsdp_enable and world_size() > 1:
+        return None
+    try:
+        saved = json.loads((folder / "training_state.json").read_text()).get("settings") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if saved.get("optimizer") not in (None, train.optimizer):
+        return None
+    return (f"{folder} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or gathered) loads "
+            "into an FSDP run only; resume it with fsdp_enable true on several processes (torchrun "
+            "--nproc_per_node N -m difftune.cli train), or start a new output_dir")
+

@@ -62,7 +62,7 @@ class DataReport:
         for (dataset, group), n in sorted(self.pruned.items()):
             more = "" if dataset in kept else ", or allow_dataset_oversubscription to raise the dataset's repeats"
             out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
-                       f"(set disable_bucket_pruning to keep them{more})")
+                       f"(set disable_bucket_pruning to keep them, on one process{more})")
         left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
         if left:
             out.append(f"  left out ({len(left)}):")

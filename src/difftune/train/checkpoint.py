@@ -321,13 +321,32 @@ def check_transformer_source(run: Run, path: Path) -> None:
                         "output_dir")
 
 
+def crepa_switched(run: Run, path: Path) -> bool:
+    """CREPA's projector trains with the adapter, so the optimizer's saved state holds its weights' moments when
+    the checkpoint had it. Switched on now without one: refused, before torch's unreadable optimizer error. Switched
+    off: the run goes on without the projector and with a fresh optimizer state (True), said in a warning."""
+    from difftune.train.crepa import PROJECTOR_FILE
+
+    had = (path / PROJECTOR_FILE).is_file()
+    if getattr(run, "crepa", None) is not None and not had:
+        raise ValueError(f"{path} was trained without CREPA (no {PROJECTOR_FILE}) but crepa_enabled is on; resume "
+                         "with crepa_enabled false, or start a new output_dir to train with CREPA from the start")
+    if getattr(run, "crepa", None) is None and had:
+        run.events.emit("warning", message=f"{path} was trained with CREPA, and crepa_enabled is off now: its "
+                        "projector is left out, and the optimizer starts afresh (its saved state holds the "
+                        "projector's moments); the weights, step, schedule and data position are resumed")
+        return True
+    return False
+
+
 def load_checkpoint(run: Run, path: Path) -> None:
     check_transformer_source(run, path)  # first: an adapter that then does not fit comes after its explanation
     state = json.loads((path / STATE_FILE).read_text())
     saved = state.get("settings", {})  # absent in checkpoints of an earlier difftune: loaded as they were
     resume_settings.check_batches(run, saved, path)  # refuses an epoch-based run whose batches changed
     fresh = resume_settings.Fresh.of(run)  # the config's hyper-parameters, before the saved ones replace them
-    afresh = resume_settings.optimizer_changed(run, saved, path)  # another optimizer(_config): its state is not loaded
+    # another optimizer(_config), or CREPA switched off: the saved state does not fit; it is not loaded
+    afresh = resume_settings.optimizer_changed(run, saved, path) | crepa_switched(run, path)
     sharded = getattr(run, "fsdp", None) is not None
     if sharded and not afresh:
         # Before the weights: the layout the saved state is read into comes from a first (zero) step on the weights
@@ -341,8 +360,9 @@ def load_checkpoint(run: Run, path: Path) -> None:
         raise ValueError(f"{path}: {e}") from e
     if not sharded and not afresh:
         if not (path / "optimizer.pt").is_file():
-            raise ValueError(f"{path} was written by an FSDP run (its optimizer state is sharded); resume it with "
-                             "fsdp_enable true and several processes, or start a new output_dir")
+            raise ValueError(f"{path} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or "
+                             "gathered) loads into an FSDP run only; resume it with fsdp_enable true and several "
+                             "processes, or start a new output_dir")
         run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
     run.state.step = state["step"]

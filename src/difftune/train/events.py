@@ -121,8 +121,8 @@ def failures_reported(events: Events, stage: str) -> Iterator[None]:
     exception goes on up. The event stays off the console: the command line prints the error itself."""
     try:
         yield
-    except KeyboardInterrupt:
-        events.emit("stopped", quiet=True, step=0, stage=stage, reason="interrupted")
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (run_lock.Terminated, which names its signal)
+        events.emit("stopped", quiet=True, step=0, stage=stage, reason=getattr(e, "reason", "interrupted"))
         events.close()
         raise
     except BaseException as e:

@@ -26,9 +26,9 @@ that name (`DEFAULTS`), so the same name trains the same way in both. They map o
 - `optimi-lion`: `optimi.Lion` from torch-optimi (like `lion`, no epsilon; Kahan summation on bf16/fp16
   weights, the Triton kernel on CUDA when Triton is installed).
 - `prodigy`: `prodigyopt.Prodigy`. Prodigy estimates the step size itself, and `lr` multiplies that
-  estimate, so 1.0 is the usual value. The learning rate given is passed through unchanged (a warning
-  is emitted when it is below 0.1, because a typical AdamW rate such as 1e-4 makes Prodigy nearly
-  stand still). Weight decay is decoupled (AdamW-style, Prodigy's default). On FSDP2 shards its estimate
+  estimate, so 1.0 is the usual value. The learning rate given is passed through unchanged (`check`
+  and `train` print a note when it is below 0.1, because a typical AdamW rate such as 1e-4 makes Prodigy
+  nearly stand still). Weight decay is decoupled (AdamW-style, Prodigy's default). On FSDP2 shards its estimate
   is summed over the processes (train/prodigy_fsdp.py), so it equals one process's.
 - `adamw8bit`: `bitsandbytes.optim.AdamW8bit`. Both moments are stored in 8 bits with block-wise
   quantisation for every tensor of at least 4096 elements; smaller tensors keep 32-bit state
@@ -73,7 +73,6 @@ import functools
 import importlib
 import io
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -156,13 +155,7 @@ def _lion_settings(params: list, lr: float, betas: tuple, weight_decay: float, e
 
 
 def _prodigy_settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
-    if lr < 0.1:
-        warnings.warn(
-            f"prodigy estimates the step size itself and learning_rate multiplies it: 1.0 is usual, "
-            f"got {lr:g}, which makes training about {1 / lr:.0f}x slower. It is used as given.",
-            UserWarning,
-            stacklevel=4,
-        )
+    # a learning_rate below 0.1 is used as given; config/optimizer_keys.optimizer_notes says what it does
     return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "decouple": True}
 
 

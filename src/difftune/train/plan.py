@@ -177,7 +177,8 @@ def plan_buckets(run_cfg: RunConfig, samples: Iterable[Sample], processes: int) 
     plan = plan_repeats(counts, {ds.id: ds.repeats for ds in datasets}, step,
                         oversubscribe=cfg.allow_dataset_oversubscription,
                         explicit={ds.id for ds in datasets if "repeats" in ds.model_fields_set},
-                        keep_small=cfg.disable_bucket_pruning)
+                        # a partial batch cannot be split between processes: with several, training drops it
+                        keep_small=cfg.disable_bucket_pruning and processes == 1)
     if len(plan.pruned) == len(counts):  # no item left to train on
         fix = "raise repeats on the dataset entries (or remove it there: allow_dataset_oversubscription raises " \
             "only repeats an entry leaves out)" if cfg.allow_dataset_oversubscription else \
@@ -185,6 +186,8 @@ def plan_buckets(run_cfg: RunConfig, samples: Iterable[Sample], processes: int) 
         raise NothingToTrain(
             f"every aspect bucket holds fewer images than one global batch ({step.global_batch}); "
             f"lower train_batch_size, add images, {fix}, or set disable_bucket_pruning"
+            + (" (it keeps small buckets on one process only: a partial batch cannot be split between processes)"
+               if processes > 1 else "")
             + "".join(f"\n  {change.line()}" for change in plan.changes), plan)
     return plan
 
