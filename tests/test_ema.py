@@ -178,8 +178,9 @@ def test_load_state_dict_checks_shapes_and_warns_on_changed_settings() -> None:
     with pytest.raises(ValueError, match="does not match"):
         EMA(params[:2], decay=0.9).load_state_dict(state)
     other = EMA(make_params(), decay=0.99, update_interval=4)
-    with pytest.warns(UserWarning, match=r"decay 0.9 -> 0.99.*update_interval 1 -> 4"):
-        other.load_state_dict(state)
+    other.load_state_dict(state)
+    assert other.changed == ("EMA settings differ from the checkpoint's: ema_decay 0.9 then, 0.99 now, "
+                             "ema_update_interval 1 then, 4 now; the EMA goes on with this run's")
     assert other.ema.decay == 0.99 and other.update_interval == 4 and other.num_updates == 2
 
 
@@ -230,3 +231,21 @@ def test_bad_arguments() -> None:
         EMA(params, decay=1.5)
     with pytest.raises(ValueError, match="no parameters"):
         EMA([], decay=0.9)
+
+
+def test_an_ema_never_updated_is_said_when_it_is_saved(tmp_path, dataset):
+    """ema_update_interval above the steps trained: "EMA adapter saved" and -ema samples of the starting weights
+    (a LoRA's zero B), with no word that the EMA never moved."""
+    import json
+
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.train.loop import train
+    from difftune.train.setup import build_run
+
+    run = build_run(load_config(write_config(tmp_path, dataset, use_ema=True, ema_update_interval=10,
+                                             max_train_steps=2)))
+    train(run)
+    events = [json.loads(line) for line in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "warning" and e["message"].startswith("the EMA was never updated (2 steps, "
+                                                                   "ema_update_interval 10)") for e in events)

@@ -149,10 +149,10 @@ def test_adamw8bit_keeps_8bit_state() -> None:
     assert opt.state[model.bias]["state1"].dtype == torch.float32  # under 4096 elements: 32-bit state
 
 
-def test_prodigy_keeps_the_given_lr_and_warns_when_it_looks_like_adam() -> None:
+def test_prodigy_keeps_the_given_lr() -> None:
+    """An AdamW-like rate is used as given; check notes it (tests/test_unused_keys.py)."""
     p = torch.nn.Parameter(torch.zeros(4))
-    with pytest.warns(UserWarning, match="learning_rate multiplies it"):
-        opt = build_optimizer("prodigy", [p], 1e-4, BETAS, 0.0, 1e-8)
+    opt = build_optimizer("prodigy", [p], 1e-4, BETAS, 0.0, 1e-8)
     assert opt.param_groups[0]["lr"] == 1e-4
 
 

@@ -103,3 +103,22 @@ def test_prodigy_with_an_adamw_learning_rate_gets_a_note(tmp_path, dataset):
     assert "learning_rate 0.0001 with optimizer prodigy" in text and "about 10000x slower" in text
     assert "prodigy" not in notes(write_config(tmp_path, dataset, optimizer="prodigy", learning_rate=1.0))
 
+
+
+def test_rollout_and_crepa_keys_their_other_keys_leave_unused_get_notes(tmp_path, dataset):
+    """Rollouts asked for with prob_start/prob_end but no ramp_steps never happened (the losses were bit-identical);
+    CREPA's decay keys under its constant scheduler, its threshold keys without a threshold and its between-frame
+    keys on an image family changed nothing."""
+    text = notes(write_config(tmp_path, dataset, scheduled_sampling_max_step_offset=2,
+                              scheduled_sampling_prob_start=0.5, scheduled_sampling_prob_end=1.0,
+                              scheduled_sampling_reflexflow=False))
+    assert "scheduled_sampling_prob_start, scheduled_sampling_prob_end not used" in text
+    assert "no sample is ever rolled out" in text
+    assert "rolled out" not in notes(write_config(tmp_path, dataset, scheduled_sampling_max_step_offset=2,
+                                                  scheduled_sampling_probability=0.5,
+                                                  scheduled_sampling_reflexflow=False))
+    text = notes(write_config(tmp_path, dataset, crepa_enabled=True, crepa_lambda_end=0.1, crepa_power=2.0,
+                              crepa_threshold_mode="recoverable", crepa_adjacent_distance=3))
+    for key in ("crepa_lambda_end", "crepa_power", "crepa_threshold_mode", "crepa_adjacent_distance"):
+        assert f"{key} not used" in text, text
+    assert "crepa" not in notes(write_config(tmp_path, dataset, crepa_lambda_end=0.1))  # CREPA off: nothing said

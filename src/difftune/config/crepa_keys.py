@@ -161,3 +161,26 @@ def crepa_dataset_problems(cfg: Any, datasets: list[Any]) -> list[str]:
     return [f"dataset {ds.id!r}: {key} encodes its latents during training, but crepa_drop_vae_encoder frees the VAE's "
             f"encoder after caching; remove {key} from the dataset or set crepa_drop_vae_encoder to false"
             for ds in datasets for key in ("vae_cache_disable", "vae_cache_clear_each_epoch") if getattr(ds, key)]
+
+
+def crepa_notes(cfg: Any) -> list[str]:
+    """CREPA keys set (in the file or on the command line) to something the other CREPA keys leave unused. SimpleTuner
+    passes them on silently; here a note says so, as for the lr schedule's keys."""
+    if not cfg.crepa_enabled:
+        return []
+    given = cfg.model_fields_set
+    unused = []
+    if cfg.crepa_scheduler == "constant":
+        unused += [(k, "crepa_scheduler 'constant' keeps crepa_lambda") for k in
+                   ("crepa_decay_steps", "crepa_lambda_end", "crepa_power") if k in given]
+    elif cfg.crepa_scheduler != "polynomial" and "crepa_power" in given:
+        unused.append(("crepa_power", f"crepa_scheduler {cfg.crepa_scheduler!r} is not 'polynomial'"))
+    if cfg.crepa_similarity_threshold is None:
+        unused += [(k, "crepa_similarity_threshold is unset") for k in
+                   ("crepa_similarity_ema_decay", "crepa_threshold_mode") if k in given]
+    if "video" not in cfg.model_family:
+        unused += [(k, f"{cfg.model_family} trains images, one frame each (these act between a clip's frames)")
+                   for k in ("crepa_adjacent_distance", "crepa_adjacent_tau", "crepa_cumulative_neighbors",
+                             "crepa_normalize_by_frames") if k in given]
+    return [f"{key} not used: {why}; remove it" for key, why in unused]
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from difftune.config.crepa_keys import crepa_checks
+from difftune.config.crepa_keys import crepa_checks, crepa_notes
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.lora_keys import lora_notes
@@ -96,7 +96,7 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
 def cross_notes(cfg: TrainConfig) -> list[str]:
     """Keys set to a value their combination with another key leaves unused. SimpleTuner's configs carry such
     values (it ignores them too), so they are notes printed before the run, not errors."""
-    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg)
+    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg)
     if cfg.flow_schedule_auto_shift and cfg.flow_schedule_shift not in (0, 1):
         notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "

@@ -56,7 +56,8 @@ def batch_changes(saved: dict[str, Any], now: dict[str, int]) -> dict[str, tuple
     """train_batch_size, gradient_accumulation_steps and processes, (the checkpoint's, this run's), when the batches
     differ: each draw of the sampler is train_batch_size x processes images (one global micro-batch) and a step is
     gradient_accumulation_steps draws, so 2 processes of 1 and 1 process of 2 are the same batches (the same data
-    position and losses on resume); nothing when they are."""
+    position on resume; the same losses too, but for Kandinsky 5, whose attended caption padding depends on the
+    longest caption in each process's batch); nothing when they are."""
     keys = ("train_batch_size", "gradient_accumulation_steps", "processes")
     if not all(k in saved for k in keys[:2]):
         return {}

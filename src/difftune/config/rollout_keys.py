@@ -110,8 +110,20 @@ def rollout_checks(cfg: Any) -> None:
 
 def rollout_notes(cfg: Any) -> list[str]:
     """What a SimpleTuner user would not expect, to print before the run starts."""
-    if cfg.scheduled_sampling_max_step_offset > 0 and cfg.scheduled_sampling_reflexflow is None:
-        return ["scheduled_sampling_reflexflow is unset, so ReflexFlow is off and rolled-out samples take the plain "
-                "flow loss (SimpleTuner turns ReflexFlow on by itself with rollouts); set it to true or false to "
-                "choose"]
-    return []
+    if cfg.scheduled_sampling_max_step_offset <= 0:
+        return []
+    notes = []
+    ramp = [k for k in ("scheduled_sampling_prob_start", "scheduled_sampling_prob_end", "scheduled_sampling_ramp_shape")
+            if k in cfg.model_fields_set]
+    if cfg.scheduled_sampling_ramp_steps <= 0 and ramp:
+        notes.append(f"{', '.join(ramp)} not used: they ramp the rollout chance over scheduled_sampling_ramp_steps, "
+                     f"which is 0, so the chance is scheduled_sampling_probability ({cfg.scheduled_sampling_probability:g})"
+                     "; set scheduled_sampling_ramp_steps")
+    if cfg.scheduled_sampling_ramp_steps <= 0 and cfg.scheduled_sampling_probability <= 0:
+        notes.append("scheduled_sampling_max_step_offset is set but no sample is ever rolled out: "
+                     "scheduled_sampling_probability is 0 and scheduled_sampling_ramp_steps 0; set either")
+    if cfg.scheduled_sampling_reflexflow is None:
+        notes.append("scheduled_sampling_reflexflow is unset, so ReflexFlow is off and rolled-out samples take the "
+                     "plain flow loss (SimpleTuner turns ReflexFlow on by itself with rollouts); set it to true or "
+                     "false to choose")
+    return notes

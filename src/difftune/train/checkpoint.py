@@ -378,6 +378,8 @@ def load_checkpoint(run: Run, path: Path) -> None:
             raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "
                              "or start a new output_dir")
         run.ema.load_state_dict(torch.load(path / "ema.pt", map_location="cpu", weights_only=True))
+        if run.ema.changed:  # ema_decay or ema_update_interval changed: accepted, and said in the event log
+            run.events.emit("warning", message=f"{path}: {run.ema.changed}")
     restore_generator(run, rng, path)
     if note := run.data.sampler.load_state_dict(state["sampler"]):
         run.events.emit("info", message=f"{path}: {note}")

@@ -24,7 +24,6 @@ decay`). Pass `min_decay=0.0` for diffusers' default ramp `min(decay, (1 + n) / 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -34,6 +33,7 @@ from diffusers.training_utils import EMAModel
 
 EMADevice = Literal["cpu", "accelerator"]
 _HYPER = ("decay", "min_decay", "update_after_step", "use_ema_warmup", "inv_gamma", "power", "update_interval")
+CONFIG_KEYS = {"decay": "ema_decay", "update_interval": "ema_update_interval"}  # the settings difftune's keys set
 
 
 class EMA:
@@ -72,6 +72,7 @@ class EMA:
         self.update_interval = int(update_interval)
         self.device = device
         self.chunk_bytes = chunk_bytes
+        self.changed: str | None = None  # after load_state_dict: the settings that differ from the checkpoint's
         min_decay = float(decay if min_decay is None else min_decay)
         # An empty EMAModel (its constructor would clone every parameter on its own device first: a
         # transient copy in accelerator memory); the shadow tensors are made here, where they belong.
@@ -177,8 +178,8 @@ class EMA:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the shadow tensors and the update count. The schedule settings given to the
-        constructor (the current config) stay in force; a warning names any that differ from the saved
-        ones, since the run then no longer repeats the one that was saved."""
+        constructor (the current config) stay in force; `changed` then names any that differ from the saved
+        ones (the checkpoint loader puts it in the event log), since the run no longer repeats the saved one."""
         saved = state.get("shadow_params")
         if not isinstance(saved, list) or not all(isinstance(t, torch.Tensor) for t in saved):
             raise ValueError("EMA state has no list of shadow tensors")
@@ -193,14 +194,11 @@ class EMA:
         if not isinstance(count, int) or count < 0:
             raise ValueError(f"EMA state has an invalid optimization_step: {count!r}")
         changed = [k for k in _HYPER if k in state and state[k] != self._hyper(k)]
-        if changed:
-            warnings.warn(
-                "EMA settings differ from the checkpoint's: "
-                + ", ".join(f"{k} {state[k]!r} -> {self._hyper(k)!r}" for k in changed)
-                + "; continuing with the current ones",
-                UserWarning,
-                stacklevel=2,
-            )
+        # by the config keys that set them (min_decay follows ema_decay: it is not its own key)
+        named = {CONFIG_KEYS.get(k, k): (state[k], self._hyper(k)) for k in changed if k != "min_decay"}
+        self.changed = ("EMA settings differ from the checkpoint's: "
+                        + ", ".join(f"{k} {old!r} then, {new!r} now" for k, (old, new) in named.items())
+                        + "; the EMA goes on with this run's") if named else None
         with torch.no_grad():
             for s, t in zip(shadow, saved, strict=True):
                 s.copy_(t)

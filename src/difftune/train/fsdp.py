@@ -34,6 +34,7 @@ What it changes, and where:
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,6 +157,9 @@ def shard(cfg: Any, transformer: torch.nn.Module, adapter: Any, ranks: Ranks, de
     The adapter's parameter list is refreshed: fully_shard replaces every parameter with a DTensor.
     With fsdp_cpu_ram_efficient_loading the shards are filled from process 0's weights (`_from_process0`)."""
     if not cfg.fsdp_enable:
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1"):  # accelerate launch --use_fsdp
+            emit("warning", message="accelerate launch --use_fsdp is not read by difftune: this run is data-parallel, "
+                                    "a whole model per process; set fsdp_enable: true (and fsdp_version 2) to shard")
         return None
     if ranks.count == 1:
         emit("warning", message="fsdp_enable with a single process: nothing to shard, training as one process "

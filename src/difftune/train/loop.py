@@ -228,8 +228,12 @@ def _train(run: Run) -> Path:
     with eval_weights(run), gathered(run):  # schedule-free: the averaged weights are the result
         adapter = save_adapter(run, run.output_dir) if run.ranks.main else run.output_dir
     if run.ema is not None and run.ranks.main:
+        if not run.ema.num_updates:  # ema_update_interval above the steps trained: the EMA is the starting weights
+            run.events.emit("warning", message=f"the EMA was never updated ({run.state.step} steps, ema_update_interval "
+                            f"{run.cfg.ema_update_interval}): the saved EMA weights are the starting ones; lower "
+                            "ema_update_interval")
         with run.ema.swap():
-            run.events.emit("info", message=f"EMA adapter saved to {save_adapter(run, run.output_dir / 'ema')}")
+            run.events.emit("info", message=f"EMA weights saved to {save_adapter(run, run.output_dir / 'ema')}")
     if stopped:
         run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
         run.ranks.barrier()
