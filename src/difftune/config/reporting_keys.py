@@ -20,6 +20,19 @@ INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb
 OTHER_TRACKERS = ("comet_ml", "aim", "clearml", "mlflow", "dvclive", "swanlab", "trackio")
 
 
+def project_name(v: str | None) -> str | None:
+    """tracker_project_name: TensorBoard writes under output_dir/tensorboard/<this>, so a path here wrote outside
+    output_dir (and past the web UI's roots, which confine paths, not names); W&B refuses some characters."""
+    if v is not None and (any(c in v for c in "/\\\0") or v.strip() in (".", "..")):
+        raise ValueError(f"{v!r} is a path; tracker_project_name is a name (TensorBoard's logs go to "
+                         "output_dir/tensorboard/<name>, W&B's project is named so): use letters, digits, '-', '_', "
+                         "'.', and move the whole run with output_dir")
+    if v is not None and (bad := sorted({c for c in v if c in "#?%:"})):
+        raise ValueError(f"{v!r} has {' '.join(bad)}, which W&B does not take in a project name; use letters, "
+                         "digits, '-', '_', '.'")
+    return v
+
+
 def tracker_choice(value: object) -> object:
     """report_to as SimpleTuner writes it, as one of difftune's values: null (or empty) is 'none', and a comma list
     ("wandb,tensorboard", SimpleTuner's way to name several) the value that starts those trackers ('all' for both).

@@ -30,13 +30,13 @@ from difftune.config.model_source_keys import ModelSourceKeys
 from difftune.config.offload_keys import OffloadKeys
 from difftune.config.optimizer_keys import OptimizerKeys
 from difftune.config.precision_keys import PrecisionKeys
-from difftune.config.reporting_keys import tracker_choice
+from difftune.config.reporting_keys import project_name, tracker_choice
 from difftune.config.rollout_keys import RolloutKeys
 from difftune.config.schedule_keys import ScheduleKeys
 from difftune.config.small_keys import SmallKeys
 from difftune.config.speed_keys import SpeedKeys
 from difftune.config.validation_triggers import ValidationTriggerKeys
-from difftune.config.values import parse_resolutions, prompt_library, snap_size
+from difftune.config.values import parse_resolutions, prompt_library, resolution_text, snap_size
 from difftune.config.webhook_keys import WebhookKeys
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
@@ -470,16 +470,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     @field_validator("tracker_project_name")
     @classmethod
     def _project_name(cls, v: str | None) -> str | None:
-        # TensorBoard writes under output_dir/tensorboard/<this>: a path here wrote outside output_dir (and past
-        # the web UI's roots, which confine paths, not names)
-        if v is not None and (any(c in v for c in "/\\\0") or v.strip() in (".", "..")):
-            raise ValueError(f"{v!r} is a path; tracker_project_name is a name (TensorBoard's logs go to "
-                             "output_dir/tensorboard/<name>, W&B's project is named so): use letters, digits, "
-                             "'-', '_', '.', and move the whole run with output_dir")
-        if v is not None and (bad := sorted({c for c in v if c in "#?%:"})):  # W&B refuses them in a project name
-            raise ValueError(f"{v!r} has {' '.join(bad)}, which W&B does not take in a project name; use letters, "
-                             "digits, '-', '_', '.'")
-        return v
+        return project_name(v)  # config/reporting_keys.py: a name, not a path
 
     @field_validator("init_lora")
     @classmethod
@@ -533,17 +524,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     @field_validator("validation_resolution", mode="before")
     @classmethod
     def _resolution_number(cls, v: object) -> object:
-        # a JSON number (64) is the one-number form, as on the command line and in SimpleTuner (which passes
-        # config.json values on as command-line text); a JSON list is the comma-separated form
-        if isinstance(v, float) and v.is_integer() and v >= 16:  # below: a megapixel figure (1.0), not pixels
-            v = int(v)
-        if isinstance(v, float):
-            raise ValueError(f"{v!r} is not a size in pixels: write WIDTHxHEIGHT such as \"1024x1024\", or one "
-                             "whole number for a square (megapixel sizes are a dataset's resolution_type 'area', "
-                             "not a validation size)")
-        if isinstance(v, list) and v and all(isinstance(x, str | int) and not isinstance(x, bool) for x in v):
-            return ",".join(str(x) for x in v)
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+        return resolution_text(v)  # config/values.py: a JSON number or list as the text form
 
     @field_validator("validation_resolution")
     @classmethod

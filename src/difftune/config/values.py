@@ -62,3 +62,19 @@ def prompt_library(path: str) -> dict[str, str]:
 
 RESERVED_PROMPT_NAMES = ("validation", "unconditional")
 MAX_PROMPT_NAME = 120
+
+
+def resolution_text(v: object) -> object:
+    """validation_resolution as written in JSON -> its text form. A number (64) is the one-number form, as on the
+    command line and in SimpleTuner (which passes config.json values on as command-line text); a whole float (64.0)
+    too; a list is the comma-separated form. A fraction, or a float under 16, is a megapixel figure: refused."""
+    if isinstance(v, float) and v.is_integer() and v >= 16:
+        v = int(v)
+    if isinstance(v, float):
+        raise ValueError(f"{v!r} is not a size in pixels: write WIDTHxHEIGHT such as \"1024x1024\", or one whole "
+                         "number for a square (megapixel sizes are a dataset's resolution_type 'area', not a "
+                         "validation size)")
+    if isinstance(v, list) and v and all(isinstance(x, str | int) and not isinstance(x, bool) for x in v):
+        return ",".join(str(x) for x in v)
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+

@@ -87,8 +87,8 @@ def _imports(run_cfg: RunConfig, pipeline: str) -> str:
     cfg = run_cfg.train
     utils = (["load_image"] if FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()) else []) + \
         (["export_to_video"] if "video" in cfg.model_family else [])
-    needs = "  # Kandinsky 5's Qwen2.5-VL processor needs torchvision" if cfg.model_family != "lumina2" else ""
-    return (f"import torch{needs}\nfrom diffusers import {pipeline}\n"
+    needs = "# Kandinsky 5's Qwen2.5-VL processor needs torchvision installed\n" if cfg.model_family != "lumina2" else ""
+    return (f"{needs}import torch\nfrom diffusers import {pipeline}\n"
             + (f"from diffusers.utils import {', '.join(utils)}\n" if utils else "") + "\n")
 
 
