@@ -94,11 +94,37 @@ def test_a_checkpoint_missing_a_file_is_passed_over_or_refused(tmp_path, removed
     assert "FSDP" not in str(err.value)
 
 
+def sharded_state(folder) -> None:
+    """An optimizer state as FSDP's SHARDED_STATE_DICT writes it (torch.distributed.checkpoint: .metadata and one
+    file per process; one process here)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # saving without a process group
+        dcp.save({"state": {"exp_avg": torch.ones(3)}}, checkpoint_id=str(folder))
+
+
 @pytest.mark.parametrize("optimizer", ["optimizer_fsdp.pt", "optimizer_fsdp"])
 def test_an_fsdp_checkpoint_is_complete(tmp_path, optimizer):
     folder = fake_checkpoint(tmp_path / "checkpoints" / "checkpoint-0000002", 2, optimizer="rng.pt")
-    (folder / optimizer).mkdir() if "." not in optimizer else (folder / optimizer).write_bytes(b"x")
+    sharded_state(folder / optimizer) if "." not in optimizer else (folder / optimizer).write_bytes(b"x")
     assert resolve_resume(tmp_path, "latest") == folder
+
+
+def test_an_fsdp_checkpoint_missing_a_shard_is_passed_over(tmp_path):
+    """'latest' took it, and every process failed in torch.distributed.checkpoint's reader."""
+    root = tmp_path / "checkpoints"
+    older = fake_checkpoint(root / "checkpoint-0000002", 2, optimizer="rng.pt")
+    newest = fake_checkpoint(root / "checkpoint-0000004", 4, optimizer="rng.pt")
+    for folder in (older, newest):
+        sharded_state(folder / "optimizer_fsdp")
+    shard = next((newest / "optimizer_fsdp").glob("*.distcp"))
+    shard.unlink()
+    warned = []
+    assert resolve_resume(tmp_path, "latest", warned.append) == older
+    assert f"its optimizer_fsdp/{shard.name} is missing" in warned[0]
 
 
 def test_another_trainers_checkpoint_is_refused_by_check(tmp_path, dataset):

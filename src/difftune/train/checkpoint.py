@@ -227,10 +227,27 @@ def missing_file(path: Path) -> str | None:
     if not ((path / "optimizer.pt").is_file() or (path / SHARDED_OPTIMIZER).is_dir()
             or (path / FULL_OPTIMIZER).is_file()):
         return "its optimizer.pt is missing"  # FSDP forms are not named: they are not there either
+    if not (path / "optimizer.pt").is_file() and (path / SHARDED_OPTIMIZER).is_dir():
+        if (problem := _shard_missing(path / SHARDED_OPTIMIZER)) is not None:
+            return problem
     for name in ("lr_scheduler.pt", "rng.pt"):
         if not (path / name).is_file():
             return f"its {name} is missing"
     return None
+
+
+def _shard_missing(folder: Path) -> str | None:
+    """A sharded optimizer state (torch.distributed.checkpoint, one file per process) whose `.metadata` names a file
+    that is not there, described; None when every one is. Only the names are read, not the shards."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - missing or damaged: the same verdict
+        return f"its {folder.name}/.metadata cannot be read ({type(e).__name__})"
+    names = {getattr(info, "relative_path", None) for info in (meta.storage_data or {}).values()} - {None}
+    missing = sorted(name for name in names if not (folder / name).is_file())
+    return f"its {folder.name}/{missing[0]} is missing" if missing else None
 
 
 def weights_problem(path: Path) -> str | None:
