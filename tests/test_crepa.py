@@ -134,7 +134,7 @@ def test_similarity_threshold_in_training(tmp_path, dataset, dino):
     assert (tmp_path / "high" / "output" / "checkpoints" / "checkpoint-0000002" / crepa.SIMILARITY_FILE).is_file()
 
 
-def test_config_keys(tmp_path, dataset, dino):
+def test_config_keys(tmp_path, dataset, dino, monkeypatch):
     cfg = load_config(write_config(tmp_path, dataset, crepa_enabled=True)).train
     assert (cfg.crepa_block_index, cfg.crepa_lambda, cfg.crepa_adjacent_distance, cfg.crepa_adjacent_tau) == (8, 0.5, 1, 1.0)
     assert (cfg.crepa_encoder, cfg.crepa_encoder_image_size) == ("dinov2_vitg14", 518)  # the spec's defaults
@@ -157,6 +157,10 @@ def test_config_keys(tmp_path, dataset, dino):
         with pytest.raises(ConfigError, match=f"crepa_encoder: .*{message}"):
             load_config(write_config(tmp_path / "enc", dataset, crepa_enabled=True, crepa_encoder=typo))
     load_config(write_config(tmp_path / "enc-off", dataset, crepa_encoder="/nowhere/dino"))  # free while off
+    def no_caching(*args, **kwargs):
+        raise AssertionError("the block is checked before the caches fill")
+
+    monkeypatch.setattr("difftune.train.setup.fill_caches", no_caching)
     with pytest.raises(crepa.CrepaError, match="crepa_block_index 8 is out of range"):
         build_run(load_config(write_config(tmp_path / "range", dataset, **on(dino, crepa_block_index=8))))
     with pytest.raises(crepa.CrepaError, match="inside the TREAD route"):

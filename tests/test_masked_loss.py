@@ -236,6 +236,24 @@ def test_loss_is_the_masked_mean_and_the_off_values_change_nothing(tmp_path, dat
         run.events.close()
 
 
+def test_black_masks_are_warned_about(tmp_path, dataset):
+    """A mask saved with values 0 and 1 (or black over its crop) weighs its sample's loss to nothing: said once,
+    when the masks are cached, naming a file."""
+    ones, grey = tmp_path / "ones", tmp_path / "grey"
+    make_masks(dataset, ones, fill=1)
+    make_masks(dataset, grey, fill=128)
+    for folder, warned in ((ones, True), (grey, False)):
+        run = build_run(load_config(masked_config(tmp_path / f"run-{folder.name}", dataset, folder)))
+        run.events.close()
+        lines = [json.loads(line) for line in (run.output_dir / "events.jsonl").read_text().splitlines()]
+        black = [e["message"] for e in lines if e["event"] == "warning" and "black over" in e.get("message", "")]
+        count = len(list(dataset.glob("*.png")))
+        assert black == ([f"dataset 'train': {count} loss mask(s) black over the whole trained crop, e.g. "
+                          f"{sorted(ones.glob('*.png'))[0]}: those samples add nothing to the loss. White (255) "
+                          "marks the area to train; a mask saved with values 0 and 1 looks black (scale it to 0 "
+                          "and 255)"] if warned else [])
+
+
 def test_probability_draws_per_batch_from_the_run_generator(tmp_path, dataset):
     grey = tmp_path / "grey"
     make_masks(dataset, grey, fill=128)

@@ -39,6 +39,14 @@ def test_empty_and_none_mean_unset_for_optional_keys(tmp_path, dataset, key):
     assert getattr(load_config(path, {key: "none"}).train, key) is None
 
 
+def test_max_grad_norm_zero_is_no_clipping(tmp_path, dataset):
+    """0 switches clipping off in SimpleTuner and most trainers; a negative limit is still refused."""
+    path = write_config(tmp_path, dataset, max_grad_norm=0)
+    assert load_config(path).train.max_grad_norm is None
+    assert load_config(path, {"max_grad_norm": "0"}).train.max_grad_norm is None
+    assert "max_grad_norm" in problems(write_config(tmp_path, dataset, max_grad_norm=-1))
+
+
 def test_none_for_a_file_key_on_the_command_line(tmp_path, dataset):
     library = tmp_path / "library.json"
     library.write_text('{"cat": "a cat"}')

@@ -68,6 +68,14 @@ def test_config_keys_are_checked(tmp_path, dataset):
     chosen = load_config(write_config(tmp_path / "chosen", dataset, scheduled_sampling_max_step_offset=3,
                                       scheduled_sampling_probability=0.5, scheduled_sampling_reflexflow=False))
     assert not any("ReflexFlow" in note for note in chosen.notes())
+    idle = load_config(write_config(tmp_path / "idle", dataset, tread_config={"routes": [
+        {"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 0},
+        {"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": -1}]}))
+    assert [n for n in idle.notes() if "selection_ratio 0" in n] == [
+        "tread_config route 1 (counting from 0): selection_ratio 0 routes no token past the blocks, so training runs "
+        "as without it; set a share such as 0.5, or remove the route"]
+    half = load_config(write_config(tmp_path / "half", dataset, tread_config=HALF_OF_LAST))
+    assert not any("selection_ratio" in note for note in half.notes())
 
 
 def _inputs(case: Case, transformer):

@@ -101,6 +101,11 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
         notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "
                      "flow_schedule_auto_shift to false to use it)")
+    idle = [i for i, r in enumerate(getattr(cfg.tread_config, "routes", None) or []) if r.selection_ratio == 0]
+    if idle:
+        notes.append(f"tread_config route{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} (counting from "
+                     "0): selection_ratio 0 routes no token past the blocks, so training runs as without it; set a "
+                     "share such as 0.5, or remove the route")
     return notes
 
 

@@ -44,6 +44,14 @@ def unset(value: Any) -> bool:
     return value is None or isinstance(value, str) and value.strip().lower() in ("", "none")
 
 
+def zero_is_off(value: Any) -> Any:
+    """A limit whose 0 (or false), null, "" or "none" means "no limit" -> None (`max_grad_norm`)."""
+    try:
+        return None if unset(value) or float(value) == 0 else value
+    except (TypeError, ValueError):
+        return value
+
+
 def text_list(value: Any) -> Any:
     """A list key written as text (the command line's only form): '0.5, 1.0' or '[0.5, 1.0]' -> its items as
     strings (the field's type converts them); empty -> None; anything else unchanged."""

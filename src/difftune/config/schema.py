@@ -21,7 +21,7 @@ from difftune.config.eval_keys import EvalKeys
 from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
-from difftune.config.fields import UnsetSpellings, expand_home, field, unset
+from difftune.config.fields import UnsetSpellings, expand_home, field, unset, zero_is_off
 from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
@@ -36,7 +36,13 @@ from difftune.config.schedule_keys import ScheduleKeys
 from difftune.config.small_keys import SmallKeys
 from difftune.config.speed_keys import SpeedKeys
 from difftune.config.validation_triggers import ValidationTriggerKeys
-from difftune.config.values import parse_resolutions, prompt_library, resolution_text, snap_size
+from difftune.config.values import (
+    parse_resolutions,
+    positive_sizes,
+    prompt_library,
+    resolution_text,
+    snap_size,
+)
 from difftune.config.webhook_keys import WebhookKeys
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
@@ -182,7 +188,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         0, "Stop after this many passes over the data (0 or null: use max_train_steps).", "training", ge=0
     )
     max_grad_norm: float | None = field(
-        None, "Clip gradients to this value (1.0 is usual; see grad_clip_method); empty disables clipping.",
+        None, "Clip gradients to this value (1.0 is usual; see grad_clip_method); empty or 0 disables clipping.",
         "training", gt=0,
     )
     grad_clip_method: Literal["norm", "value"] = field(
@@ -467,6 +473,11 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         leaving them out, whose default 0 is that "off"."""
         return cls.model_fields[info.field_name].default if unset(v) else v
 
+    @field_validator("max_grad_norm", mode="before")
+    @classmethod
+    def _zero_is_off(cls, v: Any) -> object:
+        return zero_is_off(v)  # config/fields.py: 0 is "no clipping" in SimpleTuner and most trainers
+
     @field_validator("tracker_project_name")
     @classmethod
     def _project_name(cls, v: str | None) -> str | None:
@@ -529,12 +540,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     @field_validator("validation_resolution")
     @classmethod
     def _resolution(cls, v: str | None) -> str | None:
-        if v in (None, ""):
-            return None
-        for w, h in parse_resolutions(v):
-            if w <= 0 or h <= 0:
-                raise ValueError(f"{v!r}: {w}x{h}: width and height must be positive")
-        return v
+        return positive_sizes(v)  # config/values.py
 
     @model_validator(mode="after")
     def _cross_checks(self, info: ValidationInfo) -> TrainConfig:

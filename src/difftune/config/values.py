@@ -64,6 +64,16 @@ RESERVED_PROMPT_NAMES = ("validation", "unconditional")
 MAX_PROMPT_NAME = 120
 
 
+def positive_sizes(v: str | None) -> str | None:
+    """validation_resolution's text form checked: every size positive ("" is unset)."""
+    if v in (None, ""):
+        return None
+    for w, h in parse_resolutions(v):
+        if w <= 0 or h <= 0:
+            raise ValueError(f"{v!r}: {w}x{h}: width and height must be positive")
+    return v
+
+
 def resolution_text(v: object) -> object:
     """validation_resolution as written in JSON -> its text form. A number (64) is the one-number form, as on the
     command line and in SimpleTuner (which passes config.json values on as command-line text); a whole float (64.0)

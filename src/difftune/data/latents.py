@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -139,10 +140,11 @@ def fill_latent_cache(
     samples: list[Sample], cache: TensorCache, crop_style: str, seed: int,
     encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int,
     on_progress: Callable[[int], None] | None = None, first_frame: bool = False,
-    stats: dict[str, int] | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> tuple[list[CachedSample], list[tuple[Path, str]]]:
     """Returns the samples with valid cache entries, and the files that failed with their reason;
-    `stats["encoded"]` is set to how many of them were encoded now (the rest were in the cache).
+    `stats["encoded"]` is set to how many of them were encoded now (the rest were in the cache), and
+    `stats["black_masks"]` lists the loss masks encoded now that are black over their whole crop.
     `first_frame` (image-to-video): each clip's first frame is also encoded on its own, as the pipeline
     encodes its input image; with the VAE's GroupNorm over all frames it differs from the clip's first
     latent frame."""
@@ -192,6 +194,8 @@ def fill_latent_cache(
                     except MEDIA_ERRORS as e:
                         failed.append((sample.path, f"its loss mask {sample.mask}: {e}"))
                         continue
+                    if stats is not None and float(masks[sample.path].max()) < 1.5 / 255:  # 0, or a 0/1 mask
+                        stats.setdefault("black_masks", []).append(sample.mask)
                 ready.append((sample, keys))
                 pixels.extend(tensors)
             if pixels:

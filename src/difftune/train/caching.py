@@ -11,6 +11,7 @@ import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -225,11 +226,15 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
                             _compress(ds.compress_cache, cfg.compress_disk_cache))
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         mine = ranks.shard(disc.samples)
-        counted: dict[str, int] = {}
+        counted: dict[str, Any] = {}
         fill_latent_cache(mine, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
                           on_progress=progress(events, f"latents ({ds.id})", len(mine)), first_frame=first_frame,
                           stats=counted)
         latents_encoded += counted["encoded"]
+        if black := counted.get("black_masks"):  # a common slip: masks saved as 0/1 values, or inverted
+            events.emit("warning", message=f"dataset {ds.id!r}: {len(black)} loss mask(s) black over the whole "
+                        f"trained crop, e.g. {black[0]}: those samples add nothing to the loss. White (255) marks "
+                        "the area to train; a mask saved with values 0 and 1 looks black (scale it to 0 and 255)")
         ranks.barrier()
         done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
                                       first_frame=first_frame)

@@ -118,22 +118,30 @@ def alignment(tokens: torch.Tensor, targets: torch.Tensor, distance: int, tau: f
     return (total / frames if by_frames else total).mean()
 
 
+def check_block(cfg: Any, family: Any, transformer: torch.nn.Module) -> None:
+    """crepa_block_index against the loaded model's blocks and the TREAD routes: called before caching too, so a
+    block that cannot be used fails before the caches fill."""
+    if not cfg.crepa_enabled:
+        return
+    blocks = LAYOUTS[family.tread_layout].blocks(transformer)
+    index = cfg.crepa_block_index
+    if index >= len(blocks):
+        raise CrepaError(f"crepa_block_index {index} is out of range: this model has {len(blocks)} image/video "
+                         f"blocks (0 to {len(blocks) - 1})")
+    for route in getattr(cfg.tread_config, "routes", None) or []:
+        start, end = (i + len(blocks) if i < 0 else i for i in (route.start_layer_idx, route.end_layer_idx))
+        if start <= index <= end:  # inside a route the block sees only the tokens TREAD kept
+            raise CrepaError(f"crepa_block_index {index} lies inside the TREAD route of blocks {start}-{end}, "
+                             "whose blocks see only part of the tokens; choose a block outside the route")
+
+
 class Crepa:
     def __init__(self, cfg: Any, family: Any, comps: Any, device: torch.device):
         self.cfg, self.family, self.comps, self.device = cfg, family, comps, device
-        layout = LAYOUTS[family.tread_layout]
         self.joint = family.tread_layout == "joint"
         transformer = comps.transformer
-        blocks = layout.blocks(transformer)
-        index = cfg.crepa_block_index
-        if index >= len(blocks):
-            raise CrepaError(f"crepa_block_index {index} is out of range: this model has {len(blocks)} image/video "
-                             f"blocks (0 to {len(blocks) - 1})")
-        for route in getattr(cfg.tread_config, "routes", None) or []:
-            start, end = (i + len(blocks) if i < 0 else i for i in (route.start_layer_idx, route.end_layer_idx))
-            if start <= index <= end:  # inside a route the block sees only the tokens TREAD kept
-                raise CrepaError(f"crepa_block_index {index} lies inside the TREAD route of blocks {start}-{end}, "
-                                 "whose blocks see only part of the tokens; choose a block outside the route")
+        check_block(cfg, family, transformer)
+        blocks, index = LAYOUTS[family.tread_layout].blocks(transformer), cfg.crepa_block_index
         config = transformer.config
         hidden = getattr(config, "hidden_size", None) or config.model_dim
         patch = config.patch_size

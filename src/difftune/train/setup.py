@@ -215,6 +215,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
     tread.check(cfg.tread_config, family, comps.transformer)  # a route that does not fit fails now, not after caching
+    crepa.check_block(cfg, family, comps.transformer)  # so does a CREPA block out of range or inside a route
     # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights;
     # fsdp_cpu_ram_efficient_loading keeps it where it is (process 0's CPU, or meta) until fsdp.shard.
     if not park and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap or ram_efficient(cfg, ranks)):
