@@ -157,3 +157,43 @@ def test_lycoris_warnings_become_warning_events(tmp_path, dataset, capfd):
     console = capfd.readouterr()
     assert (console.out + console.err).count("No modules matched") == 1  # said once: the run's warning
     assert {lora.lora_name for lora in run.adapter.network.loras}  # Attention still matched
+
+
+@pytest.mark.parametrize("algo", ["full", "glora", "lokr"])
+def test_a_stopped_lycoris_run_resumes_exactly(tmp_path, dataset, monkeypatch, algo):
+    """Every algo resumes with the losses of the uninterrupted run (a `full` module's state_dict() names its
+    weight `diff`: its checkpoints could not be resumed)."""
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.train.loop import train
+    from difftune.train.setup import build_run
+    from test_train import crash_then_resume, losses
+
+    lycoris_config = tmp_path / "lycoris_config.json"
+    lycoris_config.write_text(json.dumps(config_for(algo)))
+    common = dict(lora_type="lycoris", lycoris_config=str(lycoris_config), max_train_steps=4,
+                  checkpoint_step_interval=2, train_batch_size=2, resume_from_checkpoint="latest",
+                  validation_prompt=None)
+    train(build_run(load_config(write_config(tmp_path / "a", dataset, **common))))
+    crash_then_resume(monkeypatch, write_config(tmp_path / "b", dataset, **common), at_step=3)
+    assert losses(tmp_path / "b" / "output") == losses(tmp_path / "a" / "output")
+    a, b = (load_file(tmp_path / x / "output" / "pytorch_lora_weights.safetensors") for x in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_full_checkpoint_of_the_old_layout_loads():
+    """Checkpoints written before the fix hold `full` modules' `diff` (weight minus the base): read as weights."""
+    from difftune.adapters.kinds import _full_diffs_as_weights
+
+    _, comps = load("lumina2")
+    network, params = attach_lycoris(comps.transformer, {"algo": "full"})
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.01)
+    old = network.state_dict()
+    assert any(k.endswith(".diff") for k in old)
+    live = dict(network.named_parameters())
+    restored = _full_diffs_as_weights(network, old)
+    weights = {k: v for k, v in restored.items() if k in live and live[k].requires_grad}
+    assert weights and set(weights) == {n for n, p in live.items() if p.requires_grad}
+    assert all(torch.allclose(weights[k], live[k].detach(), atol=1e-6) for k in weights)

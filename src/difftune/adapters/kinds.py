@@ -111,10 +111,15 @@ class LycorisAdapter:
         return self.params
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.network.state_dict().items()}
+        # The live tensors by their own names: a `full` module's state_dict() holds `diff` (its weight minus the
+        # base's) where its parameter is `weight`, which a resume could not copy back.
+        live = dict(self.network.named_parameters())
+        state = {k: v for k, v in self.network.state_dict().items() if k in live or not k.endswith((".diff", ".diff_b"))}
+        state.update({n: p for n, p in live.items() if p.requires_grad and n not in state})
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        _copy_into(self.network, state)
+        _copy_into(self.network, _full_diffs_as_weights(self.network, state))
 
     def save(self, folder: Path) -> Path:
         from difftune.adapters.lycoris import save_lycoris
@@ -144,6 +149,20 @@ class FullAdapter:
         target = folder / "transformer"
         self.transformer.save_pretrained(target, safe_serialization=True)
         return target
+
+
+def _full_diffs_as_weights(network: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints written before LycorisAdapter.state_dict kept `full` modules' weights hold their `diff`
+    (weight minus the base weight LyCORIS keeps aside): the weights again."""
+    modules = dict(network.named_modules())
+    out = {}
+    for key, value in state.items():
+        name, _, leaf = key.rpartition(".")
+        base = getattr(modules.get(name), "_org_weight" if leaf == "diff" else "org_bias", None)
+        if leaf in ("diff", "diff_b") and base:
+            key, value = f"{name}.{'weight' if leaf == 'diff' else 'bias'}", value + base[0].to(value)
+        out[key] = value
+    return out
 
 
 def _copy_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
