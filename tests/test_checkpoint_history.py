@@ -62,7 +62,7 @@ def fake_checkpoint(folder, step: int, optimizer: str = "optimizer.pt"):
     folder.mkdir(parents=True)
     save_file({"w": torch.zeros(2)}, folder / "trainable.safetensors")
     for name in (optimizer, "lr_scheduler.pt", "rng.pt"):
-        (folder / name).write_bytes(b"x")
+        torch.save({"step": step}, folder / name)
     (folder / STATE_FILE).write_text(json.dumps({"step": step}))
     return folder
 
@@ -94,6 +94,24 @@ def test_a_checkpoint_missing_a_file_is_passed_over_or_refused(tmp_path, removed
     assert "FSDP" not in str(err.value)
 
 
+@pytest.mark.parametrize("damaged", ["optimizer.pt", "lr_scheduler.pt", "rng.pt", STATE_FILE])
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_a_checkpoint_with_a_damaged_file_is_passed_over_or_refused(tmp_path, damaged, damage):
+    """A partial copy or a disk error: 'latest' takes the one before (it died in torch.load); a named one is an
+    error line (it was a traceback advising weights_only=False)."""
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "checkpoint-0000002", 2)
+    newest = fake_checkpoint(root / "checkpoint-0000004", 4)
+    size = (newest / damaged).stat().st_size
+    (newest / damaged).write_bytes((newest / damaged).read_bytes()[: size // 2] if damage == "truncated"
+                                   else bytes(size))
+    warned = []
+    assert resolve_resume(tmp_path, "latest", warned.append) == root / "checkpoint-0000002"
+    assert f"passing over checkpoint-0000004: its {damaged} " in warned[0]
+    with pytest.raises(CheckpointError, match=f"is not intact: its {damaged} "):
+        resolve_resume(tmp_path, str(newest))
+
+
 def sharded_state(folder) -> None:
     """An optimizer state as FSDP's SHARDED_STATE_DICT writes it (torch.distributed.checkpoint: .metadata and one
     file per process; one process here)."""
@@ -109,7 +127,7 @@ def sharded_state(folder) -> None:
 @pytest.mark.parametrize("optimizer", ["optimizer_fsdp.pt", "optimizer_fsdp"])
 def test_an_fsdp_checkpoint_is_complete(tmp_path, optimizer):
     folder = fake_checkpoint(tmp_path / "checkpoints" / "checkpoint-0000002", 2, optimizer="rng.pt")
-    sharded_state(folder / optimizer) if "." not in optimizer else (folder / optimizer).write_bytes(b"x")
+    sharded_state(folder / optimizer) if "." not in optimizer else torch.save({}, folder / optimizer)
     assert resolve_resume(tmp_path, "latest") == folder
 
 
@@ -161,3 +179,49 @@ def test_resume_past_the_end_and_simpletuner_folders_warn_and_bad_checkpoints_ex
     err = capsys.readouterr().err
     assert "error: resume_from_checkpoint:" in err and "its optimizer.pt is missing" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("failing", ["checkpoint", "result"])
+def test_a_failed_write_is_one_line_and_the_run_resumes(tmp_path, dataset, capsys, monkeypatch, failing):
+    """Disk full while a checkpoint (torch.save's error) or the final LoRA (the OS's) is written: `error: ...`
+    naming the folder and the checkpoint a resume takes, exit status 2, the partial checkpoint removed, the earlier
+    ones whole; run again, it resumes with the uninterrupted run's losses."""
+    import errno
+
+    from difftune.train import checkpoint as ckpt
+    from test_train import losses
+
+    common = dict(max_train_steps=4, checkpoint_step_interval=2, resume_from_checkpoint="latest")
+    train(build_run(load_config(write_config(tmp_path / "a", dataset, **common))))
+    real_save, real_write = torch.save, ckpt._write_adapter
+
+    def full_disk_save(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt") and "checkpoint-0000004" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")
+        return real_save(obj, f, *args, **kwargs)
+
+    def full_disk_result(run, folder):
+        if folder == run.output_dir:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(run, folder)
+
+    if failing == "checkpoint":
+        monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
+    else:
+        monkeypatch.setattr(ckpt, "_write_adapter", full_disk_result)
+    path = write_config(tmp_path / "b", dataset, **common)
+    capsys.readouterr()
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    out = tmp_path / "b" / "output"
+    what = "checkpoint checkpoint-0000004 in " + str(out / "checkpoints") if failing == "checkpoint" else \
+        f"the trained weights in {out}"
+    last = "checkpoint-0000002" if failing == "checkpoint" else "checkpoint-0000004"
+    assert f"error: cannot write {what} (" in err and f"it resumes from {last}" in err and "Traceback" not in err
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert [p.name for p in complete(out)][-1] == last
+    monkeypatch.undo()
+    assert main(["train", "--config", str(path)]) == 0
+    assert losses(out) == losses(tmp_path / "a" / "output")  # the last loss of each step
+    assert (out / "pytorch_lora_weights.safetensors").is_file()

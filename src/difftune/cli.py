@@ -351,13 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from difftune.data.cache import CacheWriteError
         from difftune.models.hub import ComponentError
-        from difftune.train.checkpoint import CheckpointError
+        from difftune.train.checkpoint import CheckpointError, WriteError
         from difftune.train.hub import HubAccessError
         from difftune.train.plan import DataError
         from difftune.train.trackers import TrackerError
 
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
-                          | TrackerError):
+                          | TrackerError | WriteError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +51,40 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed: the command line prints it as `error: ...` (exit status 2)."""
 
 
+class WriteError(Exception):
+    """A checkpoint or result that could not be written (disk full, no permission): the command line prints it
+    as `error: ...` (exit status 2). What the failed save had written is removed; earlier checkpoints stay."""
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed, when `e` is the OS's, torch.save's or safetensors' form of a failed write; else None."""
+    text = str(e)
+    if isinstance(e, OSError):
+        return e.strerror or text
+    if isinstance(e, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text):
+        return f"torch.save: {text.splitlines()[0][:160]}"
+    if type(e).__name__ == "SafetensorError" and "I/O error" in text:
+        return text.split("I/O error: ", 1)[-1]
+    return None
+
+
+@contextmanager
+def written(what: str, folder: Path, output_dir: Path, partial: Path | None = None) -> Iterator[None]:
+    """Turn a failed write inside into a WriteError naming `folder` and the checkpoint a resume takes; `partial`
+    (a temporary folder) is removed on any failure, which gives back the space it took."""
+    try:
+        yield
+    except BaseException as e:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        if (reason := write_failure(e)) is None:
+            raise
+        last = find_latest(output_dir)
+        resumes = f"it resumes from {last.name}" if last else "there is no checkpoint yet, so it starts afresh"
+        raise WriteError(f"cannot write {what} in {folder} ({reason}); free disk space (or make the folder "
+                         f"writable) and run again with resume_from_checkpoint 'latest': {resumes}") from e
+
+
 def step_of(path: Path) -> int | None:
     """The step of a checkpoint folder's name (regular or rolling), or None for any other name."""
     digits = path.name[len(PREFIX):].removesuffix(ROLLING) if path.name.startswith(PREFIX) else ""
@@ -70,7 +107,13 @@ def checkpoints_dir(output_dir: Path) -> Path:
 
 def save_adapter(run: Run, folder: Path) -> Path:
     """The adapter in its loadable format, written atomically: every file or folder it produces is
-    whole under its final name (a reader or a kill never sees a half-written one)."""
+    whole under its final name (a reader or a kill never sees a half-written one). A failed write is a
+    WriteError; the result it would have replaced stays whole."""
+    with written("the trained weights", folder, run.output_dir):
+        return _write_adapter(run, folder)
+
+
+def _write_adapter(run: Run, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".tmp-result-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -103,9 +146,22 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
     """Write the run's state as a checkpoint of the regular series, or of the rolling one, then prune that series.
     Returns the checkpoint and the names of the ones pruning removed (the hub upload removes them there too)."""
     root = checkpoints_dir(run.output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{run.state.step:07d}{ROLLING if rolling else ''}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    with written(f"checkpoint {final.name}", root, run.output_dir, partial=tmp):
+        _write_checkpoint(run, root, tmp)
+        if final.exists():  # the same step saved again (for example at the end): replace it whole
+            # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it
+            # back under its name instead of deleting the only copy of that step.
+            swap_in(tmp, final, root / f".replaced-{final.name}-{os.getpid()}")
+        else:
+            os.replace(tmp, final)
+    keep = run.cfg.checkpoints_rolling_total_limit if rolling else run.cfg.checkpoints_total_limit
+    return final, prune_checkpoints(run.output_dir, keep, rolling, written=final)
+
+
+def _write_checkpoint(run: Run, root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(run.adapter.state_dict(), tmp / "trainable.safetensors")
@@ -118,11 +174,11 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
         run.crepa.save(tmp)
     torch.save({"generator": run.generator.get_state(), "generator_device": run.generator.device.type,
                 "torch": torch.get_rng_state()}, tmp / "rng.pt")
-    save_adapter(run, tmp)
+    _write_adapter(run, tmp)
     if run.ema is not None:
         torch.save(run.ema.state_dict(), tmp / "ema.pt")
         with run.ema.swap():
-            save_adapter(run, tmp / "ema")
+            _write_adapter(run, tmp / "ema")
     # The position after the last batch consumed: the sampler itself is ahead by the batches read ahead
     state = {"step": run.state.step, "sampler": run.state.position or run.data.sampler.state_dict(),
              "settings": resume_settings.recorded(run)}  # what the next resume compares its config with
@@ -132,14 +188,6 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
         (tmp / SOURCE_FILE).write_text(json.dumps(run.comps.origin().transformer_identity()))
     tree_as_created(tmp)
     _fsync_tree(tmp)
-    if final.exists():  # the same step saved again (for example at the end): replace it whole
-        # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it
-        # back under its name instead of deleting the only copy of that step.
-        swap_in(tmp, final, root / f".replaced-{final.name}-{os.getpid()}")
-    else:
-        os.replace(tmp, final)
-    keep = run.cfg.checkpoints_rolling_total_limit if rolling else run.cfg.checkpoints_total_limit
-    return final, prune_checkpoints(run.output_dir, keep, rolling, written=final)
 
 
 def prune_checkpoints(output_dir: Path, keep: int | None, rolling: bool = False,
@@ -258,6 +306,8 @@ def weights_problem(path: Path) -> str | None:
 
     if (missing := missing_file(path)) is not None:
         return missing
+    if (unreadable := _unreadable(path)) is not None:
+        return unreadable
     try:
         bad = nonfinite(load_file(path / "trainable.safetensors"))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for any damage
@@ -272,6 +322,31 @@ def weights_problem(path: Path) -> str | None:
         tensors = {f"ema[{i}]": t for i, t in enumerate(_tensors(ema))}
         if (bad := nonfinite(tensors)) is not None:
             return f"its EMA weights are not finite (NaN or inf in {bad})"
+    return None
+
+
+def _unreadable(path: Path) -> str | None:
+    """The first of the state files a resume reads that cannot be read (truncated, zeroed, not JSON), described.
+    The small ones are read whole; an optimizer state (gigabytes for a full fine-tune) only to its zip directory,
+    which is at the end of the file: what a truncated or zeroed file lacks."""
+    from difftune.train.fsdp import FULL_OPTIMIZER
+
+    try:
+        if not isinstance(json.loads((path / STATE_FILE).read_text()), dict):
+            return f"its {STATE_FILE} is not a JSON object"
+    except (OSError, ValueError) as e:
+        return f"its {STATE_FILE} cannot be read ({type(e).__name__}: {e})"
+    for name in ("lr_scheduler.pt", "rng.pt"):
+        try:
+            torch.load(path / name, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a damaged pickle raises many types
+            return f"its {name} cannot be read ({type(e).__name__})"
+    for name in ("optimizer.pt", FULL_OPTIMIZER):
+        if (path / name).is_file():
+            try:
+                zipfile.ZipFile(path / name).close()
+            except (OSError, zipfile.BadZipFile) as e:
+                return f"its {name} cannot be read ({type(e).__name__}: {e})"
     return None
 
 
