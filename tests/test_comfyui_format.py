@@ -284,3 +284,20 @@ def test_fused_qkv_with_missing_projections_and_unknown_modules():
                                        "blocks.0.attn.to_q.lora_B.weight": b_q}, 2.0, r)
     with pytest.raises(ValueError, match="rank"):
         comfyui.lumina2_to_comfyui(sd, alpha=2.0, rank=r + 1)
+
+
+def test_a_lumina2_lora_on_to_q_alone_saves_for_comfyui(tmp_path):
+    """lora_target_modules without to_k and to_v: the fused qkv gets zero k and v rows of to_k's width (the save
+    failed at the run's first checkpoint, asking for a kv_dim no key could give)."""
+    family = get_family("lumina2")
+    comps = family.load(str(tiny_model("lumina2", "tiny-random")), torch.float32)
+    net = comps.transformer
+    cfg = TrainConfig(model_family="lumina2", max_train_steps=1, lora_rank=RANK, lora_alpha=ALPHA,
+                      lora_format="comfyui", lora_target_modules=["to_q", "to_out.0"])
+    adapter = LoraAdapter(cfg, family, net)
+    path = adapter.save(tmp_path)
+    saved = load_file(path)
+    hidden, kv = net.config.hidden_size, net.config.num_kv_heads * net.config.hidden_size // \
+        net.config.num_attention_heads
+    assert saved["diffusion_model.layers.0.attention.qkv.lora_up.weight"].shape == (hidden + 2 * kv, RANK)
+    assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()

@@ -314,8 +314,9 @@ def lumina2_to_comfyui(
 
 
 def kandinsky5_to_comfyui(state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int, *,
-                          base_weight: BaseWeight | None = None) -> dict[str, torch.Tensor]:
-    """A difftune Kandinsky 5 LoRA (peft/diffusers keys) as ComfyUI Kandinsky5 keys (same module names)."""
+                          kv_dim: int | None = None, base_weight: BaseWeight | None = None) -> dict[str, torch.Tensor]:
+    """A difftune Kandinsky 5 LoRA (peft/diffusers keys) as ComfyUI Kandinsky5 keys (same module names; q, k and v
+    stay apart, so `kv_dim` is not needed)."""
     return _convert(state_dict, alpha, rank, kandinsky5_module, base_weight=base_weight)
 
 
@@ -327,14 +328,15 @@ TO_COMFYUI: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
 
 
 def to_comfyui(family: str, state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int, *,
-               base_weight: BaseWeight | None = None) -> dict[str, torch.Tensor]:
+               kv_dim: int | None = None, base_weight: BaseWeight | None = None) -> dict[str, torch.Tensor]:
     """Convert for a difftune family (`lumina2`, `kandinsky5-image`, `kandinsky5-video`); `base_weight(diffusers
-    module name)` gives the base model's weight, needed for a DoRA LoRA only."""
+    module name)` gives the base model's weight, needed for a DoRA LoRA only; `kv_dim` (the width of to_k's output)
+    for a Lumina2 LoRA that adapts to_q but neither to_k nor to_v."""
     facts = FAMILY_FACTS.get(family)
     if facts is None or facts.comfyui_layout not in TO_COMFYUI:
         known = sorted(name for name, f in FAMILY_FACTS.items() if f.comfyui_layout in TO_COMFYUI)
         raise ValueError(f"no ComfyUI conversion for family {family!r}; known: {known}")
-    return TO_COMFYUI[facts.comfyui_layout](state_dict, alpha, rank, base_weight=base_weight)
+    return TO_COMFYUI[facts.comfyui_layout](state_dict, alpha, rank, kv_dim=kv_dim, base_weight=base_weight)
 
 
 def read_diffusers_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], float, int]:
@@ -363,10 +365,10 @@ def read_diffusers_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], floa
 
 def save_comfyui(
     path: str | Path, family: str, state_dict: Mapping[str, torch.Tensor], alpha: float, rank: int,
-    metadata: Mapping[str, Any] | None = None, base_weight: BaseWeight | None = None,
+    metadata: Mapping[str, Any] | None = None, base_weight: BaseWeight | None = None, kv_dim: int | None = None,
 ) -> Path:
     """Convert and write a ComfyUI LoRA file (safetensors); returns its path."""
-    tensors = to_comfyui(family, state_dict, alpha, rank, base_weight=base_weight)
+    tensors = to_comfyui(family, state_dict, alpha, rank, kv_dim=kv_dim, base_weight=base_weight)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "difftune_family": family, "lora_alpha": str(alpha), "lora_rank": str(rank)}

@@ -91,8 +91,11 @@ class LoraAdapter:
             prefixed = {f"transformer.{k}": v for k, v in state.items()}
             # DoRA: ComfyUI's dora_scale depends on the base weights (adapters/comfyui.py)
             base = (lambda name: dense_weight(self.transformer.get_submodule(name))) if self.cfg.use_dora else None
+            # a fused qkv whose LoRA adapts to_q alone gets zero k and v rows: their width is to_k's output
+            kv_dim = next((getattr(m, "out_features", None) for n, m in self.transformer.named_modules()
+                           if n.endswith(".to_k")), None)
             return save_comfyui(folder / "comfyui_lora.safetensors", self.cfg.model_family, prefixed,
-                                config.lora_alpha, config.r, base_weight=base)
+                                config.lora_alpha, config.r, base_weight=base, kv_dim=kv_dim)
         return path
 
 
