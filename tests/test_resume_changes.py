@@ -71,8 +71,18 @@ def test_another_optimizer_resumes_with_a_fresh_state_and_a_warning(tmp_path, da
     # a checkpoint of an earlier difftune (no settings recorded) loads as before
     old = out / "checkpoints" / "checkpoint-0000004" / "training_state.json"
     old.write_text(json.dumps({k: v for k, v in state.items() if k != "settings"}))
+    seen = len(messages(out, "warning"))
     run_with(tmp_path, dataset, max_train_steps=5, optimizer="prodigy", learning_rate=1.0)
     assert [e["step"] for e in events_of(out) if e["event"] == "step"][-1] == 5
+    assert not [m for m in messages(out, "warning")[seen:] if "optimizer" in m]  # the same optimizer: its state
+    # ... and resumed with another optimizer, its state is not loaded into that one (a raw KeyError: 'step' into
+    # AdamW; AdamW's moments taken silently by Lion the other way)
+    for folder in (out / "checkpoints").glob("checkpoint-*"):
+        state = json.loads((folder / "training_state.json").read_text())
+        (folder / "training_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "settings"}))
+    run_with(tmp_path, dataset, max_train_steps=6, optimizer="adamw")
+    (warning,) = [m for m in messages(out, "warning")[seen:] if "optimizer" in m]
+    assert "trained with another optimizer than 'adamw'" in warning and "starts afresh" in warning
 
 
 def test_changed_optimizer_config_resumes_with_a_fresh_state(tmp_path, dataset):

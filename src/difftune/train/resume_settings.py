@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from difftune.config.resume_check import batch_changes, batches_refusal
 from difftune.train.optimizers import OPTIMIZER_ALIASES
 
@@ -47,8 +49,8 @@ def optimizer_changed(run: Run, saved: dict, path: Path) -> bool:
     goes on with a fresh optimizer state. One optimizer's state does not fit another's (a raw KeyError, or Lion
     taking AdamW's moments), nor always its own under other constructor settings (amsgrad on needs a state AdamW
     without it never made)."""
-    if "optimizer" not in saved:  # written by an earlier difftune: loaded as it was
-        return False
+    if "optimizer" not in saved:  # written by an earlier difftune, which did not record it
+        return _other_groups(run, path)
     now = recorded(run)
     old, new = (saved["optimizer"], saved.get("optimizer_config") or {}), (now["optimizer"], now["optimizer_config"])
     if old == new:
@@ -58,6 +60,23 @@ def optimizer_changed(run: Run, saved: dict, path: Path) -> bool:
     run.events.emit("warning", message=f"{path} was trained with {what}: the weights, step, learning-rate schedule "
                     "and data position are resumed, the optimizer starts afresh (its moments are rebuilt over the "
                     "next steps). Restore the checkpoint's setting to continue its optimizer state instead")
+    return True
+
+
+def _other_groups(run: Run, path: Path) -> bool:
+    """For a checkpoint that does not record its optimizer: whether its param groups lack a setting this run's
+    optimizer has (Lion's betas/lr/weight_decay against AdamW's eps, amsgrad, ...), which means another optimizer
+    whose state would not load (a raw KeyError); if so warned about as optimizer_changed does. (Groups may gain
+    keys as they step, Prodigy's d_hat: only missing ones count. AdamW's state resumed by Lion is not caught.)
+    Read by memory map: nothing is loaded."""
+    if not (path / "optimizer.pt").is_file():  # an FSDP state: its loader checks it
+        return False
+    groups = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)["param_groups"]
+    if {k for g in run.optimizer.param_groups for k in g} <= {k for g in groups for k in g}:
+        return False
+    run.events.emit("warning", message=f"{path} was trained with another optimizer than {run.cfg.optimizer!r} (its "
+                    "state holds other settings; the difftune that wrote it did not record which): the weights, step, "
+                    "learning-rate schedule and data position are resumed, the optimizer starts afresh")
     return True
 
 
