@@ -191,3 +191,36 @@ def test_the_same_sigterm_delivered_twice_is_one_request():
         reached.append("the save finishes")
     assert reached[-1] == "the save finishes" and run_lock.REPEAT_S >= 1
 
+
+
+def test_an_output_dir_that_takes_no_file_fails_before_any_model_loads(tmp_path, dataset, monkeypatch, capsys):
+    """A read-only checkpoints/ (a remounted share, another owner after a copy): `check` said OK and `train` died at
+    its first checkpoint with a traceback. Permission bits cannot show it (root, read-only mounts): a file is made.
+    (Made to fail here at the OS edge, since the tests may run as root.)"""
+    import errno
+    import tempfile
+
+    from conftest import write_config
+    from difftune.cli import main
+    from difftune.train import run_lock, setup
+
+    path = write_config(tmp_path, dataset, max_train_steps=1)
+    out = tmp_path / "output"
+    (out / "checkpoints").mkdir(parents=True)
+    run_lock.check_writable(out)  # writable: passes, leaves nothing
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
+    real = tempfile.mkstemp
+
+    def read_only_checkpoints(*args, dir=None, **kwargs):
+        if Path(dir) == out / "checkpoints":
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(run_lock.tempfile, "mkstemp", read_only_checkpoints)
+    monkeypatch.setattr(setup, "build_run", lambda *a, **k: pytest.fail("a model loaded"))
+    for command in ("check", "train", "cache"):
+        capsys.readouterr()
+        assert main([command, "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: output_dir: cannot write in {out / 'checkpoints'} (Permission denied)" in err, command
+        assert "Traceback" not in err

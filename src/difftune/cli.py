@@ -69,6 +69,9 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     from difftune.train.plan import check_data
+    from difftune.train.run_lock import check_writable
+
+    check_writable(Path(run_cfg.train.output_dir))  # as train does before any model loads
 
     print(check_data(run_cfg))  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)
     for note in run_cfg.notes():
@@ -165,7 +168,15 @@ def _main_process() -> bool:
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     _launched()
-    from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
+    from difftune.train.run_lock import (
+        OutputDirInUse,
+        Terminated,
+        check_writable,
+        output_dir_lock,
+        sigterm_stops,
+    )
+
+    check_writable(Path(run_cfg.train.output_dir))
 
     # SIGTERM stops like Ctrl-C (an interrupted checkpoint); a second run into the same output_dir is refused
     # before any model loads (train/run_lock.py)
@@ -243,10 +254,17 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     import torch
 
     from difftune.train.events import Events
-    from difftune.train.run_lock import OutputDirInUse, Terminated, output_dir_lock, sigterm_stops
+    from difftune.train.run_lock import (
+        OutputDirInUse,
+        Terminated,
+        check_writable,
+        output_dir_lock,
+        sigterm_stops,
+    )
     from difftune.train.setup import prepare_data
 
     output_dir = Path(run_cfg.train.output_dir)
+    check_writable(output_dir)
     events = Events(output_dir / "events.jsonl")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -354,10 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         from difftune.train.checkpoint import CheckpointError, WriteError
         from difftune.train.hub import HubAccessError
         from difftune.train.plan import DataError
+        from difftune.train.run_lock import NotWritable
         from difftune.train.trackers import TrackerError
 
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
-                          | TrackerError | WriteError):
+                          | TrackerError | WriteError | NotWritable):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ import fcntl
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,28 @@ LOCK_FILE = ".difftune.lock"
 # A run that has just logged its end may still be closing its trackers and webhooks (the web UI then already
 # offers to start the next run in that folder): it gets this long to let go before the new run gives up.
 LOCK_WAIT_S = 2.0
+
+
+class NotWritable(Exception):
+    """output_dir (or a folder a run writes in it) refuses a new file: the command line prints it as `error: ...`."""
+
+
+def check_writable(output_dir: Path) -> None:
+    """Before any model loads: output_dir, its checkpoints/ and validation/ (those that exist; else the folder that
+    would hold output_dir) take a new file, tried by making and removing one (permission bits say nothing of a
+    read-only mount or of root). Otherwise the run died at its first checkpoint, losing the steps before it."""
+    output_dir = Path(output_dir)
+    folders = [f for f in (output_dir, output_dir / "checkpoints", output_dir / "validation") if f.is_dir()]
+    if not folders:
+        folders = [p for p in output_dir.parents if p.is_dir()][:1]
+    for folder in folders:
+        try:
+            fd, name = tempfile.mkstemp(prefix=".difftune-write-test-", dir=folder)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as e:
+            raise NotWritable(f"output_dir: cannot write in {folder} ({e.strerror or e}); make it writable, or "
+                              "choose another output_dir") from e
 
 
 class Terminated(KeyboardInterrupt):
