@@ -248,9 +248,12 @@ def load_lycoris(transformer: torch.nn.Module, path: str | Path, multiplier: flo
 
 def base_dtype(transformer: torch.nn.Module) -> torch.dtype:
     """The dtype of most of the transformer's floating-point weights, by size (its bf16 or fp32, not a small fp32
-    adapter's; a quantized weight reports the dtype it computes in; a packed 4-bit one is not counted)."""
+    adapter's; a quantized weight reports the dtype it computes in; a packed 4-bit one is not counted). The modules
+    the model keeps in fp32 (`_keep_in_fp32_modules`: Kandinsky 5's modulations) are not counted: once a `full`
+    network has taken the adapted layers' weights they would outweigh the rest."""
+    kept = tuple(getattr(transformer, "_keep_in_fp32_modules", None) or ())
     counts: Counter[torch.dtype] = Counter()
-    for p in transformer.parameters():
-        if p.is_floating_point():
+    for name, p in transformer.named_parameters():
+        if p.is_floating_point() and not any(part in kept for part in name.split(".")):
             counts[p.dtype] += p.numel()
     return counts.most_common(1)[0][0] if counts else torch.float32
