@@ -301,3 +301,17 @@ def test_a_lumina2_lora_on_to_q_alone_saves_for_comfyui(tmp_path):
         net.config.num_attention_heads
     assert saved["diffusion_model.layers.0.attention.qkv.lora_up.weight"].shape == (hidden + 2 * kv, RANK)
     assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_the_card_says_how_comfyui_reads_a_kandinsky5_diffusers_file():
+    """ComfyUI maps Kandinsky 5's diffusers keys as they are but not the alpha in the metadata: at strength 1 it
+    applies rank/alpha times the trained LoRA (and drops a DoRA's magnitudes)."""
+    from difftune.train.model_card import _comfyui
+
+    def card(**keys):
+        return _comfyui(TrainConfig(max_train_steps=1, lora_rank=4, **keys))
+
+    assert "set the strength to 2" in card(model_family="kandinsky5-image", lora_alpha=8)
+    assert "DoRA magnitudes" in card(model_family="kandinsky5-video", lora_alpha=4, use_dora=True)
+    assert "strength" not in card(model_family="kandinsky5-image", lora_alpha=4)
+    assert "strength" not in card(model_family="lumina2", lora_alpha=8)

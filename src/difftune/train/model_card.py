@@ -57,7 +57,7 @@ def _pipeline_base(cfg: Any) -> str:
     return f"(tiny random {cfg.model_family} model, built offline)"
 
 
-def _generate(run_cfg: RunConfig, steps: bool) -> str:
+def _generate(run_cfg: RunConfig) -> str:
     """The lines that run the pipeline and keep its result, as the family's stock pipeline takes and returns them:
     an input image first for image-to-image and image-to-video, `.images` (Lumina2), `.image` (Kandinsky 5
     Image) or `.frames` (Kandinsky 5 Video, written with export_to_video)."""
@@ -70,8 +70,12 @@ def _generate(run_cfg: RunConfig, steps: bool) -> str:
     args += [f"height={height}", f"width={width}"]
     if video:
         args.append(f"num_frames={validation_video_frames(cfg, run_cfg.datasets)}")
-    if steps:
-        args += [f"num_inference_steps={cfg.validation_num_inference_steps}", f"guidance_scale={cfg.guidance():g}"]
+    if cfg.validation_negative_prompt:  # the samples shown were made with it: the code reproduces them
+        args.append(f"negative_prompt={cfg.validation_negative_prompt!r}")
+    args += [f"num_inference_steps={cfg.validation_num_inference_steps}", f"guidance_scale={cfg.guidance():g}"]
+    if not cfg.validation_randomize:  # the first sample's seed: its noise drawn on the device, as validation draws it
+        seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
+        args.append(f'generator=torch.Generator("cuda").manual_seed({seed})')
     head = 'image = load_image("input.png")  # the input image\n' if takes_image else ""
     if video:
         return (head + f"frames = pipe({', '.join(args)}).frames[0]\n"
@@ -99,7 +103,7 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
                 f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n"
                 f"{_parts_elsewhere(cfg) if cfg.pretrained_vae_model_name_or_path else ''}"
                 f"pipe.transformer = type(pipe.transformer).from_pretrained(\"{repo}\", subfolder=\"transformer\",\n"
-                f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg, steps=False)}```\n")
+                f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
     if cfg.lora_type == "lycoris":
         return ("This is a LyCORIS network (`pytorch_lora_weights.safetensors`, with its `lycoris_config` in the "
                 "file's metadata). diffusers' `load_lora_weights` does not read LyCORIS algorithms: apply it with "
@@ -107,7 +111,7 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
                 "transformer's dtype (`network.to(dtype=pipe.transformer.dtype)`).\n")
     return (f"```python\n{_imports(run_cfg, pipeline)}"
             f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
-            f"pipe.load_lora_weights(\"{repo}\")\npipe.to(\"cuda\")\n{_generate(run_cfg, steps=True)}```\n")
+            f"pipe.load_lora_weights(\"{repo}\")\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
 
 
 def _comfyui(cfg: Any) -> str:
@@ -116,8 +120,16 @@ def _comfyui(cfg: Any) -> str:
     if cfg.lora_format == "comfyui":
         return ("Put `comfyui_lora.safetensors` in `ComfyUI/models/loras/` and load it with a `LoraLoaderModelOnly` "
                 "node after the model loader (the file is in ComfyUI's key layout; no conversion needed).\n")
-    return ("The file here is in diffusers' layout. Train with `lora_format: comfyui` to get "
-            "`comfyui_lora.safetensors` as well, loadable by ComfyUI's `LoraLoaderModelOnly` without conversion.\n")
+    text = ("The file here is in diffusers' layout. Train with `lora_format: comfyui` to get "
+            "`comfyui_lora.safetensors` as well, loadable by ComfyUI's `LoraLoaderModelOnly` without conversion.")
+    alpha = cfg.effective_lora_alpha()
+    if cfg.model_family != "lumina2" and (alpha != cfg.lora_rank or cfg.use_dora):
+        # ComfyUI maps Kandinsky 5's diffusers keys as they are, without the alpha kept in the file's metadata
+        text += (" ComfyUI also reads this file's Kandinsky 5 keys, but not "
+                 + ("its DoRA magnitudes: use the ComfyUI file." if cfg.use_dora else
+                    f"its alpha: at strength 1 it applies the LoRA {cfg.lora_rank / alpha:g} times as strongly as "
+                    f"trained; set the strength to {alpha / cfg.lora_rank:g}, or use the ComfyUI file."))
+    return text + "\n"
 
 
 def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
