@@ -63,7 +63,7 @@ def fake_checkpoint(folder, step: int, optimizer: str = "optimizer.pt"):
     save_file({"w": torch.zeros(2)}, folder / "trainable.safetensors")
     for name in (optimizer, "lr_scheduler.pt", "rng.pt"):
         torch.save({"step": step}, folder / name)
-    (folder / STATE_FILE).write_text(json.dumps({"step": step}))
+    (folder / STATE_FILE).write_text(json.dumps({"step": step, "sampler": {}}))
     return folder
 
 
@@ -110,6 +110,17 @@ def test_a_checkpoint_with_a_damaged_file_is_passed_over_or_refused(tmp_path, da
     assert f"passing over checkpoint-0000004: its {damaged} " in warned[0]
     with pytest.raises(CheckpointError, match=f"is not intact: its {damaged} "):
         resolve_resume(tmp_path, str(newest))
+
+
+def test_a_checkpoint_of_the_first_difftune_versions_is_passed_over(tmp_path):
+    """Their state had no data position: the resume died in a raw KeyError: 'sampler'."""
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "checkpoint-0000002", 2)
+    newest = fake_checkpoint(root / "checkpoint-0000004", 4)
+    (newest / STATE_FILE).write_text(json.dumps({"step": 4, "epoch": 0, "batch_index": 4}))
+    warned = []
+    assert resolve_resume(tmp_path, "latest", warned.append) == root / "checkpoint-0000002"
+    assert "has no data position (written by an early difftune" in warned[0]
 
 
 def sharded_state(folder) -> None:

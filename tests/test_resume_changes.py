@@ -82,7 +82,17 @@ def test_another_optimizer_resumes_with_a_fresh_state_and_a_warning(tmp_path, da
         (folder / "training_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "settings"}))
     run_with(tmp_path, dataset, max_train_steps=6, optimizer="adamw")
     (warning,) = [m for m in messages(out, "warning")[seen:] if "optimizer" in m]
-    assert "trained with another optimizer than 'adamw'" in warning and "starts afresh" in warning
+    assert "trained with another optimizer or optimizer_config than this run's 'adamw'" in warning
+    assert "starts afresh" in warning
+    # optimizer_config set over such a checkpoint: its groups' amsgrad False would have replaced it, for good
+    seen = len(messages(out, "warning"))
+    for folder in (out / "checkpoints").glob("checkpoint-*"):
+        state = json.loads((folder / "training_state.json").read_text())
+        (folder / "training_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "settings"}))
+    run_with(tmp_path, dataset, max_train_steps=7, optimizer="adamw", optimizer_config="amsgrad=true")
+    (warning,) = [m for m in messages(out, "warning")[seen:] if "optimizer" in m]
+    (group,) = torch.load(out / "checkpoints" / "checkpoint-0000007" / "optimizer.pt")["param_groups"]
+    assert "starts afresh" in warning and group["amsgrad"] is True
 
 
 def test_changed_optimizer_config_resumes_with_a_fresh_state(tmp_path, dataset):

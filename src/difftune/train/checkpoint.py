@@ -332,8 +332,11 @@ def _unreadable(path: Path) -> str | None:
     from difftune.train.fsdp import FULL_OPTIMIZER
 
     try:
-        if not isinstance(json.loads((path / STATE_FILE).read_text()), dict):
+        state = json.loads((path / STATE_FILE).read_text())
+        if not isinstance(state, dict):
             return f"its {STATE_FILE} is not a JSON object"
+        if not {"step", "sampler"} <= state.keys():  # the first difftune versions wrote no data position
+            return f"its {STATE_FILE} has no data position (written by an early difftune that this one cannot resume)"
     except (OSError, ValueError) as e:
         return f"its {STATE_FILE} cannot be read ({type(e).__name__}: {e})"
     for name in ("lr_scheduler.pt", "rng.pt"):

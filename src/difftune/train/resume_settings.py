@@ -72,11 +72,16 @@ def _other_groups(run: Run, path: Path) -> bool:
     if not (path / "optimizer.pt").is_file():  # an FSDP state: its loader checks it
         return False
     groups = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)["param_groups"]
-    if {k for g in run.optimizer.param_groups for k in g} <= {k for g in groups for k in g}:
+    fresh = run.optimizer.param_groups
+    # optimizer_config's settings as the checkpoint's groups hold them (their values would replace this run's)
+    chosen = {k: v for k, v in run.cfg.optimizer_settings().items() if k in fresh[0]}
+    if {k for g in fresh for k in g} <= {k for g in groups for k in g} and \
+            all(g.get(k) == v for g in groups for k, v in chosen.items()):
         return False
-    run.events.emit("warning", message=f"{path} was trained with another optimizer than {run.cfg.optimizer!r} (its "
-                    "state holds other settings; the difftune that wrote it did not record which): the weights, step, "
-                    "learning-rate schedule and data position are resumed, the optimizer starts afresh")
+    run.events.emit("warning", message=f"{path} was trained with another optimizer or optimizer_config than this "
+                    f"run's {run.cfg.optimizer!r} (its state holds other settings; the difftune that wrote it did not "
+                    "record which): the weights, step, learning-rate schedule and data position are resumed, the "
+                    "optimizer starts afresh")
     return True
 
 
