@@ -57,6 +57,13 @@ def test_changed_learning_rate_and_adam_settings_take_effect_and_are_named(tmp_p
                  "step 3 trains at 0.01"):
         assert part in info, info
     assert "adam_beta1" not in info and "adam_epsilon" not in info
+    assert not [m for m in messages(out, "warning") if "does not set" in m]  # set in the config: an info line
+    # not set, and this difftune's default is not what the checkpoint trained with (its default changed across an
+    # upgrade, or the key was removed): a warning that says how to keep it
+    run_with(tmp_path, dataset, max_train_steps=4, learning_rate=1e-2, adam_beta2=0.95)
+    (warning,) = [m for m in messages(out, "warning") if "does not set" in m]
+    assert "adam_weight_decay 0.5 -> 0.01 although the config does not set it" in warning
+    assert warning.endswith("to keep training as before, set adam_weight_decay 0.5")
 
 
 def test_another_optimizer_resumes_with_a_fresh_state_and_a_warning(tmp_path, dataset):

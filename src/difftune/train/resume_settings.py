@@ -157,11 +157,22 @@ class Fresh:
         """Put the config's values back over the loaded ones, recompute the rate of the restored step from the
         rebuilt schedule, and say in one info event what changed since the checkpoint."""
         changes: list[str] = []
+        defaults: dict[str, tuple[Any, Any]] = {}  # changed keys the config does not set: a default that moved
         for group, fresh in zip(run.optimizer.param_groups, self.groups, strict=True):
             for key, value in fresh.items():
                 if key in group and not _same(group[key], value):
                     changes.append(self._named(key, group[key], value))
+                    names, olds, news = ((_NAMES[key], group[key], value) if isinstance(_NAMES[key], tuple)
+                                         else ((_NAMES[key],), (group[key],), (value,)))
+                    defaults |= {n: (o, v) for n, o, v in zip(names, olds, news, strict=True)
+                                 if not _same(o, v) and n not in run.cfg.model_fields_set}
                     group[key] = value
+        if defaults:  # after an upgrade: this difftune's default for the optimizer is not the one trained with
+            run.events.emit("warning", message=f"resuming {path}: " + ", ".join(
+                f"{n} {_show(o)} -> {_show(v)}" for n, (o, v) in defaults.items()) + " although the config does not "
+                f"set {'it' if len(defaults) == 1 else 'them'}: this difftune's default for optimizer "
+                f"{run.cfg.optimizer!r} differs from the value the checkpoint trained with; to keep training as "
+                "before, set " + ", ".join(f"{n} {_show(o)}" for n, (o, v) in defaults.items()))
         sched = run.lr_scheduler
         old_base, old_last = list(sched.base_lrs), list(sched._last_lr)  # the checkpoint's (the groups' may be fresh)
         # LambdaLR.get_lr's own formula at the restored step: the value an uninterrupted run had set there
