@@ -100,7 +100,7 @@ def test_uploads_checkpoints_and_result_with_a_model_card(tmp_path, dataset, mon
     assert {"README.md", "pytorch_lora_weights.safetensors", sample} <= set(final)
     assert not [f for f in final if f.startswith("checkpoints/") or f.endswith(".jsonl")], final
     card = (out / "README.md").read_text()
-    for text in ("me/tiny-lora", "lumina2", "load_lora_weights(\"me/tiny-lora\")", "Lumina2Pipeline", "sks circle",
+    for text in ("me/tiny-lora", "lumina2", "load_lora_weights(\"me/tiny-lora\", weight_name=\"pytorch_lora_weights.safetensors\")", "Lumina2Pipeline", "sks circle",
                  f"]({sample})", "ComfyUI", "| rank | 4 |", "| steps | 2 |"):
         assert text in card, text
     caption = next(dataset.glob("*.txt")).read_text().strip()

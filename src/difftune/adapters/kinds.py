@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from difftune.adapters.casts import skip_casts_under_autocast
 from difftune.adapters.dora import dense_weight, start_magnitudes
@@ -105,6 +105,7 @@ class LycorisAdapter:
     def __init__(self, cfg: TrainConfig, family: Family, transformer: Any):
         from difftune.adapters.lycoris import attach_lycoris
 
+        self.cfg, self.transformer = cfg, transformer
         self.config = json.loads(Path(cfg.lycoris_config).read_text())
         self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family,
                                                    bypass=cfg.base_model_precision != "no_change")
@@ -128,7 +129,16 @@ class LycorisAdapter:
         from difftune.adapters.lycoris import save_lycoris
 
         folder.mkdir(parents=True, exist_ok=True)
-        return save_lycoris(self.network, folder / "pytorch_lora_weights.safetensors", {"lycoris_config": self.config})
+        path = save_lycoris(self.network, folder / "pytorch_lora_weights.safetensors", {"lycoris_config": self.config})
+        if self.cfg.lora_format == "comfyui":  # adapters/comfyui_lycoris.py: the keys ComfyUI maps
+            from difftune.adapters.comfyui_lycoris import lycoris_to_comfyui
+
+            tensors = lycoris_to_comfyui(self.cfg.model_family, self.network, self.transformer)
+            save_file(tensors, str(folder / "comfyui_lora.safetensors"),
+                      metadata={"format": "pt", "difftune_family": self.cfg.model_family,
+                                "lycoris_config": json.dumps(self.config)})
+            return folder / "comfyui_lora.safetensors"
+        return path
 
 
 class FullAdapter:

@@ -60,8 +60,9 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
         data = read_json_file(cfg.lycoris_config, "lycoris_config")  # only read when used (SimpleTuner's configs
         if not isinstance(data, dict) or "algo" not in data:    # name a default file whatever lora_type is)
             raise ValueError(f"{cfg.lycoris_config} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
-    if cfg.lora_format == "comfyui" and (cfg.model_type != "lora" or cfg.lora_type != "standard"):
-        raise ValueError("lora_format 'comfyui' applies to standard LoRA (model_type lora, lora_type standard)")
+    if cfg.lora_format == "comfyui" and cfg.model_type != "lora":
+        raise ValueError("lora_format 'comfyui' applies to LoRA and LyCORIS (model_type lora); a full fine-tune "
+                         "saves a diffusers transformer folder")
     if cfg.validation_using_datasets and not facts.takes_input_image(cfg.flavour()):
         raise ValueError("validation_using_datasets only applies to image-to-image and image-to-video "
                          "flavours; remove it")

@@ -3,6 +3,7 @@ how, sample images from validation, and how to load it in diffusers and ComfyUI.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -105,21 +106,37 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
                 f"pipe.transformer = type(pipe.transformer).from_pretrained(\"{repo}\", subfolder=\"transformer\",\n"
                 f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
     if cfg.lora_type == "lycoris":
+        multiplier = _lycoris_multiplier(cfg)
         return ("This is a LyCORIS network (`pytorch_lora_weights.safetensors`, with its `lycoris_config` in the "
                 "file's metadata). diffusers' `load_lora_weights` does not read LyCORIS algorithms: apply it with "
-                "the `lycoris-lora` package (`create_lycoris_from_weights`) on the pipeline's transformer, in the "
-                "transformer's dtype (`network.to(dtype=pipe.transformer.dtype)`).\n")
+                f"the `lycoris-lora` package (`create_lycoris_from_weights({multiplier:g}, path, pipe.transformer)`, "
+                "the multiplier it trained with) on the pipeline's transformer, in the transformer's dtype "
+                "(`network.to(dtype=pipe.transformer.dtype)`).\n")
     return (f"```python\n{_imports(run_cfg, pipeline)}"
             f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
-            f"pipe.load_lora_weights(\"{repo}\")\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
+            # named: the EMA copy (ema/) and a ComfyUI file are .safetensors too, which diffusers could pick instead
+            f"pipe.load_lora_weights(\"{repo}\", weight_name=\"pytorch_lora_weights.safetensors\")\n"
+            f"pipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
+
+
+def _lycoris_multiplier(cfg: Any) -> float:
+    return float(json.loads(Path(cfg.lycoris_config).read_text()).get("multiplier", 1.0))
 
 
 def _comfyui(cfg: Any) -> str:
-    if cfg.model_type != "lora" or cfg.lora_type != "standard":
-        return "No ComfyUI file: ComfyUI's LoRA loader takes standard LoRAs.\n"
+    if cfg.model_type != "lora":
+        return ("No ComfyUI file: a full fine-tune is saved as a diffusers transformer folder, which ComfyUI's "
+                "model loaders do not read as it is.\n")
+    lycoris = cfg.lora_type == "lycoris"
     if cfg.lora_format == "comfyui":
+        strength = _lycoris_multiplier(cfg) if lycoris else 1.0
         return ("Put `comfyui_lora.safetensors` in `ComfyUI/models/loras/` and load it with a `LoraLoaderModelOnly` "
-                "node after the model loader (the file is in ComfyUI's key layout; no conversion needed).\n")
+                "node after the model loader (the file is in ComfyUI's key layout; no conversion needed"
+                + (f"; strength {strength:g}, the LyCORIS multiplier it trained with" if strength != 1 else "")
+                + ").\n")
+    if lycoris:
+        return ("ComfyUI does not map this LyCORIS file's keys for this model. Train with `lora_format: comfyui` to "
+                "get `comfyui_lora.safetensors` as well, in ComfyUI's key layout.\n")
     text = ("The file here is in diffusers' layout. Train with `lora_format: comfyui` to get "
             "`comfyui_lora.safetensors` as well, loadable by ComfyUI's `LoraLoaderModelOnly` without conversion.")
     alpha = cfg.effective_lora_alpha()
