@@ -66,6 +66,17 @@ def test_changed_learning_rate_and_adam_settings_take_effect_and_are_named(tmp_p
     assert warning.endswith("to keep training as before, set adam_weight_decay 0.5")
 
 
+def test_changed_betas_take_effect_for_torch_optimi_optimizers(tmp_path, dataset):
+    """optimi's groups hold beta1 and beta2, not betas: changed betas were said nothing of and never applied."""
+    run_with(tmp_path, dataset, max_train_steps=2, optimizer="adamw_bf16")
+    out = tmp_path / "output"
+    run_with(tmp_path, dataset, max_train_steps=3, optimizer="adamw_bf16", adam_beta1=0.8, adam_beta2=0.95)
+    (group,) = torch.load(out / "checkpoints" / "checkpoint-0000003" / "optimizer.pt")["param_groups"]
+    assert (group["beta1"], group["beta2"]) == (0.8, 0.95)
+    (info,) = [m for m in messages(out, "info") if "changed since it was saved" in m]
+    assert "adam_beta1 0.9 -> 0.8" in info and "adam_beta2 0.999 -> 0.95" in info
+
+
 def test_another_optimizer_resumes_with_a_fresh_state_and_a_warning(tmp_path, dataset):
     run_with(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=1)
     out = tmp_path / "output"

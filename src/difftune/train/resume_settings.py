@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from difftune.train.setup import Run
 
 # param-group keys difftune's own config keys set (a changed optimizer_config gives a fresh optimizer instead)
-_NAMES = {"betas": ("adam_beta1", "adam_beta2"), "weight_decay": "adam_weight_decay", "eps": "adam_epsilon"}
+# param-group key -> config key(s); torch-optimi's optimizers (adamw_bf16, optimi-*) keep beta1 and beta2 apart
+_NAMES = {"betas": ("adam_beta1", "adam_beta2"), "beta1": "adam_beta1", "beta2": "adam_beta2",
+          "weight_decay": "adam_weight_decay", "eps": "adam_epsilon"}
 
 
 def recorded(run: Run) -> dict[str, Any]:
