@@ -236,3 +236,23 @@ def test_a_failed_write_is_one_line_and_the_run_resumes(tmp_path, dataset, capsy
     assert main(["train", "--config", str(path)]) == 0
     assert losses(out) == losses(tmp_path / "a" / "output")  # the last loss of each step
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_sample_that_cannot_be_written_is_a_warning(tmp_path, dataset, monkeypatch):
+    """A full disk at a validation sample killed the run with a traceback, before the checkpoint due at that step."""
+    import errno
+
+    from difftune.train import validation
+
+    def full_disk(image, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(validation, "_save_png", full_disk)
+    run = build_run(load_config(write_config(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=2,
+                                             validation_step_interval=2, validation_prompt="a red circle")))
+    train(run)
+    out = tmp_path / "output"
+    warned = [m for m in warnings_after(out, 0) if m.startswith("sample not saved")]
+    assert warned and "(No space left on device); training goes on" in warned[0]
+    assert [p.name for p in complete(out)] == ["checkpoint-0000002"]
+    assert [e for e in events_of(out) if e["event"] == "done"]

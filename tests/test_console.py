@@ -78,3 +78,39 @@ def test_the_event_log_is_strict_json_when_a_value_is_not_finite(tmp_path):
 
     record = json.loads((tmp_path / "events.jsonl").read_text(), parse_constant=refuse)
     assert (record["loss"], record["lr"], record["parts"], record["nested"]) == (None, None, [1.0, None], {"x": None})
+
+
+def test_an_event_log_cut_mid_line_and_a_full_disk(tmp_path, capsys):
+    """A log an earlier run left cut (a crash or a full disk mid-write) gets the new run's first event on its own
+    line; a log that can no longer be written stops with one warning, and the run goes on."""
+    import errno
+    import json
+
+    from difftune.train.events import Events
+
+    log = tmp_path / "events.jsonl"
+    log.write_text('{"event": "info", "message": "a"}\n{"event": "st')
+    events = Events(log)
+    events.emit("info", message="resumed")
+    events.close()
+    assert json.loads(log.read_text().splitlines()[-1])["message"] == "resumed"
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    events = Events(log)
+    events._log = FullDisk()
+    events.emit("step", step=1, loss=0.5, lr=1e-4)
+    events.emit("info", message="still here")  # not written, no second warning, no exception
+    events.close()
+    shown = capsys.readouterr()
+    shown = shown.out + shown.err
+    assert shown.count(f"cannot write {log} (No space left on device): the event log stops here") == 1
+    assert "still here" in shown

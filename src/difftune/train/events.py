@@ -32,6 +32,12 @@ def finite(value: Any) -> Any:
     return value
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
 class Events:
     def __init__(self, log_path: Path | None, total_steps: int = 0, console: bool = True):
         self.log_path = log_path
@@ -39,6 +45,7 @@ class Events:
         self.bar: tqdm | None = None
         self.total_steps = total_steps
         self._log = None
+        self._log_failed = False
         # Subscribers see every event after it is logged (trackers, hub uploads: train/reporting.py). Each may
         # have a close(), called before the log closes. Uploads emit from their own thread, hence the lock.
         self.subscribers: list[Callable[[str, dict[str, Any]], None]] = []
@@ -50,11 +57,13 @@ class Events:
         """Log an event; `quiet` keeps it off the console (when a summary there already says it)."""
         record = {"event": kind, "time": time.time(), **data}
         with self._lock:
-            if self.log_path is not None:
-                if self._log is None:
-                    self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-                self._log.write(json.dumps(finite(record), default=str) + "\n")
-                self._log.flush()  # readers (the web UI, a tail -f) see each event at once
+            if self.log_path is not None and not self._log_failed:
+                try:
+                    self._append(json.dumps(finite(record), default=str) + "\n")
+                except OSError as e:  # a full disk: the log stops, the run (and its next checkpoint) goes on
+                    self._log_failed = True
+                    self.write(f"WARNING: cannot write {self.log_path} ({e.strerror or e}): the event log stops "
+                               "here, training goes on")
         failed = []
         for subscriber in list(self.subscribers):
             try:
@@ -77,6 +86,14 @@ class Events:
             self.bar.update(data["step"] - self.bar.n)
         elif kind in ("info", "warning", "error", "eval_loss"):  # eval_loss: train/eval_loss.py
             self.write(("" if kind in ("info", "eval_loss") else kind.upper() + ": ") + data["message"])
+
+    def _append(self, line: str) -> None:
+        if self._log is None:
+            self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            if self._log.tell() and not _ends_with_newline(self.log_path):  # a line an earlier run left cut
+                self._log.write("\n")
+        self._log.write(line)
+        self._log.flush()  # readers (the web UI, a tail -f) see each event at once
 
     def _bar(self, step: int) -> tqdm:
         if self.bar is None:
@@ -106,7 +123,10 @@ class Events:
                 if subscriber in self.subscribers:
                     self.subscribers.remove(subscriber)
         if self._log is not None:
-            self._log.close()
+            try:
+                self._log.close()
+            except OSError:  # its last write failed: said when it did
+                pass
             self._log = None
         if self.bar is not None:
             self.bar.close()

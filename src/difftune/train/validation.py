@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,6 +211,24 @@ def side_by_side(base: Path, image: Any) -> Any:
     return both
 
 
+def _kept(run: Run, folder: Path, label: str, request: SampleRequest, result: Any, suffix: str, index: int,
+          count: int) -> list[Path]:
+    """_write, where a sample that cannot be written (a full disk) is a warning: the run and the checkpoint due at
+    this step go on (the checkpoint's own write then succeeds or says why not)."""
+    from difftune.train.checkpoint import write_failure
+
+    try:
+        return _write(run, folder, label, request, result, suffix, index, count)
+    except Exception as e:
+        if (reason := write_failure(e)) is None:
+            raise
+        for partial in folder.glob(".*.tmp"):
+            with suppress(OSError):
+                partial.unlink(missing_ok=True)
+        run.events.emit("warning", message=f"sample not saved: cannot write in {folder} ({reason}); training goes on")
+        return []
+
+
 def _write(run: Run, folder: Path, label: str, request: SampleRequest, result: Any, suffix: str, index: int,
            count: int) -> list[Path]:
     """One sample's files and "sample" events; with disable_benchmark false, its comparison with the base model."""
@@ -252,7 +270,7 @@ def _sample_requests(run: Run, model: Any, vae: Any, label: str | None, suffix: 
             for index in range(count):
                 one = request if index == 0 else replace(request, seed=request.seed + index)
                 result = run.family.sample(run.comps, model, one)
-                written = [] if label is None else _write(run, out_dir, label, one, result, suffix, index, count)
+                written = [] if label is None else _kept(run, out_dir, label, one, result, suffix, index, count)
                 done.append((one, result, written))
     finally:
         model.train()
