@@ -297,6 +297,30 @@ def test_a_read_only_cache_serves_its_entries_and_names_the_folder_for_a_missing
     assert "cache_dir_vae" in str(info.value)
 
 
+def test_a_damaged_entry_of_a_read_only_cache_is_left_in_place(tmp_path, monkeypatch):
+    """Its deletion failed with a PermissionError traceback (at start-up for header damage, mid-training for data
+    damage): it stays, and is treated as missing (encoding it again names the read-only folder) or left out."""
+    import errno
+    import pathlib
+
+    cache = TensorCache(tmp_path / "cache", {"a": 1})
+    header, data = cache.put("header", LATENTS), cache.put("data", LATENTS)
+    header.write_bytes(header_edit('"latents"', '"latentz"')(header.read_bytes()))
+    data.write_bytes(zero_data(data.read_bytes()))
+    real = pathlib.Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if str(self).startswith(str(tmp_path / "cache")):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    assert not cache.has("header") and header.exists()
+    with pytest.raises(DamagedEntry):
+        cache.read("data")
+    assert data.exists()
+
+
 def test_discovery_writes_its_file_sizes_only_when_they_change_and_survives_a_read_only_folder(
         tmp_path, dataset, monkeypatch):
     from difftune.data.discovery import MetadataCache
@@ -319,3 +343,21 @@ def test_discovery_writes_its_file_sizes_only_when_they_change_and_survives_a_re
     again.size(dataset / "extra.png", "extra")
     note = again.save()
     assert "could not be kept" in note and "Read-only file system" in note
+
+
+def test_every_item_damaged_is_one_error_line(tmp_path, dataset, capsys):
+    """A cache copied over a flaky link, every latent entry damaged in its data: the right advice, as two chained
+    tracebacks (exit 1); now the `error:` line (exit 2). The next run encodes them anew."""
+    from difftune.cli import main
+
+    config = write_config(tmp_path, dataset, max_train_steps=2, validation_prompt=None)
+    run = build_run(load_config(config))
+    files = {c.latent_file for c in run.data.items}
+    run.events.close()
+    for path in files:
+        path.write_bytes(zero_data(path.read_bytes()))
+    capsys.readouterr()
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "error: every training item was left out" in err and "Traceback" not in err
+    assert main(["train", "--config", str(config)]) == 0

@@ -230,6 +230,7 @@ def test_a_failed_write_is_one_line_and_the_run_resumes(tmp_path, dataset, capsy
         f"the trained weights in {out}"
     last = "checkpoint-0000002" if failing == "checkpoint" else "checkpoint-0000004"
     assert f"error: cannot write {what} (" in err and f"it resumes from {last}" in err and "Traceback" not in err
+    assert err.count(f"cannot write {what}") == 1  # the error event stays off the console: said once
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     assert [p.name for p in complete(out)][-1] == last
     monkeypatch.undo()
@@ -256,3 +257,21 @@ def test_a_sample_that_cannot_be_written_is_a_warning(tmp_path, dataset, monkeyp
     assert warned and "(No space left on device); training goes on" in warned[0]
     assert [p.name for p in complete(out)] == ["checkpoint-0000002"]
     assert [e for e in events_of(out) if e["event"] == "done"]
+
+
+def test_damage_inside_an_optimizer_state_is_one_line(tmp_path, dataset, capsys):
+    """Only the zip directory of optimizer.pt is checked before loading (it may be gigabytes): damage inside it
+    failed in torch.load with a traceback advising weights_only=False. It names the file and the checkpoint before."""
+    path = write_config(tmp_path, dataset, max_train_steps=4, checkpoint_step_interval=2,
+                        resume_from_checkpoint="latest")
+    assert main(["train", "--config", str(path)]) == 0
+    state = tmp_path / "output" / "checkpoints" / "checkpoint-0000004" / "optimizer.pt"
+    data = bytearray(state.read_bytes())
+    data[:64] = bytes(64)  # its first entry's header; the directory at the end stays whole
+    state.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["train", "--config", str(write_config(tmp_path, dataset, max_train_steps=6, checkpoint_step_interval=2,
+                                                       resume_from_checkpoint="latest"))]) == 2
+    err = capsys.readouterr().err
+    assert "its optimizer.pt cannot be read" in err and "(resume_from_checkpoint checkpoint-0000002)" in err
+    assert "Traceback" not in err

@@ -224,3 +224,14 @@ def test_an_output_dir_that_takes_no_file_fails_before_any_model_loads(tmp_path,
         err = capsys.readouterr().err
         assert f"error: output_dir: cannot write in {out / 'checkpoints'} (Permission denied)" in err, command
         assert "Traceback" not in err
+    # an events.jsonl an earlier run as another user left (sudo difftune train)
+    monkeypatch.setattr(run_lock.tempfile, "mkstemp", real)
+    (out / "events.jsonl").write_text("")
+
+    def foreign(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(run_lock, "open", foreign, raising=False)
+    capsys.readouterr()
+    assert main(["check", "--config", str(path)]) == 2
+    assert f"error: output_dir: cannot write {out / 'events.jsonl'} (Permission denied)" in capsys.readouterr().err

@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from difftune.data.batches import NoUsableItem
         from difftune.data.cache import CacheWriteError
         from difftune.models.hub import ComponentError
         from difftune.train.checkpoint import CheckpointError, WriteError
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         from difftune.train.trackers import TrackerError
 
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
-                          | TrackerError | WriteError | NotWritable):
+                          | TrackerError | WriteError | NotWritable | NoUsableItem):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

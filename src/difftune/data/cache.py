@@ -22,6 +22,7 @@ latents shrink by about 20%, padded text embeddings by about 70%.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -211,7 +212,8 @@ class TensorCache:
             return False
         if intact(path):
             return True
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only cache keeps it: encoding it again says why it cannot
+            path.unlink(missing_ok=True)
         return False
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> Path:
@@ -246,7 +248,8 @@ def read_or_drop(path: Path, expect: Iterable[str] = ()) -> dict[str, torch.Tens
     try:
         return read(path, expect)
     except DamagedEntry:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only cache: left in place, the item is left out all the same
+            path.unlink(missing_ok=True)
         raise
 
 

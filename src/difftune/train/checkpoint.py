@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -434,6 +434,18 @@ def crepa_switched(run: Run, path: Path) -> bool:
     return False
 
 
+def _read(path: Path, name: str, **kwargs: Any) -> Any:
+    """torch.load of one of a checkpoint's files; damage that the checks before loading could not see (inside a
+    large optimizer state, whose zip directory alone is checked) is a ValueError naming the file and the way on."""
+    try:
+        return torch.load(path / name, weights_only=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a damaged pickle or zip raises many types
+        earlier = [p.name for p in complete(path.parent.parent) if order(p) < order(path)]
+        instead = f"resume_from_checkpoint {earlier[-1]}" if earlier else "resume_from_checkpoint none (start afresh)"
+        raise ValueError(f"{path}: its {name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                         f"resume from the checkpoint before it ({instead})") from e
+
+
 def load_checkpoint(run: Run, path: Path) -> None:
     check_transformer_source(run, path)  # first: an adapter that then does not fit comes after its explanation
     state = json.loads((path / STATE_FILE).read_text())
@@ -458,21 +470,21 @@ def load_checkpoint(run: Run, path: Path) -> None:
             raise ValueError(f"{path} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or "
                              "gathered) loads into an FSDP run only; resume it with fsdp_enable true and several "
                              "processes, or start a new output_dir")
-        run.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    run.lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=True))
+        run.optimizer.load_state_dict(_read(path, "optimizer.pt"))
+    run.lr_scheduler.load_state_dict(_read(path, "lr_scheduler.pt"))
     run.state.step = state["step"]
     fresh.apply(run, path)  # changed hyper-parameters take effect; the restored step's rate from this run's schedule
     resume_settings.warn_changes(run, saved, path)  # lora_alpha, seed
     if getattr(run, "crepa", None) is not None:
         run.crepa.load(path)
     train_mode(run.optimizer)  # schedule-free: saved in eval mode; recompute the training weights (all loaded now)
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    rng = _read(path, "rng.pt")
     torch.set_rng_state(rng["torch"])
     if run.ema is not None:
         if not (path / "ema.pt").is_file():
             raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "
                              "or start a new output_dir")
-        run.ema.load_state_dict(torch.load(path / "ema.pt", map_location="cpu", weights_only=True))
+        run.ema.load_state_dict(_read(path, "ema.pt", map_location="cpu"))
         if run.ema.changed:  # ema_decay or ema_update_interval changed: accepted, and said in the event log
             run.events.emit("warning", message=f"{path}: {run.ema.changed}")
     restore_generator(run, rng, path)

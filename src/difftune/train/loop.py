@@ -196,7 +196,8 @@ def train(run: Run) -> Path:
         run.events.emit("stopped", step=run.state.step, reason=stop_reason(e))
         raise
     except BaseException as e:
-        run.events.emit("error", step=run.state.step, message=f"{type(e).__name__}: {e}",
+        # off the console, as failures_reported's: the command line prints the error (a line, or the traceback)
+        run.events.emit("error", quiet=True, step=run.state.step, message=f"{type(e).__name__}: {e}",
                         traceback=traceback.format_exc())
         raise
     finally:

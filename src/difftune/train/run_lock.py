@@ -57,6 +57,14 @@ def check_writable(output_dir: Path) -> None:
         except OSError as e:
             raise NotWritable(f"output_dir: cannot write in {folder} ({e.strerror or e}); make it writable, or "
                               "choose another output_dir") from e
+    for name in ("events.jsonl", LOCK_FILE):  # left by an earlier run as another user (sudo difftune train)
+        if (output_dir / name).is_file():
+            try:
+                open(output_dir / name, "a").close()  # noqa: SIM115 - opened to be closed at once
+            except OSError as e:
+                raise NotWritable(f"output_dir: cannot write {output_dir / name} ({e.strerror or e}); give it "
+                                  "to this user (an earlier run as another user left it), or choose another "
+                                  "output_dir") from e
 
 
 class Terminated(KeyboardInterrupt):
