@@ -256,3 +256,17 @@ def test_an_fsdp_checkpoint_resumed_without_fsdp_is_refused_before_loading(tmp_p
     assert "loads into an FSDP run only" in fsdp_problem(train_cfg, folder)  # two processes, but not sharded
     assert fsdp_problem(train_cfg.model_copy(update={"fsdp_enable": True}), folder) is None
     assert fsdp_problem(train_cfg.model_copy(update={"optimizer": "lion"}), folder) is None  # starts afresh
+
+
+def test_files_removed_before_a_resume_are_said(tmp_path):
+    """A killed run, some bad images deleted, resumed: nothing was said, and an epoch-based run counted its epochs in
+    the new batches without a word."""
+    images = tmp_path / "images"
+    make_dataset(images, count=8)
+    run_with(tmp_path, images, num_train_epochs=1, max_train_steps=0, train_batch_size=2)
+    for path in sorted(images.glob("*.png"))[:4]:
+        path.unlink()
+        path.with_suffix(".txt").unlink(missing_ok=True)
+    run_with(tmp_path, images, num_train_epochs=3, max_train_steps=0, train_batch_size=2)
+    (warning,) = [m for m in messages(tmp_path / "output", "warning") if "datasets changed" in m]
+    assert "4 batches per epoch then, 2 now" in warning and "the run ends at step 6" in warning

@@ -42,7 +42,7 @@ def recorded(run: Run) -> dict[str, Any]:
         "optimizer": OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer), "optimizer_config": cfg.optimizer_settings(),
         "train_batch_size": cfg.train_batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "processes": run.ranks.count, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.effective_lora_alpha(),
-        "seed": cfg.seed,
+        "seed": cfg.seed, "batches_per_epoch": run.data.sampler.batches_per_epoch(),
     }
 
 
@@ -122,6 +122,14 @@ def warn_changes(run: Run, saved: dict, path: Path) -> None:
                         f"now ({path}): the resumed LoRA's output is scaled by the new alpha / rank from this step on "
                         "(and in the saved LoRA), so the model changes at once; restore lora_alpha to continue "
                         "smoothly")
+    then, now = saved.get("batches_per_epoch"), run.data.sampler.batches_per_epoch()
+    batches = ("train_batch_size", "gradient_accumulation_steps", "processes")  # check_batches speaks of those
+    if then is not None and then != now and not batch_changes(saved, {k: recorded(run)[k] for k in batches}):
+        epochs = (f"; num_train_epochs counts epochs of {now} batches, so the run ends at step {run.total_steps}"
+                  if _epoch_bound(run) else "")
+        run.events.emit("warning", message=f"the datasets changed since {path} (files added or removed): {then} "
+                        f"batches per epoch then, {now} now. The data order and position follow the new datasets "
+                        f"from here{epochs}")
     if "seed" in saved and saved["seed"] != cfg.seed:
         run.events.emit("warning", message=f"seed {saved['seed']} then, {cfg.seed} now ({path}): the data order "
                         "(and random crops) follow the new seed from here, while the noise and timesteps continue the "
