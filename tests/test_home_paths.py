@@ -82,3 +82,16 @@ def test_resume_off_spellings_and_a_checkpoint_by_its_folder_name(tmp_path, data
 
     problems = config_problems(write_config(tmp_path / "missing", dataset, resume_from_checkpoint="checkpoint-9"))
     assert "null (or 'none') to start afresh" in problems and "the path or the name" in problems
+
+
+def test_an_older_runs_literal_tilde_folder_is_named(tmp_path, home, dataset, monkeypatch):
+    """An older difftune wrote `output_dir: ~/out` to ./~/out: after the upgrade `latest` looked in the home folder
+    and started afresh without a word."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~" / "out" / "checkpoints").mkdir(parents=True)
+    notes = load_config(write_config(tmp_path, dataset, output_dir="~/out", resume_from_checkpoint="latest")).notes()
+    (note,) = [n for n in notes if "literally" in n]
+    assert f"wrote to {tmp_path / '~' / 'out'}; move that folder to {home / 'out'}" in note
+    (tmp_path / "~" / "out" / "checkpoints").rmdir()
+    (tmp_path / "~" / "out").rmdir()
+    assert not [n for n in load_config(write_config(tmp_path, dataset, output_dir="~/out")).notes() if "literally" in n]

@@ -5,6 +5,7 @@ ValueError with the keys involved and the fix. Feature groups keep their own che
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftune.config.crepa_keys import crepa_checks, crepa_notes
@@ -102,12 +103,26 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
         notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "
                      "flow_schedule_auto_shift to false to use it)")
+    notes += _literal_home(cfg)
     idle = [i for i, r in enumerate(getattr(cfg.tread_config, "routes", None) or []) if r.selection_ratio == 0]
     if idle:
         notes.append(f"tread_config route{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} (counting from "
                      "0): selection_ratio 0 routes no token past the blocks, so training runs as without it; set a "
                      "share such as 0.5, or remove the route")
     return notes
+
+
+def _literal_home(cfg: TrainConfig) -> list[str]:
+    """difftune before `~` meant the home folder wrote `output_dir: ~/x` to a folder named `~` in the working folder:
+    after an upgrade, `latest` would look in the home folder and start afresh without a word."""
+    home, out = Path.home(), Path(cfg.output_dir)
+    if not out.is_relative_to(home) or out == home:
+        return []
+    literal = Path("~") / out.relative_to(home)
+    if not literal.is_dir() or literal.resolve() == out.resolve():
+        return []
+    return [f"output_dir {out}: an older difftune took its `~` literally and wrote to {literal.resolve()}; move "
+            f"that folder to {out} to go on with its run (resume_from_checkpoint 'latest' looks in {out})"]
 
 
 # keys that shape validation samples: set without a prompt they do nothing (the other validation keys are errors
