@@ -333,3 +333,19 @@ def test_wandb_without_a_login_is_one_line_before_any_model_loads(tmp_path, data
     assert done.returncode == 2, done.stderr[-3000:]
     assert "error: report_to 'wandb': W&B did not start" in done.stderr and "WANDB_MODE=offline" in done.stderr
     assert "Traceback" not in done.stderr and "loading lumina2" not in done.stderr + done.stdout
+
+
+def test_a_clip_model_that_cannot_load_fails_before_caching(tmp_path, dataset, capsys):
+    """It loaded at the first evaluation: an unreachable or mistyped model ended the run there, before that step's
+    checkpoint. It loads before the caches fill now, and fails in one line."""
+    from difftune.cli import main
+
+    empty = tmp_path / "not-a-clip-model"
+    empty.mkdir()
+    path = write_config(tmp_path, dataset, max_train_steps=2, validation_prompt="a red circle",
+                        evaluation_type="clip", eval_steps_interval=1, evaluation_clip_model=str(empty))
+    capsys.readouterr()
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: evaluation_clip_model {str(empty)!r} cannot be loaded" in err and "Traceback" not in err
+    assert not [e for e in events(tmp_path / "output") if "latent cache" in e.get("message", "")]

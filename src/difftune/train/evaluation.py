@@ -72,6 +72,22 @@ def load_scorer(cfg: Any) -> ClipScorer:
     return ClipScorer(cfg.evaluation_clip_model)
 
 
+def preload(cfg: Any, main: bool) -> ClipScorer | None:
+    """evaluation_type 'clip': the scorer, loaded before the caches fill (on process 0, which evaluates). Loaded at
+    the first evaluation instead, a model that cannot be loaded (offline, a typo) ended the run there, before the
+    checkpoint of that step. It waits on the CPU between evaluations either way."""
+    if cfg.evaluation_type != "clip" or not main:
+        return None
+    from difftune.models.hub import ComponentError
+
+    try:
+        return load_scorer(cfg)
+    except (OSError, ValueError) as e:  # transformers: OSError for a missing or unreachable repository
+        raise ComponentError(f"evaluation_clip_model {cfg.evaluation_clip_model!r} cannot be loaded "
+                             f"({str(e).splitlines()[0][:200]}); give a CLIP model folder or a reachable hub id, or "
+                             "set evaluation_type none") from e
+
+
 def frames_of(result: Image.Image | list[Image.Image]) -> list[Image.Image]:
     """The images a sample is scored on: itself, or a few evenly spaced frames of a video."""
     if not isinstance(result, list):

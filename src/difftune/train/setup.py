@@ -27,7 +27,18 @@ from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.flops import Flops
 from difftune.models.quantize import quantize_text_encoders, quantize_transformer
 from difftune.models.sources import ModelSource
-from difftune.train import attention, crepa, eval_loss, hub, scripts, throughput, trackers, tread, webhooks
+from difftune.train import (
+    attention,
+    crepa,
+    eval_loss,
+    evaluation,
+    hub,
+    scripts,
+    throughput,
+    trackers,
+    tread,
+    webhooks,
+)
 from difftune.train.activation_offload import offload_activations
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
@@ -79,7 +90,7 @@ class Run:
     first_frame: bool = False  # image-to-video: each clip's first frame conditions the rest
     streamer: BlockStreamer | None = None  # block streaming (train/offload.py), when on
     fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
-    evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded at the first evaluation
+    evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded before the caches fill
     eval_set: Any = None  # the eval datasets' batches (train/eval_loss.py), when the run has some
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
     hub: Any = None  # push_to_hub's uploader (train/hub.py) on process 0: whether the result reached the hub
@@ -250,7 +261,10 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
     with failures_reported(events, "setup"):  # a failure from here on is an "error" event the webhooks send
         hub.check_access(cfg, ranks)  # push_to_hub: the login and the repository, before any model loads
-        return _build(run_cfg, accelerator, ranks, events)
+        scorer = evaluation.preload(cfg, ranks.main)  # evaluation_type 'clip': fails now, not at the first evaluation
+        run = _build(run_cfg, accelerator, ranks, events)
+        run.evaluator = scorer
+        return run
 
 
 def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: Events) -> Run:
