@@ -96,5 +96,10 @@ def test_adapter_config_errors(tmp_path, dataset):
         load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(bad)))
     with pytest.raises(ConfigError, match="comfyui"):
         load_config(write_config(tmp_path, dataset, model_type="full", lora_format="comfyui"))
+    full = tmp_path / "full.json"
+    full.write_text('{"algo": "full"}')  # it replaces the weights; LyCORIS has no bypass mode for it
+    with pytest.raises(ConfigError, match="algo 'full' trains the weights themselves"):
+        load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(full),
+                                 base_model_precision="int8-quanto"))
     with pytest.raises(ConfigError, match="init_lora"):
         load_config(write_config(tmp_path, dataset, init_lora=str(tmp_path / "nope")))

@@ -275,3 +275,14 @@ def test_damage_inside_an_optimizer_state_is_one_line(tmp_path, dataset, capsys)
     err = capsys.readouterr().err
     assert "its optimizer.pt cannot be read" in err and "(resume_from_checkpoint checkpoint-0000002)" in err
     assert "Traceback" not in err
+
+
+def test_a_damaged_model_source_record_is_a_warning(tmp_path, dataset):
+    """model_source.json only feeds a warning: damaged, the checkpoint was unusable, with a bare JSON message."""
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=2, checkpoint_step_interval=2))))
+    out = tmp_path / "output"
+    (out / "checkpoints" / "checkpoint-0000002" / "model_source.json").write_text('{"transf')
+    seen = len(events_of(out))
+    train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=3, resume_from_checkpoint="latest"))))
+    assert [e["step"] for e in events_of(out)[seen:] if e["event"] == "step"] == [3]
+    assert any("model_source.json" in m and "is not compared" in m for m in warnings_after(out, seen))

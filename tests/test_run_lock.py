@@ -224,6 +224,12 @@ def test_an_output_dir_that_takes_no_file_fails_before_any_model_loads(tmp_path,
         err = capsys.readouterr().err
         assert f"error: output_dir: cannot write in {out / 'checkpoints'} (Permission denied)" in err, command
         assert "Traceback" not in err
+    # a stray file where the run makes a folder
+    (out / "validation").write_text("x")
+    capsys.readouterr()
+    assert main(["check", "--config", str(path)]) == 2
+    assert f"error: output_dir: {out / 'validation'} is a file, where the run writes a folder" in capsys.readouterr().err
+    (out / "validation").unlink()
     # an events.jsonl an earlier run as another user left (sudo difftune train)
     monkeypatch.setattr(run_lock.tempfile, "mkstemp", real)
     (out / "events.jsonl").write_text("")

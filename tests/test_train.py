@@ -115,10 +115,27 @@ def test_commands_save_sample_stop(tmp_path, dataset):
     events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
     assert kinds.count("command") == 3 and "stopped" in kinds and "done" not in kinds
+    assert "stopped by a stop command at step 1 of 50; resume_from_checkpoint 'latest' goes on from here" in [
+        e.get("message") for e in events]  # on the console too: "LoRA saved" alone read as a finished run
     assert run.state.step == 1
     assert (run.output_dir / "validation" / "manual-step-000001-32x32.png").exists()
     assert (run.output_dir / "pytorch_lora_weights.safetensors").exists()
     assert not list((run.output_dir / "commands").glob("*.json"))
+
+
+def test_a_stop_sent_to_a_run_that_died_does_not_stop_the_next(tmp_path, dataset):
+    """A stop the web UI sent to a run that was killed before reading it ended the resume after one step."""
+    path = write_config(tmp_path, dataset, max_train_steps=2)
+    folder = tmp_path / "output" / "commands"
+    folder.mkdir(parents=True)
+    (folder / "1700000000000000000-stop.json").write_text(json.dumps({"command": "stop", "time": 1700000000}))
+    run = build_run(load_config(path))
+    train(run)
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "done" and run.state.step == 2
+    (warning,) = [e["message"] for e in events if e["event"] == "warning" and "stop" in e["message"]]
+    assert "ignored a 'stop' command sent at" in warning and "before this run started" in warning
+    assert not list(folder.glob("*.json"))
 
 
 def test_error_is_reported_in_the_event_log(tmp_path, dataset, monkeypatch):

@@ -61,6 +61,12 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
         data = read_json_file(cfg.lycoris_config, "lycoris_config")  # only read when used (SimpleTuner's configs
         if not isinstance(data, dict) or "algo" not in data:    # name a default file whatever lora_type is)
             raise ValueError(f"{cfg.lycoris_config} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
+        if data["algo"] == "full" and cfg.base_model_precision != "no_change":
+            # it replaces each weight it trains; on a quantized base LyCORIS runs its modules beside the frozen
+            # weights (bypass mode), which its full algo does not have
+            raise ValueError(f"{cfg.lycoris_config}: algo 'full' trains the weights themselves, which a quantized "
+                             f"base (base_model_precision {cfg.base_model_precision!r}) does not have: use "
+                             "base_model_precision 'no_change', or another algo (lokr, loha, locon)")
     if cfg.lora_format == "comfyui" and cfg.model_type != "lora":
         raise ValueError("lora_format 'comfyui' applies to LoRA and LyCORIS (model_type lora); a full fine-tune "
                          "saves a diffusers transformer folder")

@@ -224,11 +224,12 @@ def set_aside_later(output_dir: Path, step: int) -> tuple[Path | None, list[str]
     while aside.exists():  # two starts within one second
         n += 1
         aside = root / f"{SUPERSEDED}{stamp}-{n}"
-    aside.mkdir()
-    for p in later:
-        os.replace(p, aside / p.name)
-    _fsync_dir(aside)
-    _fsync_dir(root)
+    with written(f"the later checkpoints into {aside.name}", root, output_dir):  # renames only: nothing is lost
+        aside.mkdir()
+        for p in later:
+            os.replace(p, aside / p.name)
+        _fsync_dir(aside)
+        _fsync_dir(root)
     return aside, [p.name for p in later]
 
 
@@ -407,7 +408,13 @@ def check_transformer_source(run: Run, path: Path) -> None:
     saved_file = path / SOURCE_FILE
     if not saved_file.is_file() or getattr(run, "comps", None) is None:  # written by an earlier difftune
         return
-    saved, now = json.loads(saved_file.read_text()), run.comps.origin().transformer_identity()
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, ValueError) as e:  # it only feeds this warning: damaged, the resume goes on without it
+        run.events.emit("warning", message=f"cannot read {saved_file} ({e}): the transformer this checkpoint "
+                        "trained on is not compared with this run's")
+        return
+    now = run.comps.origin().transformer_identity()
     changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
     if changed:
         what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())

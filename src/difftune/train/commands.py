@@ -7,6 +7,7 @@ command sent before the trainer is up is simply picked up at its first step.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -34,18 +35,33 @@ def send_command(output_dir: Path, command: str) -> Path:
     return path
 
 
-def poll_commands(output_dir: Path) -> list[str]:
-    """Pending commands, oldest first; each file is removed once read. Unreadable files are dropped."""
+@functools.cache
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def poll_commands(output_dir: Path, stale: list[str] | None = None) -> list[str]:
+    """Pending commands, oldest first; each file is removed once read. Unreadable files are dropped, and so are
+    commands sent before this process started (to a run that died before it read them: a stop would end the next
+    run, its resume, at its first step); `stale` gets a line for each of those."""
     folder = commands_dir(output_dir)
     if not folder.is_dir():
         return []
     found = []
+    started = _process_start()
     for path in sorted(folder.glob("*.json")):
         try:
-            command = json.loads(path.read_text()).get("command")
-        except (OSError, ValueError):
-            command = None
+            data = json.loads(path.read_text())
+            command, sent = data.get("command"), float(data.get("time", started))
+        except (OSError, ValueError, AttributeError, TypeError):
+            command, sent = None, started
         path.unlink(missing_ok=True)
-        if command in COMMANDS:
+        if command in COMMANDS and sent < started:
+            if stale is not None:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sent))
+                stale.append(f"ignored a {command!r} command sent at {when}, before this run started ({path.name})")
+        elif command in COMMANDS:
             found.append(command)
     return found

@@ -172,7 +172,10 @@ def handle_commands(run: Run) -> bool:
     """Act on queued commands (see train/commands.py); process 0 reads them and tells the others. Each process
     also tells whether it got a SIGTERM (held until here, train/run_lock.py): then every one stops, after the same
     step. Returns True when the run must stop."""
-    shared = run.ranks.gather((poll_commands(run.output_dir) if run.ranks.main else [], take_held()))
+    stale: list[str] = []  # commands sent to an earlier run of this output_dir, which died before reading them
+    shared = run.ranks.gather((poll_commands(run.output_dir, stale) if run.ranks.main else [], take_held()))
+    for line in stale:
+        run.events.emit("warning", message=line)
     if signum := next((signum for _, signum in shared if signum is not None), None):
         raise Terminated(signum)
     commands = shared[0][0]
@@ -236,6 +239,8 @@ def _train(run: Run) -> Path:
         with run.ema.swap():
             run.events.emit("info", message=f"EMA weights saved to {save_adapter(run, run.output_dir / 'ema')}")
     if stopped:
+        run.events.emit("info", message=f"stopped by a stop command at step {run.state.step} of {run.total_steps}; "
+                        "resume_from_checkpoint 'latest' goes on from here")
         run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
         run.ranks.barrier()
         return adapter

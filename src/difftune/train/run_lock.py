@@ -46,6 +46,10 @@ def check_writable(output_dir: Path) -> None:
     would hold output_dir) take a new file, tried by making and removing one (permission bits say nothing of a
     read-only mount or of root). Otherwise the run died at its first checkpoint, losing the steps before it."""
     output_dir = Path(output_dir)
+    for folder in (output_dir, output_dir / "checkpoints", output_dir / "validation"):
+        if folder.exists() and not folder.is_dir():  # a stray file where a run makes its folder
+            raise NotWritable(f"output_dir: {folder} is a file, where the run writes a folder: move it away, or "
+                              "choose another output_dir")
     folders = [f for f in (output_dir, output_dir / "checkpoints", output_dir / "validation") if f.is_dir()]
     if not folders:
         folders = [p for p in output_dir.parents if p.is_dir()][:1]
