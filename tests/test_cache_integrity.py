@@ -361,3 +361,18 @@ def test_every_item_damaged_is_one_error_line(tmp_path, dataset, capsys):
     err = capsys.readouterr().err
     assert "error: every training item was left out" in err and "Traceback" not in err
     assert main(["train", "--config", str(config)]) == 0
+
+
+def test_a_damaged_validation_prompt_embedding_is_encoded_again(tmp_path, dataset):
+    """Its checksum failed when read, which was reported as "the text encoder returned NaN or inf ... check the
+    model's weights and mixed_precision": it is encoded again (the text encoder is loaded at that point)."""
+    config = write_config(tmp_path, dataset, max_train_steps=1, validation_prompt="a red circle",
+                          validation_negative_prompt="blurry")
+    build_run(load_config(config)).events.close()
+    entries = list((tmp_path / "cache" / "text").rglob("*.safetensors"))
+    assert entries
+    for path in entries:
+        path.write_bytes(zero_data(path.read_bytes()))
+    run = build_run(load_config(config))  # was: ValueError, the text encoder returned NaN or inf
+    assert run.validation and all(r.text is not None and r.negative is not None for r in run.validation)
+    run.events.close()

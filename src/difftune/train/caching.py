@@ -95,13 +95,16 @@ def encode_validation(
     def job(prompt: str) -> TextJob:
         return TextJob(prompt + suffix, prompt, None if image is None else (lambda: image))
 
-    fill_text_cache(text_cache, [job(p) for _, p in prompts], encode(False), 8)
     negatives = negative_cache(text_cache)
-    fill_text_cache(negatives, [job(cfg.validation_negative_prompt)], encode(True), 1)
-    negative = negatives.get(cfg.validation_negative_prompt + suffix)
-    embeds = {p: text_cache.get(p + suffix) for _, p in prompts}
-    unusable = [p for p, e in [*embeds.items(), (cfg.validation_negative_prompt, negative)] if e is None]
-    if unusable:  # fill_text_cache refused them: the text encoder returned NaN or inf
+    for _ in range(2):  # an entry whose data was damaged is dropped by get (its header looked whole): encoded again
+        fill_text_cache(text_cache, [job(p) for _, p in prompts], encode(False), 8)
+        fill_text_cache(negatives, [job(cfg.validation_negative_prompt)], encode(True), 1)
+        negative = negatives.get(cfg.validation_negative_prompt + suffix)
+        embeds = {p: text_cache.get(p + suffix) for _, p in prompts}
+        unusable = [p for p, e in [*embeds.items(), (cfg.validation_negative_prompt, negative)] if e is None]
+        if not unusable:
+            break
+    if unusable:  # fill_text_cache refused them twice: the text encoder returned NaN or inf
         raise ValueError(f"the text encoder returned NaN or inf for validation prompt {unusable[0]!r}; "
                          "check the model's weights and mixed_precision")
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
