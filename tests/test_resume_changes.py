@@ -190,6 +190,25 @@ def test_changed_lora_rank_is_refused_before_the_model_loads(tmp_path, dataset):
     load_config(write_config(tmp_path, dataset, lora_rank=8, model_type="full", resume_from_checkpoint="latest"))
 
 
+def test_changed_use_dora_or_lycoris_network_is_refused_before_the_model_loads(tmp_path, dataset):
+    """They were refused after the model loaded and the caches were checked, naming lora_rank (unused by LyCORIS)
+    or no key at all."""
+    run_with(tmp_path / "dora", dataset, max_train_steps=1)
+    problems = config_problems(write_config(tmp_path / "dora", dataset, use_dora=True, resume_from_checkpoint="latest"))
+    assert "trained with use_dora false, this run has use_dora true" in problems, problems
+    loha = tmp_path / "loha.json"
+    loha.write_text(json.dumps({"algo": "loha", "linear_dim": 4, "linear_alpha": 2}))
+    run_with(tmp_path / "ly", dataset, max_train_steps=1, lora_type="lycoris", lycoris_config=str(loha))
+    for change, said in (({"linear_dim": 8}, "linear_dim 4 then, 8 now"), ({"algo": "lokr"}, "algo 'loha' then")):
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({"algo": "loha", "linear_dim": 4, "linear_alpha": 2} | change))
+        problems = config_problems(write_config(tmp_path / "ly", dataset, lora_type="lycoris",
+                                                lycoris_config=str(other), resume_from_checkpoint="latest"))
+        assert "was trained with another LyCORIS network" in problems and said in problems, problems
+    load_config(write_config(tmp_path / "ly", dataset, lora_type="lycoris", lycoris_config=str(loha),
+                             resume_from_checkpoint="latest"))  # unchanged: fine
+
+
 def test_adapter_tensor_of_another_shape_is_a_clear_error():
     """What the header check misses (another size setting) is named when the weights are copied in."""
     from difftune.adapters.kinds import _copy_into

@@ -30,16 +30,46 @@ def newest(output_dir: Path) -> Path | None:
     return max(found)[2] if found else None
 
 
+# lycoris_config keys that decide which tensors a LyCORIS network has, and their shapes
+LYCORIS_SHAPE = ("algo", "linear_dim", "conv_dim", "factor", "full_matrix", "decompose_both", "use_tucker",
+                 "dora_wd", "apply_preset")
+
+
+def lycoris_problem(train: Any, folder: Path) -> str | None:
+    """Why this run's lycoris_config cannot resume `folder`'s network (its LyCORIS file keeps the config it trained
+    with in its metadata), or None."""
+    try:
+        with safe_open(str(folder / "pytorch_lora_weights.safetensors"), framework="numpy") as f:
+            then = json.loads((f.metadata() or {})["lycoris_config"])
+        now = json.loads(Path(train.lycoris_config).read_text())
+    except Exception:  # noqa: BLE001 - an older checkpoint, or an unreadable file: the resume reports what misfits
+        return None
+    changed = [f"{k} {then.get(k)!r} then, {now.get(k)!r} now" for k in LYCORIS_SHAPE if then.get(k) != now.get(k)]
+    if not changed:
+        return None
+    return (f"{folder} was trained with another LyCORIS network ({'; '.join(changed)}): its weights do not fit the "
+            f"one {train.lycoris_config} makes. Restore those lycoris_config keys to resume it, or start a new "
+            "output_dir")
+
+
 def lora_problem(train: Any, folder: Path) -> str | None:
-    """Why a standard LoRA of this config cannot resume `folder`'s weights (from its header), or None."""
+    """Why a standard LoRA (or LyCORIS network) of this config cannot resume `folder`'s weights (from their
+    headers), or None."""
+    if train.model_type == "lora" and train.lora_type == "lycoris" and train.lycoris_config:
+        return lycoris_problem(train, folder)
     if train.model_type != "lora" or train.lora_type != "standard":
         return None
     try:
         with safe_open(str(folder / "trainable.safetensors"), framework="numpy") as f:
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys() if ".lora_A." in k}
+            dora = any("lora_magnitude_vector" in k for k in f.keys())
             empty = not shapes and bool(list(f.keys()))
     except Exception:  # noqa: BLE001 - an unreadable file is the resume's to report (it passes over it, or names it)
         return None
+    if shapes and dora != bool(train.use_dora):
+        return (f"{folder} was trained with use_dora {str(dora).lower()}, this run has use_dora "
+                f"{str(bool(train.use_dora)).lower()}: a DoRA's magnitudes are tensors a plain LoRA does not have. Set "
+                f"use_dora {str(dora).lower()} to resume it, or start a new output_dir")
     if empty:
         return (f"{folder} holds no standard LoRA (its weights are another adapter type or a full fine-tune); set "
                 "model_type and lora_type as it was trained, or start a new output_dir")
