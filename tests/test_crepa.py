@@ -163,6 +163,10 @@ def test_config_keys(tmp_path, dataset, dino, monkeypatch):
     monkeypatch.setattr("difftune.train.setup.fill_caches", no_caching)
     with pytest.raises(crepa.CrepaError, match="crepa_block_index 8 is out of range"):
         build_run(load_config(write_config(tmp_path / "range", dataset, **on(dino, crepa_block_index=8))))
+    empty = tmp_path / "not-dino"
+    empty.mkdir()
+    with pytest.raises(crepa.CrepaError, match="cannot load DINOv2"):  # offline, or not a model: before caching too
+        build_run(load_config(write_config(tmp_path / "enc-empty", dataset, **on(dino, crepa_encoder=str(empty)))))
     with pytest.raises(crepa.CrepaError, match="inside the TREAD route"):
         build_run(load_config(write_config(tmp_path / "tread", dataset, **on(dino), tread_config={
             "routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": -1}]})))

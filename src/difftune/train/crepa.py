@@ -119,10 +119,19 @@ def alignment(tokens: torch.Tensor, targets: torch.Tensor, distance: int, tau: f
 
 
 def check_block(cfg: Any, family: Any, transformer: torch.nn.Module) -> None:
-    """crepa_block_index against the loaded model's blocks and the TREAD routes: called before caching too, so a
-    block that cannot be used fails before the caches fill."""
+    """crepa_block_index against the loaded model's blocks and the TREAD routes, and crepa_encoder's config (read
+    from its folder or the hub): called before caching too, so what cannot be used fails before the caches fill."""
     if not cfg.crepa_enabled:
         return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(ENCODER_ALIASES.get(cfg.crepa_encoder, cfg.crepa_encoder))
+    except (OSError, ValueError) as e:
+        raise CrepaError(f"crepa_encoder {cfg.crepa_encoder!r}: cannot load DINOv2 from "
+                         f"{ENCODER_ALIASES.get(cfg.crepa_encoder, cfg.crepa_encoder)!r} ({str(e).splitlines()[0]}); "
+                         "name a transformers DINOv2 model id such as facebook/dinov2-small, or a local folder "
+                         "holding one") from e
     blocks = LAYOUTS[family.tread_layout].blocks(transformer)
     index = cfg.crepa_block_index
     if index >= len(blocks):
