@@ -72,6 +72,15 @@ def test_config_checks_name_both_keys(tmp_path, dataset):
     assert "set use_dora true" in text(init_lora=str(dora))
     load_config(write_config(tmp_path, dataset, init_lora=str(plain)))
     load_config(write_config(tmp_path, dataset, init_lora=str(dora), use_dora=True))
+    # difftune's other files are refused by name (they failed after the caches filled, asking about targets)
+    from safetensors.torch import save_file
+
+    for name, key, kind in (("lycoris.safetensors", "lycoris_layers_0_attn_to_q.lokr_w1", "a LyCORIS network"),
+                            ("comfyui_lora.safetensors", "diffusion_model.layers.0.attention.qkv.lora_down.weight",
+                             "a LoRA in ComfyUI's or kohya's layout")):
+        save_file({key: torch.zeros(2, 2)}, str(tmp_path / name))
+        message = text(init_lora=str(tmp_path / name))
+        assert f"init_lora {tmp_path / name} is {kind}" in message, message
 
 
 def tiny(family_name: str, dtype=torch.float32):

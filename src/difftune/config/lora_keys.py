@@ -110,6 +110,8 @@ def lora_checks(cfg: Any) -> None:
         raise ValueError(f"use_dora with lora_format 'comfyui' and {apart[0]}: ComfyUI's dora_scale is computed from "
                          f"the base weights when the LoRA is saved, and {apart[0]} keeps them out of reach then; use "
                          "lora_format 'diffusers' (load_lora_weights), or remove " + apart[0])
+    if standard and cfg.init_lora is not None and (problem := init_lora_problem(cfg.init_lora)) is not None:
+        raise ValueError(problem)
     if standard and cfg.init_lora is not None and not cfg.use_dora and is_dora_file(cfg.init_lora):
         raise ValueError(f"init_lora {cfg.init_lora} is a DoRA adapter (it has lora_magnitude_vector tensors); "
                          "set use_dora true to continue it (a plain LoRA would drop its magnitudes)")
@@ -132,10 +134,10 @@ def lora_notes(cfg: Any) -> list[str]:
     return [f"{', '.join(unused)} not used: {why}; remove {'them' if len(unused) > 1 else 'it'}"]
 
 
-def is_dora_file(path: str) -> bool:
-    """Whether a LoRA .safetensors file (or the pytorch_lora_weights.safetensors in a folder) holds DoRA
-    magnitudes. Reads the header only (8-byte length, then JSON); False for anything that is not safetensors
-    (the adapter's loader reports that, with the file's own error)."""
+def _header_keys(path: str) -> list[str]:
+    """The tensor names of a .safetensors file (or of the pytorch_lora_weights.safetensors in a folder), from its
+    header only (8-byte length, then JSON); [] for anything that is not safetensors (the adapter's loader reports
+    that, with the file's own error)."""
     file = Path(path)
     if file.is_dir():
         file = file / "pytorch_lora_weights.safetensors"
@@ -144,5 +146,26 @@ def is_dora_file(path: str) -> bool:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size)) if 0 < size < 100_000_000 else {}
     except (OSError, struct.error, ValueError):
-        return False
-    return isinstance(header, dict) and any("lora_magnitude_vector" in key for key in header)
+        return []
+    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+
+
+def is_dora_file(path: str) -> bool:
+    """Whether a LoRA file holds DoRA magnitudes."""
+    return any("lora_magnitude_vector" in key for key in _header_keys(path))
+
+
+def init_lora_problem(path: str) -> str | None:
+    """init_lora continues a LoRA in the diffusers layout (what a standard LoRA run saves); a LyCORIS or ComfyUI
+    file (difftune writes both too) failed after the caches filled, asking about targets."""
+    keys = _header_keys(path)
+    if any(".lora_A." in k for k in keys):
+        return None
+    if any(k.startswith("lycoris_") for k in keys):
+        kind = "a LyCORIS network"
+    elif any(".lora_down." in k or k.startswith(("lora_unet_", "diffusion_model.")) for k in keys):
+        kind = "a LoRA in ComfyUI's or kohya's layout"
+    else:
+        return None  # anything else: the loader's own message
+    return (f"init_lora {path} is {kind}; init_lora takes the diffusers-layout LoRA a standard LoRA run saves "
+            "(its pytorch_lora_weights.safetensors, not comfyui_lora.safetensors)")
