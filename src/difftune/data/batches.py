@@ -75,6 +75,15 @@ class Batch:
         return self._map(lambda t: t.pin_memory())
 
 
+def _afterwards(e: Exception, subject: str) -> str:
+    """What becomes of a damaged cache entry: deleted and encoded again, or, in a read-only cache, kept."""
+    kept = getattr(e, "kept", None)
+    if kept is not None:
+        return (f"the cache is read-only, so it stays and the item is left out of every run until the cache's owner "
+                f"deletes {kept}")
+    return f"{subject} deleted and is encoded again at the next start"
+
+
 class NoUsableItem(RuntimeError):
     """Every training item was left out while training (damaged cache entries)."""
 
@@ -128,8 +137,8 @@ class TrainingData:
                 weights = read_or_drop(c.mask_file, ("mask",)) if c.mask_file is not None else None
             except (DamagedEntry, FileNotFoundError) as e:
                 reason = "missing: deleted earlier as damaged" if isinstance(e, FileNotFoundError) else str(e)
-                self._skip(index, f"left out {c.sample.path}: its cached latents are damaged ({reason}); the entry "
-                                  "was deleted and is encoded again at the next start")
+                self._skip(index, f"left out {c.sample.path}: its cached latents are damaged ({reason}); "
+                                  + _afterwards(e, "the entry was"))
                 continue
             if latents and entry["latents"].shape != latents[0].shape:
                 # One bucket, one shape, by construction: an entry that disagrees is not this run's
@@ -216,8 +225,7 @@ class TrainingData:
                 except (DamagedEntry, FileNotFoundError) as e:
                     reason = "missing: deleted earlier as damaged" if isinstance(e, FileNotFoundError) else str(e)
                     self._skip(i, f"left out {c.sample.path}: the cached text embedding of caption "
-                                  f"{key.split(chr(0))[0][:60]!r} is damaged ({reason}); it was deleted and is "
-                                  "encoded again at the next start")
+                                  f"{key.split(chr(0))[0][:60]!r} is damaged ({reason}); " + _afterwards(e, "it was"))
                     continue
                 rows.append(row)
                 captions.append("" if dropped else c.sample.captions[pick])

@@ -51,7 +51,10 @@ _PREFIX = len(MAGIC) + 16
 
 
 class DamagedEntry(Exception):
-    """A cache entry that must not be trained on; the message says why."""
+    """A cache entry that must not be trained on; the message says why. `kept`: the file, when a read-only cache
+    could not delete it."""
+
+    kept: Path | None = None
 
 
 def fingerprint(data: Any) -> str:
@@ -247,9 +250,11 @@ def read_or_drop(path: Path, expect: Iterable[str] = ()) -> dict[str, torch.Tens
     """`read`, deleting the file when it is damaged (the next fill encodes it again)."""
     try:
         return read(path, expect)
-    except DamagedEntry:
-        with contextlib.suppress(OSError):  # a read-only cache: left in place, the item is left out all the same
+    except DamagedEntry as e:
+        try:
             path.unlink(missing_ok=True)
+        except OSError:  # a read-only cache: left in place, the item is left out all the same
+            e.kept = path  # the caller's message names it for the cache's owner to delete
         raise
 
 
