@@ -156,6 +156,7 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
             swap_in(tmp, final, root / f".replaced-{final.name}-{os.getpid()}")
         else:
             os.replace(tmp, final)
+        _fsync_dir(root)  # the rename itself on disk: after a power loss the checkpoint is under its own name
     keep = run.cfg.checkpoints_rolling_total_limit if rolling else run.cfg.checkpoints_total_limit
     return final, prune_checkpoints(run.output_dir, keep, rolling, written=final)
 
