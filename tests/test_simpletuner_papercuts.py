@@ -212,3 +212,24 @@ def test_list_and_object_keys_typed_on_the_command_line(tmp_path, dataset):
     train = load_config(path, {"optimizer_config": '{"amsgrad": true, "foreach": false}'}).train
     assert train.optimizer_settings() == {"amsgrad": True, "foreach": False}
     assert "starts like a JSON object but is not one" in problems(path, optimizer_config='{"amsgrad": tru}')
+
+
+def test_a_negative_prompt_without_guidance_gets_a_note(tmp_path, dataset):
+    """The pipelines use it only with guidance above 1 (SimpleTuner configs train distilled models at 1)."""
+    notes = load_config(write_config(tmp_path, dataset, validation_prompt="a red circle", validation_guidance=1.0,
+                                     validation_negative_prompt="blurry")).notes()
+    assert any("validation_negative_prompt not used" in n for n in notes)
+    notes = load_config(write_config(tmp_path, dataset, validation_prompt="a red circle",
+                                     validation_guidance=1.0)).notes()  # the default negative prompt: no note
+    assert not any("validation_negative_prompt" in n for n in notes)
+
+
+def test_an_image_to_video_frame_count_gets_advice_it_can_take(tmp_path):
+    """10 frames got "use 9 or 13", both then refused: image-to-video validation needs 17 or more."""
+    from families import make_clips
+
+    clips = make_clips(tmp_path / "clips", count=2, frames=9)
+    text = problems(write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random-i2v",
+                                 validation_num_video_frames=10,
+                                 dataset={"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}}))
+    assert "use 17 or more (4k+1)" in text, text

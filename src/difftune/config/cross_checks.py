@@ -83,8 +83,9 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
                          f"remove {'it' if one else 'them'} for {cfg.model_family}")
     n = cfg.validation_num_video_frames
     if n is not None and (n - 1) % 4:
+        advice = four_k_plus_one(n) if not facts.first_frame(cfg.flavour()) or n > 17 else "17 or more (4k+1)"
         raise ValueError(f"validation_num_video_frames {n} is not 4k+1 (the VAE compresses time 4x); "
-                         f"use {four_k_plus_one(n)}")
+                         f"use {advice}")  # image-to-video validation needs 17 or more: config/load.py
     if cfg.validation_using_datasets and cfg.eval_dataset_id is None:
         raise ValueError("validation_using_datasets needs eval_dataset_id: the dataset to take the image from")
     if cfg.flow_schedule_shift <= 0 and not cfg.flow_schedule_auto_shift:
@@ -110,6 +111,11 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "
                      "flow_schedule_auto_shift to false to use it)")
     notes += _literal_home(cfg)
+    if cfg.validation_prompts() and "validation_negative_prompt" in cfg.model_fields_set and \
+            cfg.validation_negative_prompt and cfg.guidance() <= 1:
+        notes.append(f"validation_negative_prompt not used: the pipelines apply it only with guidance above 1 "
+                     f"(validation_guidance {cfg.guidance():g}); raise validation_guidance, or remove the negative "
+                     "prompt")
     idle = [i for i, r in enumerate(getattr(cfg.tread_config, "routes", None) or []) if r.selection_ratio == 0]
     if idle:
         notes.append(f"tread_config route{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} (counting from "
