@@ -197,3 +197,17 @@ def test_a_full_checkpoint_of_the_old_layout_loads():
     weights = {k: v for k, v in restored.items() if k in live and live[k].requires_grad}
     assert weights and set(weights) == {n for n, p in live.items() if p.requires_grad}
     assert all(torch.allclose(weights[k], live[k].detach(), atol=1e-6) for k in weights)
+
+
+def test_fp16_glora_and_full_on_the_cpu_are_refused_before_any_model_loads(tmp_path, dataset):
+    """accelerate has no fp16 autocast on the CPU: their fp32 weights met fp16 activations at step 1."""
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.train.setup import build_run
+
+    for algo in ("full", "glora"):
+        config = tmp_path / f"{algo}.json"
+        config.write_text(json.dumps(config_for(algo)))
+        with pytest.raises(ValueError, match=f"LyCORIS algo '{algo}' with mixed_precision 'fp16' on the CPU"):
+            build_run(load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(config),
+                                               mixed_precision="fp16", validation_prompt=None)))

@@ -257,3 +257,16 @@ def base_dtype(transformer: torch.nn.Module) -> torch.dtype:
         if p.is_floating_point() and not any(part in kept for part in name.split(".")):
             counts[p.dtype] += p.numel()
     return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def check_device(cfg: Any, device: torch.device) -> None:
+    """Before any model loads: LyCORIS `full` and `glora` multiply their own fp32 weights with the activations, and
+    with mixed_precision 'fp16' on the CPU there is no autocast to cast them (accelerate's CPU autocast is bf16)."""
+    if not (cfg.model_type == "lora" and cfg.lora_type == "lycoris" and cfg.mixed_precision == "fp16"
+            and device.type == "cpu"):
+        return
+    algo = json.loads(Path(cfg.lycoris_config).read_text()).get("algo")
+    if algo in ("full", "glora"):
+        raise ValueError(f"LyCORIS algo {algo!r} with mixed_precision 'fp16' on the CPU: there is no fp16 autocast "
+                         "there to cast its fp32 weights to the fp16 activations; use mixed_precision 'bf16' (or 'no') "
+                         "on the CPU")

@@ -256,6 +256,10 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
                               log_with=trackers.log_with(cfg), project_dir=str(trackers.tracker_folder(output_dir)))
     ranks = ranks_of(accelerator)
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
+    if cfg.lora_type == "lycoris":  # so does a LyCORIS algo this device's autocast cannot serve
+        from difftune.adapters.lycoris import check_device
+
+        check_device(cfg, accelerator.device)
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
