@@ -16,8 +16,8 @@ ComfyUI's generic map does take `diffusion_model.<its module>` for every weight 
   are stacked in its rows, a projection the network does not adapt gets zero rows), GLoRA (ComfyUI has two readings of
   its tensors, told apart by shape), and weight-decomposed (DoRA) modules (LyCORIS normalises over another axis than
   ComfyUI's dora_scale).
-A difference is a full-size tensor: for Lumina2's qkv about 9 M values per block, written in bf16 (the dtype the
-model is patched in), so a Lumina2 export is a few hundred MB where the LyCORIS file is a few MB.
+A difference is a full-size tensor: for Lumina-Image-2.0's qkv 3840 x 2304 values per block, 30 blocks, written in
+bf16 (the dtype the model is patched in), so its export is about 530 MB where the LyCORIS file is a few MB.
 
 The network's `multiplier` is not in the file: ComfyUI's strength plays its part (strength = multiplier).
 """
