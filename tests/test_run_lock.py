@@ -168,6 +168,21 @@ def test_a_held_sigterm_is_raised_at_the_block_end_and_a_second_one_at_once(monk
         assert take_held() is None
 
 
+def test_ctrl_c_is_held_to_the_step_end_like_sigterm(capsys):
+    """Ctrl-C in the middle of a step saved the step before with the data position of the step it cut: the resume
+    skipped a batch. On the command line it waits for the step's end too, says so, and keeps Ctrl-C's meaning."""
+    from difftune.train.run_lock import Terminated, held, sigterm_stops
+
+    reached = []
+    with pytest.raises(Terminated) as info, sigterm_stops(), held():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        reached.append("after Ctrl-C")
+    assert reached == ["after Ctrl-C"] and info.value.reason == "interrupted" and info.value.signum == signal.SIGINT
+    assert "stopping after the step in progress" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
 def test_the_same_sigterm_delivered_twice_is_one_request():
     """A group kill reaches a torchrun worker directly and again through torchrun: taken as a second SIGTERM, it
     stopped one process at once, mid-step, while the other waited in a collective (and was SIGKILLed 30 s later)."""

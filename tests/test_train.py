@@ -72,6 +72,28 @@ def test_resume_gives_same_losses(tmp_path, monkeypatch, stop):
     del calls
 
 
+def test_a_step_cut_in_the_middle_saves_the_position_of_the_step_before(tmp_path, monkeypatch):
+    """An interrupt inside a step's micro-batches (a second Ctrl-C) saved the step before with the position after
+    the batches the cut step had drawn: the resume skipped them."""
+    images = tmp_path / "images"
+    make_dataset(images, count=6)
+    common = dict(max_train_steps=6, train_batch_size=1, gradient_accumulation_steps=2)
+    train(build_run(load_config(write_config(tmp_path / "a", images, checkpoint_step_interval=4, **common))))
+    real = loop.micro_step
+
+    def cut(run, batch):
+        if run.state.step == 4 and run.state.micro == 1:
+            raise KeyboardInterrupt()
+        return real(run, batch)
+
+    monkeypatch.setattr(loop, "micro_step", cut)
+    with pytest.raises(KeyboardInterrupt):
+        train(build_run(load_config(write_config(tmp_path / "b", images, **common))))
+    a, b = (json.loads((tmp_path / x / "output" / "checkpoints" / "checkpoint-0000004" / "training_state.json")
+                       .read_text())["sampler"] for x in "ab")
+    assert a == b
+
+
 def test_unreadable_image_is_skipped_with_warning(tmp_path, dataset, capsys):
     (dataset / "broken.png").write_bytes(open(next(dataset.glob("*.png")), "rb").read()[:60])
     (dataset / "broken.txt").write_text("broken")

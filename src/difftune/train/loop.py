@@ -124,13 +124,15 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
         sync = micro == accum - 1
         with nullcontext() if sync else run.accelerator.no_sync(run.transformer):
             batch = next(batches)
-            run.state.position = batch.position  # a checkpoint resumes after the batches consumed
             run.state.micro = micro  # round-robin noise levels: the place in the cycle (train/noise_levels.py)
             run.throughput.add(batch)
             loss = micro_step(run, batch)
             run.accelerator.backward(loss / accum)
         losses.append(loss.detach().float())
         seen.append(batch)
+    # A checkpoint resumes after the batches consumed: only once all of the step's are (a stop that cuts the step
+    # leaves the position of the step before, which the checkpoint's step count matches)
+    run.state.position = seen[-1].position
     norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method, run.optimizer)
     read = torch.stack([*losses, _scalar(norm, losses[0].device)])
     *values, norm_value = read.tolist()  # the step's one device sync

@@ -1,17 +1,16 @@
-"""What guards a command-line run from the outside world: SIGTERM and a second run into the same output_dir.
+"""What guards a command-line run from the outside world: SIGTERM, Ctrl-C and a second run into the same output_dir.
 
 SIGTERM (`kill`, `timeout`, `docker stop`, Slurm or Kubernetes preemption, the web UI's "kill") stops a run the
 way Ctrl-C does: `Terminated` is a KeyboardInterrupt, so every place that saves an "interrupted" checkpoint and
 logs a `stopped` event on Ctrl-C does so on SIGTERM too. Only the command line installs the handler
 (`sigterm_stops`); a program that calls `build_run`/`train` itself keeps its own signal handling.
 
-Unlike Ctrl-C, a SIGTERM that arrives during an optimizer step waits for the step to end (`held`): in the middle
-of one the sampler position and the noise generator have moved on while the weights have not, and a checkpoint
-saved there would resume with other batches and noise than the uninterrupted run. A second SIGTERM stops at once.
-Several processes (torchrun passes SIGTERM on to every worker) hold it through the whole loop until the exchange
-after each step (`loop.handle_commands`): each says whether it got one, and all stop after the same step, where
-the checkpoint's collectives meet. Ctrl-C raises wherever each process is, which can leave them in different
-collectives.
+A SIGTERM, or a Ctrl-C on the command line, that arrives during an optimizer step waits for the step to end
+(`held`): in the middle of one the sampler position and the noise generator have moved on while the weights have
+not, and a checkpoint saved there would resume with other batches and noise than the uninterrupted run. A second
+one (REPEAT_S or more later) stops at once. Several processes (torchrun passes SIGTERM on to every worker) hold it
+through the whole loop until the exchange after each step (`loop.handle_commands`): each says whether it got one,
+and all stop after the same step, where the checkpoint's collectives meet.
 
 The lock (`output_dir_lock`) is an flock on `output_dir/.difftune.lock`, which holds the pid of the run that took
 it. The kernel releases it when that process ends in any way (SIGKILL and the out-of-memory killer included), so a
@@ -72,11 +71,11 @@ def check_writable(output_dir: Path) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """A run stopped by a signal other than Ctrl-C's (SIGTERM)."""
+    """A run stopped by a signal: SIGTERM, or Ctrl-C's SIGINT while `sigterm_stops` handles it."""
 
     def __init__(self, signum: int):
         self.signum = signum
-        self.reason = f"terminated by {signal.Signals(signum).name}"
+        self.reason = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
         super().__init__(self.reason)
 
 
@@ -104,6 +103,8 @@ def _on_sigterm(signum: int, _frame: object) -> None:
     _last = now
     if _depth and _pending is None:
         _pending = signum
+        print("stopping after the step in progress, with a checkpoint (again, 3 s or more from now: at once)",
+              file=sys.stderr, flush=True)
         return
     _pending = None
     raise Terminated(signum)
@@ -111,15 +112,21 @@ def _on_sigterm(signum: int, _frame: object) -> None:
 
 @contextmanager
 def sigterm_stops() -> Iterator[None]:
-    """The command line's `train` and `cache`: SIGTERM raises `Terminated` (a KeyboardInterrupt) while inside;
-    the handler that was there before is put back afterwards."""
+    """The command line's `train` and `cache`: SIGTERM, and Ctrl-C's SIGINT where Python's own handler has it, raise
+    `Terminated` (a KeyboardInterrupt) while inside, held to the end of a `held` block like SIGTERM: Ctrl-C in the
+    middle of a step saved the step before with the data position (and noise) of the step it cut, so the resume
+    skipped a batch. The handlers that were there before are put back afterwards."""
     global _pending, _last
     _pending, _last = None, None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous_int = signal.signal(signal.SIGINT, _on_sigterm) if ctrl_c else None
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if ctrl_c:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 @contextmanager
