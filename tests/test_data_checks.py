@@ -284,3 +284,21 @@ def test_disable_bucket_pruning_keeps_small_buckets_on_one_process_only(tmp_path
     monkeypatch.setenv("WORLD_SIZE", "2")  # one global batch of 6: no bucket fills it
     with pytest.raises(DataError, match="it keeps small buckets on one process only"):
         check_data(load_config(path))
+
+
+def test_long_per_file_lists_are_cut_on_the_console(tmp_path, capsys):
+    """20,000 small images at a large resolution gave a note per image (18,938 lines) around the summary: the
+    console shows 20 of each list and where the rest are; `difftune check --all` lists every one."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(26):
+        Image.new("RGB", (24, 24), (i * 9, 40, 90)).save(images / f"{i:03d}.png")
+        (images / f"{i:03d}.txt").write_text("a small square")
+    path = write_config(tmp_path, images, dataset={"resolution": 64, "resolution_type": "pixel"})
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "notes (26):" in out and "    ... and 6 more (difftune check --all lists them all)" in out, out
+    assert sum(line.endswith("it will look blurry (set minimum_image_size to leave such images out)")
+               or "enlarged" in line for line in out.splitlines()) == 20
+    assert main(["check", "--all", "--config", str(path)]) == 0
+    assert "... and" not in capsys.readouterr().out

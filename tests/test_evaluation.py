@@ -58,6 +58,7 @@ def test_clip_evaluation_rises_when_the_lora_learns_the_image(tmp_path, monkeypa
                         validation_num_inference_steps=20, validation_guidance=1.0,
                         validation_disable_unconditional=True, evaluation_type="clip", eval_steps_interval=300,
                         **LORA)
+    monkeypatch.setattr(evaluation, "preload", lambda cfg, main: None)  # the scorer below, at the first evaluation
     run = build_run(load_config(path))
     reference = prepare(load_rgb(image), (64, 64), "center", (0.5, 0.5))[None]
     monkeypatch.setattr(evaluation, "load_scorer", lambda cfg: ReferenceScorer(run.comps.vae, reference))

@@ -182,11 +182,14 @@ def spy_sampling(monkeypatch) -> tuple[list[bool], list[bool]]:
 
 
 def test_validation_and_saves_use_the_averaged_weights_and_change_no_loss(tmp_path, dataset, monkeypatch):
+    from difftune.models.tiny_clip import tiny_clip
+
     common = dict(optimizer="adamw_schedulefree", max_train_steps=4, checkpoint_step_interval=2, lr_warmup_steps=2)
     modes, scored = spy_sampling(monkeypatch)
     # samples at step 3, between the checkpoints (whose switch recomputes the training weights in both runs)
     run = build_run(load_config(write_config(tmp_path / "a", dataset, validation_step_interval=3, **SAMPLE,
-                                             evaluation_type="clip", eval_steps_interval=3, **common)))
+                                             evaluation_type="clip", eval_steps_interval=3,
+                                             evaluation_clip_model=str(tiny_clip()), **common)))
     train(run)
     out = tmp_path / "a" / "output"
     assert modes == [False, False]  # step 3, and the final samples (step 4): eval mode

@@ -73,7 +73,7 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
 
     check_writable(Path(run_cfg.train.output_dir))  # as train does before any model loads
 
-    print(check_data(run_cfg))  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)
+    print(check_data(run_cfg, args.all))  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)
     for note in run_cfg.notes():
         print(f"note: {note}")
     print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.flavour()}{', ' + run_cfg.train.model_source() if run_cfg.train.model_source() else ''})")
@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("cache", "fill the text and latent caches without training")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    sub.choices["check"].add_argument("--all", action="store_true",
+                                      help="list every left-out file and note (the report shows 20 of each)")
     plan = sub.add_parser("plan", help="predict peak accelerator memory; --gpu-memory picks levers that fit "
                                        f"(exit {PLAN_DOES_NOT_FIT} when nothing fits)")
     plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")

@@ -11,6 +11,8 @@ from difftune.data.discovery import Discovery
 from difftune.data.frames import bucket_name
 from difftune.data.repeats import RepeatsChange
 
+LIST_LIMIT = 20  # lines of each per-file list on the console (`difftune check --all` shows them all)
+
 
 @dataclass
 class DataReport:
@@ -25,7 +27,28 @@ class DataReport:
     planned: dict[tuple[int, ...], int] | None = None
     plan_note: str | None = None  # for how many processes the buckets were planned (`difftune check`)
 
-    def render(self) -> str:
+    def render(self, limit: int | None = None, more: str = "") -> str:
+        """The report; with `limit`, each per-file list shows its first `limit` lines and the bucket line its
+        `limit` largest buckets, then how many more and `more` (where the whole list is): a 20,000-image dataset at
+        a large resolution gave one note per image (18,938 lines)."""
+        return "\n".join(self._lines(limit, more))
+
+    def _lines(self, limit: int | None, more: str) -> list[str]:
+        def capped(lines: list[str]) -> list[str]:
+            if limit is None or len(lines) <= limit:
+                return lines
+            return lines[:limit] + [f"    ... and {len(lines) - limit} more" + (f" ({more})" if more else "")]
+
+        def bucket_line(counts: dict) -> str:
+            shown = sorted(counts.items())
+            if limit is not None and len(shown) > limit:
+                largest = sorted(sorted(counts.items(), key=lambda kv: -kv[1])[:limit])
+                rest = len(shown) - limit
+                return (", ".join(f"{bucket_name(*g)}: {n}" for g, n in largest) +
+                        f", and {rest} smaller bucket(s) with {sum(counts.values()) - sum(n for _, n in largest)} "
+                        "item(s)")
+            return ", ".join(f"{bucket_name(*g)}: {n}" for g, n in shown)
+
         failed_paths = {p for p, _ in self.failed}
         out = ["data report:", f"  {'dataset':<24} {'found':>7} {'used':>7} {'left out':>9}"]
         for d in self.found:
@@ -36,15 +59,13 @@ class DataReport:
             out.append(f"  {d.dataset_id:<24} {total:>7} {used:>7} {total - used:>9}{kind}")
         if self.data is not None:
             buckets = Counter(item.sample.group for item in self.data.items)
-            sizes = ", ".join(f"{bucket_name(*g)}: {n}" for g, n in sorted(buckets.items()))
-            out.append(f"  buckets (with repeats): {sizes}")
+            out.append(f"  buckets (with repeats): {bucket_line(buckets)}")
             out.append(f"  batches per epoch: {self.data.sampler.batches_per_epoch()}")
             if self.data.regularisation:  # is_regularisation_data (train/regularisation.py)
                 out.append(f"  regularisation data: {', '.join(sorted(self.data.regularisation))} (trained towards the "
                            "base model's prediction, the adapter switched off)")
         elif self.planned:
-            sizes = ", ".join(f"{bucket_name(*g)}: {n}" for g, n in sorted(self.planned.items()))
-            out.append(f"  buckets (with repeats): {sizes}")
+            out.append(f"  buckets (with repeats): {bucket_line(self.planned)}")
         if self.plan_note:
             out.append(f"  {self.plan_note}")
         masked = [f"{d.dataset_id} (from {d.masks!r})" for d in self.found if d.masks]
@@ -66,7 +87,7 @@ class DataReport:
         left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
         if left:
             out.append(f"  left out ({len(left)}):")
-            out += [f"    {p}: {r}" for p, r in left]
+            out += capped([f"    {p}: {r}" for p, r in left])
         unread = [item for d in self.found for item in d.unread_reasons()]
         if unread:  # files of a type the dataset does not read, one line per extension
             count = sum(len(files) for d in self.found for files in d.unread.values())
@@ -75,5 +96,5 @@ class DataReport:
         notes = [(p, r) for d in self.found for p, r in d.notes]
         if notes:
             out.append(f"  notes ({len(notes)}):")
-            out += [f"    {p}: {r}" for p, r in notes]
-        return "\n".join(out)
+            out += capped([f"    {p}: {r}" for p, r in notes])
+        return out

@@ -109,7 +109,7 @@ def save_adapter(run: Run, folder: Path) -> Path:
     """The adapter in its loadable format, written atomically: every file or folder it produces is
     whole under its final name (a reader or a kill never sees a half-written one). A failed write is a
     WriteError; the result it would have replaced stays whole."""
-    with written("the trained weights", folder, run.output_dir):
+    with written("the trained weights", folder, getattr(run, "output_dir", folder)):
         return _write_adapter(run, folder)
 
 

@@ -27,7 +27,7 @@ from difftune.data.captions import CaptionRule, CaptionTable
 from difftune.data.discovery import DatasetSpec, Discovery, Sample, discover
 from difftune.data.frames import FrameRule
 from difftune.data.repeats import Bucket, RepeatsPlan, StepSize, plan_repeats
-from difftune.data.report import DataReport
+from difftune.data.report import LIST_LIMIT, DataReport
 from difftune.models.registry import FAMILY_FACTS
 
 
@@ -221,14 +221,16 @@ def planned(run_cfg: RunConfig, found: list[Discovery], processes: int, given: s
             from e
 
 
-def check_data(run_cfg: RunConfig) -> str:
+def check_data(run_cfg: RunConfig, every_line: bool = False) -> str:
     """What `difftune check` says about the data: the data report with the buckets and the pruning training
-    would make (for WORLD_SIZE processes, 1 when unset), or training's DataError, without loading any model."""
+    would make (for WORLD_SIZE processes, 1 when unset), or training's DataError, without loading any model.
+    Long per-file lists are cut to LIST_LIMIT lines unless `every_line` (`--all`)."""
     processes = world_size()
     found = discover_datasets(run_cfg)
     plan = planned(run_cfg, found, processes)
     return DataReport(found, [], plan.pruned, repeats=plan.changes, planned=planned_buckets(found, plan),
-                      plan_note=plan_note(run_cfg, processes)).render()
+                      plan_note=plan_note(run_cfg, processes)).render(
+        None if every_line else LIST_LIMIT, "difftune check --all lists them all")
 
 
 def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True,

@@ -20,7 +20,7 @@ from difftune.config import RunConfig, TrainConfig
 from difftune.data.batches import TrainingData
 from difftune.data.latents import CachedSample
 from difftune.data.repeats import RepeatsPlan, StepSize
-from difftune.data.report import DataReport
+from difftune.data.report import LIST_LIMIT, DataReport
 from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
@@ -239,9 +239,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None
     data, repeats = build_data(run_cfg, family, cached, events, encode, ranks)
     eval_set = eval_loss.prepare(run_cfg, family, cached, encode, events)  # held out: never in `data`
-    report = DataReport(found, cached.failed, repeats.pruned, data, repeats=repeats.changes).render()
-    events.write(report)
-    events.emit("data_report", quiet=True, text=report)
+    report = DataReport(found, cached.failed, repeats.pruned, data, repeats=repeats.changes)
+    events.write(report.render(LIST_LIMIT, "the data_report event in events.jsonl lists them all"))
+    events.emit("data_report", quiet=True, text=report.render())
     return Prepared(family, comps, data, cached.validation, eval_set)
 
 
