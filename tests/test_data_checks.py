@@ -302,3 +302,25 @@ def test_long_per_file_lists_are_cut_on_the_console(tmp_path, capsys):
                or "enlarged" in line for line in out.splitlines()) == 20
     assert main(["check", "--all", "--config", str(path)]) == 0
     assert "... and" not in capsys.readouterr().out
+
+
+def test_items_that_fill_no_batch_are_said(tmp_path, capsys):
+    """One process trains full batches only (as SimpleTuner): 3 images of a bucket with batches of 2 leave one out
+    each epoch, while the report said every image was used."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, size in enumerate([(64, 64)] * 4 + [(96, 64)] * 3 + [(64, 96)] * 2):
+        Image.new("RGB", size, (i * 20, 60, 90)).save(images / f"{i:02d}.png")
+        (images / f"{i:02d}.txt").write_text("a shape")
+    path = write_config(tmp_path, images, train_batch_size=2, dataset={"resolution": 64})
+    assert main(["check", "--config", str(path)]) == 0
+    line = "incomplete batches: 1 item(s) per epoch do not fill a batch in their bucket"
+    assert line in capsys.readouterr().out
+    from difftune.train.setup import build_run
+
+    run = build_run(load_config(path))
+    assert run.data.sampler.left_per_epoch() == 1
+    assert main(["check", "--config", str(write_config(tmp_path, images, train_batch_size=2,
+                                                       disable_bucket_pruning=True,
+                                                       dataset={"resolution": 64}))]) == 0
+    assert "incomplete batches" not in capsys.readouterr().out

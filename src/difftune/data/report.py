@@ -26,6 +26,7 @@ class DataReport:
     # `difftune check` (no TrainingData): bucket group -> items with repeats, as training will bucket them
     planned: dict[tuple[int, ...], int] | None = None
     plan_note: str | None = None  # for how many processes the buckets were planned (`difftune check`)
+    incomplete: int = 0  # `difftune check`: items per epoch that fill no batch in their bucket (training: the sampler's)
 
     def render(self, limit: int | None = None, more: str = "") -> str:
         """The report; with `limit`, each per-file list shows its first `limit` lines and the bucket line its
@@ -68,6 +69,11 @@ class DataReport:
             out.append(f"  buckets (with repeats): {bucket_line(self.planned)}")
         if self.plan_note:
             out.append(f"  {self.plan_note}")
+        partial = self.data.sampler.left_per_epoch() if self.data is not None else self.incomplete
+        if partial:  # the used count above is per run: each epoch draws which items these are
+            out.append(f"  incomplete batches: {partial} item(s) per epoch do not fill a batch in their bucket and sit "
+                       "that epoch out, a different draw each epoch (disable_bucket_pruning keeps them, on one "
+                       "process)")
         masked = [f"{d.dataset_id} (from {d.masks!r})" for d in self.found if d.masks]
         if masked:  # conditioning_type 'mask' (train/masked_loss.py)
             out.append(f"  loss masks: {', '.join(masked)}: the loss is weighted by each image's mask")

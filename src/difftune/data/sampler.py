@@ -2,7 +2,9 @@
 
 Each dataset's batch order in its own epoch n is a pure function of (seed, dataset, n). Without
 `probability`, an epoch is every batch of every dataset, shuffled together, so each image is seen
-once per epoch (times its repeats). With `probability`, each batch comes from a dataset drawn by
+once per epoch (times its repeats), but for the items that fill no whole batch in their bucket: they sit that
+epoch out, a different draw each epoch (`left_per_epoch`; disable_bucket_pruning keeps partial batches on one
+process). With `probability`, each batch comes from a dataset drawn by
 weight, and a dataset that runs out starts its next epoch on its own. A resumed run that restores
 `state_dict()` sees exactly the batches an uninterrupted run would have seen.
 
@@ -56,6 +58,11 @@ class DatasetBatches:
 
 
 class BucketSampler:
+    def left_per_epoch(self) -> int:
+        """Items each epoch leaves out because they do not fill a batch in their bucket (a different draw each
+        epoch; none with keep_partial), as SimpleTuner trains full batches only."""
+        return sum(len(items) % p.batch_size for p in self.parts if not p.keep_partial for items in p.groups.values())
+
     def __init__(self, datasets: list[tuple[list[int], list[tuple[int, int]], float | None]], batch_size: int,
                  seed: int, keep_partial: bool, uniform: bool = False, ids: list[str] | None = None):
         """`datasets`: per dataset (item indices, bucket of each, probability or None). `uniform`

@@ -200,6 +200,18 @@ def planned_buckets(found: list[Discovery], plan: RepeatsPlan) -> dict[tuple[int
     ))
 
 
+def incomplete(run_cfg: RunConfig, found: list[Discovery], plan: RepeatsPlan, processes: int) -> int:
+    """Items per epoch that fill no global batch in their dataset's bucket, as training's sampler leaves them out
+    (data/sampler.py `left_per_epoch`); none where disable_bucket_pruning keeps partial batches (one process)."""
+    cfg = run_cfg.train
+    if cfg.disable_bucket_pruning and processes == 1:
+        return 0
+    batch = cfg.train_batch_size * processes
+    counts = Counter((d.dataset_id, s.group) for d in found if d.dataset_id in plan.repeats for s in d.samples
+                     if (d.dataset_id, s.group) not in plan.pruned for _ in range(1 + plan.repeats[d.dataset_id]))
+    return sum(n % batch for n in counts.values())
+
+
 def plan_note(run_cfg: RunConfig, processes: int, given: str | None = None) -> str:
     """`given`: what set the number of processes (`difftune plan`'s --processes); else WORLD_SIZE or its absence."""
     batch = run_cfg.train.train_batch_size
@@ -229,7 +241,8 @@ def check_data(run_cfg: RunConfig, every_line: bool = False) -> str:
     found = discover_datasets(run_cfg)
     plan = planned(run_cfg, found, processes)
     return DataReport(found, [], plan.pruned, repeats=plan.changes, planned=planned_buckets(found, plan),
-                      plan_note=plan_note(run_cfg, processes)).render(
+                      plan_note=plan_note(run_cfg, processes),
+                      incomplete=incomplete(run_cfg, found, plan, processes)).render(
         None if every_line else LIST_LIMIT, "difftune check --all lists them all")
 
 
