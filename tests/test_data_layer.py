@@ -264,6 +264,11 @@ def test_probability_mixes_datasets_by_weight():
     it = iter(sampler)
     first = [next(it)[0] < 100 for _ in range(2000)]
     assert 0.7 < np.mean(first) < 0.8
+    # auto-weighting (SimpleTuner's default): the probability scales the dataset's share of the images, so a small
+    # dataset with probability 0.5 beside a large one without gets 100 x 0.5 : 1000 (it got 1 : 2 before)
+    mixed = [(list(range(0, 1000)), [(64, 64)] * 1000, None), (list(range(1000, 1100)), [(64, 64)] * 100, 0.5)]
+    it = iter(BucketSampler(mixed, 1, seed=0, keep_partial=False))
+    assert 0.03 < np.mean([next(it)[0] >= 1000 for _ in range(4000)]) < 0.065  # 50 / 1050 = 0.048
     even = BucketSampler([(p[0], p[1], None) for p in parts], 1, seed=0, keep_partial=False)
     epoch = even.epoch_batches(0)
     assert sorted(b[0] for b in epoch) == list(range(200))  # unweighted: each image once per epoch

@@ -204,8 +204,9 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     )
     repeats: int = field(0, "Extra passes over this dataset per epoch (0: each image once).", "data", ge=0)
     probability: float | None = field(
-        None, "Relative weight of this dataset when several are mixed (each batch comes from one dataset). "
-        "Empty: in proportion to its number of batches.", "data", gt=0, advanced=True,
+        None, "Relative weight of this dataset when several are mixed (each batch comes from one dataset): with "
+        "data_backend_sampling 'auto-weighting' (the default) it scales the dataset's share of the images, with "
+        "'uniform' it is the weight itself. Empty: 1.", "data", gt=0, advanced=True,
     )
     max_num_samples: int | None = field(
         None, "Use at most this many images: a fixed random subset (seeded by the dataset id).", "data", gt=0,

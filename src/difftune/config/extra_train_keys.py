@@ -73,10 +73,11 @@ class ExtraTrainKeys(BaseModel):
     )
     data_backend_sampling: Literal["auto-weighting", "uniform"] = field(
         "auto-weighting", "How batches are shared between several datasets. 'auto-weighting': in proportion to each "
-        "dataset's batches (an epoch is every batch of every dataset once), unless entries set probability, which "
-        "then weights the draw. 'uniform': each batch comes from a dataset drawn by its probability alone (1 for an "
-        "entry without one), whatever its size, so a small dataset is seen as often as a large one and starts its "
-        "next epoch on its own (SimpleTuner's meaning; it suits a small subject set beside a large regularisation "
+        "dataset's size (an epoch is every batch of every dataset once); entries that set probability scale their "
+        "share (probability x the dataset's share of the images, 1 unset, as SimpleTuner weighs them), and a "
+        "dataset that runs out then starts its next epoch on its own. 'uniform': each batch comes from a dataset "
+        "drawn by its probability alone (1 for an entry without one), whatever its size, so a small dataset is seen "
+        "as often as a large one (SimpleTuner's meaning; it suits a small subject set beside a large regularisation "
         "set). An epoch still counts as many batches as all datasets hold.", "data", advanced=True,
     )
 

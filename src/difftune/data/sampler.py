@@ -75,7 +75,11 @@ class BucketSampler:
         self.counts = [len(p.epoch_batches(0)) for p in self.parts]
         weights = [w for _, _, w in datasets]
         self.weighted = any(w is not None for w in weights) or (uniform and len(weights) > 1)
-        raw = np.array([w if w is not None else 1.0 for w in weights], dtype=np.float64)
+        # SimpleTuner's weights: 'uniform', the probability alone (1 unset); 'auto-weighting', the probability
+        # (1 unset) times the dataset's share of the items, so a probability scales a dataset's own share
+        sizes = [1 if uniform else len(items) for items, _, _ in datasets]
+        raw = np.array([(w if w is not None else 1.0) * n for w, n in zip(weights, sizes, strict=True)],
+                       dtype=np.float64)
         raw[np.array(self.counts) == 0] = 0.0
         self.weights = raw / raw.sum() if raw.sum() > 0 else raw
         self.state = SamplerState(streams=[[0, 0] for _ in self.parts])
