@@ -177,6 +177,10 @@ class TensorCache:
     def __init__(self, root: Path, identity: dict[str, Any], compress: bool = False):
         self.compress = compress
         self.folder = Path(root) / fingerprint(identity)
+        # Keys whose header this process found whole: a start asks has() of each entry several times (each
+        # process's share, then all, then training's check); once the header was read, a stat answers
+        self._whole: set[str] = set()
+        self._paths: dict[str, Path] = {}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -190,8 +194,11 @@ class TensorCache:
             pass  # a read-only cache: nothing to clean, and its fingerprint.json only informs a reader
 
     def path(self, key: str) -> Path:
-        digest = _digest(key)
-        return self.folder / digest[:2] / f"{digest}.safetensors"
+        found = self._paths.get(key)
+        if found is None:
+            digest = _digest(key)
+            found = self._paths[key] = self.folder / digest[:2] / f"{digest}.safetensors"
+        return found
 
     def get(self, key: str, expect: Iterable[str] = ()) -> dict[str, torch.Tensor] | None:
         """The verified entry, or None when it is missing or damaged (a damaged file is deleted)."""
@@ -212,8 +219,12 @@ class TensorCache:
         fails is removed, so the caller encodes it again."""
         path = self.path(key)
         if not path.exists():
+            self._whole.discard(key)
             return False
+        if key in self._whole:
+            return True
         if intact(path):
+            self._whole.add(key)
             return True
         with contextlib.suppress(OSError):  # a read-only cache keeps it: encoding it again says why it cannot
             path.unlink(missing_ok=True)
@@ -238,6 +249,7 @@ class TensorCache:
             blob = save(tensors, metadata={CHECKSUM: checksum(tensors), LAYOUT: layout(tensors)})
             Path(tmp).write_bytes(pack(blob) if self.compress else blob)
             os.replace(tmp, path)
+            self._whole.discard(key)  # read again by the next has(): what was written is checked once
         except OSError as e:  # a full disk
             raise CacheWriteError(self.folder, e) from e
         finally:
