@@ -36,13 +36,7 @@ from difftune.config.schedule_keys import ScheduleKeys
 from difftune.config.small_keys import SmallKeys
 from difftune.config.speed_keys import SpeedKeys
 from difftune.config.validation_triggers import ValidationTriggerKeys
-from difftune.config.values import (
-    parse_resolutions,
-    positive_sizes,
-    prompt_library,
-    resolution_text,
-    snap_size,
-)
+from difftune.config.values import parse_resolutions, prompt_library, resolution_value, snap_size
 from difftune.config.webhook_keys import WebhookKeys
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
@@ -534,13 +528,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
 
     @field_validator("validation_resolution", mode="before")
     @classmethod
-    def _resolution_number(cls, v: object) -> object:
-        return resolution_text(v)  # config/values.py: a JSON number or list as the text form
-
-    @field_validator("validation_resolution")
-    @classmethod
-    def _resolution(cls, v: str | None) -> str | None:
-        return positive_sizes(v)  # config/values.py
+    def _resolution(cls, v: object) -> object:
+        return resolution_value(v)  # config/values.py: a JSON number or list as the text form, sizes checked
 
     @model_validator(mode="after")
     def _cross_checks(self, info: ValidationInfo) -> TrainConfig:

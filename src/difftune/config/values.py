@@ -64,10 +64,14 @@ RESERVED_PROMPT_NAMES = ("validation", "unconditional")
 MAX_PROMPT_NAME = 120
 
 
-def positive_sizes(v: str | None) -> str | None:
-    """validation_resolution's text form checked: every size positive ("" is unset)."""
+def resolution_value(v: object) -> object:
+    """validation_resolution as written (resolution_text) in its text form, every size checked positive ("" is
+    unset); a value of another type is left for the schema to refuse."""
+    v = resolution_text(v)
     if v in (None, ""):
         return None
+    if not isinstance(v, str):
+        return v
     for w, h in parse_resolutions(v):
         if w <= 0 or h <= 0:
             raise ValueError(f"{v!r}: {w}x{h}: width and height must be positive")
