@@ -45,3 +45,26 @@ def test_size_limits():
     assert too_small(300, 300, r) and not too_small(600, 600, r)
     assert downsample_first(1000, 1000, r) is None
     assert downsample_first(4096, 4096, r) == (1024, 1024)
+
+
+def test_fit_resizes_only_the_cropped_region_with_the_same_pixels():
+    """fit resized the whole image to cover the bucket, then cropped: a 20000x20 strip bound for a 1024 bucket was a
+    5 GB intermediate image. It resizes the crop's source region now, which PIL's filter reads with its surroundings:
+    the pixels are those of resize-then-crop, bit for bit."""
+    import numpy as np
+    from PIL import Image
+
+    from difftune.data.buckets import cover_resize, crop_box
+    from difftune.data.images import fit
+
+    rng = np.random.default_rng(0)
+    for (w, h), bucket, style, uv in [((300, 200), (64, 64), "center", (0.5, 0.5)),
+                                      ((97, 61), (48, 80), "random", (0.2, 0.9)),
+                                      ((2000, 20), (64, 64), "random", (0.3, 0.5)),
+                                      ((64, 48), (64, 48), "center", (0.5, 0.5))]:
+        img = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        size = cover_resize(w, h, bucket)
+        whole = img.resize(size, Image.Resampling.LANCZOS) if size != img.size else img
+        expected = whole.crop(crop_box(size[0], size[1], bucket, style, *uv))
+        got = fit(img, bucket, style, uv)
+        assert got.size == bucket and np.array_equal(np.asarray(got), np.asarray(expected)), (w, h, bucket)

@@ -155,3 +155,29 @@ def test_hidden_files_and_folders_are_not_used(tmp_path):
     assert used == {"ok.png", "nested.png"} and not skipped
     note = dict((p, why) for p, why in found.notes)[root]
     assert note.startswith("4 hidden")  # .hidden/, .thumbs/, .dotfile.png and its caption
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path):
+    """A Latin-1 name (caf\\xe9.png, from an old archive or a Windows share) stopped check, cache and train with a
+    UnicodeEncodeError that named no file."""
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from conftest import write_config
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in (b"caf\xe9", b"plain"):
+        base = os.fsencode(images) + b"/" + name
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(base + b".png", format="PNG")
+        with open(base + b".txt", "w") as f:
+            f.write("a red square")
+    path = write_config(tmp_path, images, max_train_steps=1)
+    for command in ("check", "cache"):
+        done = subprocess.run([sys.executable, "-m", "difftune", command, "--config", str(path)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert "latent cache: 2 files" in done.stdout + done.stderr

@@ -333,6 +333,11 @@ def _positive(kind: type) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 (a Latin-1 'café.png') is printed, not fatal
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            pass  # a stream without it (a test's capture)
     parser = argparse.ArgumentParser(prog="difftune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

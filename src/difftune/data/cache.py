@@ -63,7 +63,7 @@ def fingerprint(data: Any) -> str:
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha1(text.encode()).hexdigest()
+    return hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()  # a non-UTF-8 file name too
 
 
 def layout(tensors: dict[str, torch.Tensor]) -> str:

@@ -305,7 +305,7 @@ def input_aspect_note(input_size: tuple[int, int], size: tuple[int, int], bucket
 
 def choice_for(path: Path, seed: int) -> float:
     """A fixed number in [0, 1) per file and seed (for crop_aspect 'random')."""
-    digest = hashlib.sha256(f"{seed}|aspect|{path}".encode()).digest()
+    digest = hashlib.sha256(f"{seed}|aspect|{path}".encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:4], "little") / 2**32
 
 

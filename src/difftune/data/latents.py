@@ -61,7 +61,7 @@ def crop_position(sample: Sample, crop_style: str, seed: int, epoch: int | None 
     if crop_style != "random":
         return 0.5, 0.5  # fixed positions ('center', 'corner') do not depend on the seed
     text = f"{seed}|{sample.path}" if epoch is None else f"{seed}|{sample.path}|epoch {epoch}"
-    h = hashlib.sha256(text.encode()).digest()
+    h = hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()  # a non-UTF-8 file name too
     return int.from_bytes(h[:4], "little") / 2**32, int.from_bytes(h[4:8], "little") / 2**32
 
 

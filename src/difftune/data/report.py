@@ -87,9 +87,9 @@ class DataReport:
         out += [f"  {change.line()}" for change in self.repeats]
         kept = {change.dataset for change in self.repeats}  # their line above says which repeats would do
         for (dataset, group), n in sorted(self.pruned.items()):
-            more = "" if dataset in kept else ", or allow_dataset_oversubscription to raise the dataset's repeats"
+            raise_it = "" if dataset in kept else ", or allow_dataset_oversubscription to raise the dataset's repeats"
             out.append(f"  pruned bucket {bucket_name(*group)} of {dataset}: {n} item(s), fewer than one batch "
-                       f"(set disable_bucket_pruning to keep them, on one process{more})")
+                       f"(set disable_bucket_pruning to keep them, on one process{raise_it})")
         left = [(p, r) for d in self.found for p, r in d.skipped] + self.failed
         if left:
             out.append(f"  left out ({len(left)}):")
