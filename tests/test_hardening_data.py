@@ -181,3 +181,18 @@ def test_a_file_name_that_is_not_utf8_is_read(tmp_path):
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
     assert "latent cache: 2 files" in done.stdout + done.stderr
+
+
+def test_photos_above_pils_warning_size_are_read(tmp_path, monkeypatch):
+    """PIL warns above MAX_IMAGE_PIXELS (89.5 MP) and refuses above twice that; a 102 MP camera's photos were left
+    out as a "decompression bomb". Between the two they are read now; above, still refused with the size."""
+    from PIL import Image
+
+    from difftune.data.images import BadImage, probe_size
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    Image.new("RGB", (50, 30)).save(tmp_path / "big.png")  # 1,500 pixels: over the warning, under the refusal
+    Image.new("RGB", (50, 50)).save(tmp_path / "huge.png")  # 2,500: over the refusal
+    assert probe_size(tmp_path / "big.png") == (50, 30)
+    with pytest.raises(BadImage, match="too many pixels"):
+        probe_size(tmp_path / "huge.png")
