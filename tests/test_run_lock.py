@@ -173,7 +173,8 @@ def test_ctrl_c_is_held_to_the_step_end_like_sigterm(capsys):
     skipped a batch. On the command line it waits for the step's end too, says so, and keeps Ctrl-C's meaning."""
     from difftune.train.run_lock import Terminated, held, sigterm_stops
 
-    reached = []
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's process has it (a test
+    reached = []                                                       # worker may have SIGINT ignored)
     with pytest.raises(Terminated) as info, sigterm_stops(), held():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
@@ -181,6 +182,7 @@ def test_ctrl_c_is_held_to_the_step_end_like_sigterm(capsys):
     assert reached == ["after Ctrl-C"] and info.value.reason == "interrupted" and info.value.signum == signal.SIGINT
     assert "stopping after the step in progress" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    signal.signal(signal.SIGINT, before)
 
 
 def test_the_same_sigterm_delivered_twice_is_one_request():

@@ -60,7 +60,8 @@ def test_sampler_reports_each_dataset_epoch():
     plain = BucketSampler([([0, 1], [(64, 64)] * 2, None)], 1, seed=0, keep_partial=True)
     seen = [plain.drawn_epoch for _ in zip(range(6), plain, strict=False)]
     assert seen == [0, 0, 1, 1, 2, 2]
-    mixed = BucketSampler([([0], [(64, 64)], 1.0), ([1, 2, 3], [(64, 64)] * 3, 1.0)], 1, seed=0, keep_partial=True)
+    mixed = BucketSampler([([0], [(64, 64)], 1.0), ([1, 2, 3], [(64, 64)] * 3, 1.0)], 1, seed=0, keep_partial=True,
+                          uniform=True)  # by probability alone: the small dataset is drawn as often as the large
     passes = {0: -1, 1: -1}
     for batch in zip(range(40), mixed, strict=False):
         d = 0 if batch[1] == [0] else 1
