@@ -192,12 +192,20 @@ def plan_buckets(run_cfg: RunConfig, samples: Iterable[Sample], processes: int) 
     return plan
 
 
+def _planned_items(found: list[Discovery], plan: RepeatsPlan) -> Counter[tuple[str, tuple[int, ...]]]:
+    """Items with repeats per (dataset, bucket group), over the buckets training keeps."""
+    return Counter(
+        (d.dataset_id, s.group) for d in found if d.dataset_id in plan.repeats for s in d.samples
+        if (d.dataset_id, s.group) not in plan.pruned for _ in range(1 + plan.repeats[d.dataset_id])
+    )
+
+
 def planned_buckets(found: list[Discovery], plan: RepeatsPlan) -> dict[tuple[int, ...], int]:
     """Items per bucket group with repeats, over the buckets training keeps (the data report's buckets line)."""
-    return dict(Counter(
-        s.group for d in found if d.dataset_id in plan.repeats for s in d.samples
-        if (d.dataset_id, s.group) not in plan.pruned for _ in range(1 + plan.repeats[d.dataset_id])
-    ))
+    counts: Counter[tuple[int, ...]] = Counter()
+    for (_, group), n in _planned_items(found, plan).items():
+        counts[group] += n
+    return dict(counts)
 
 
 def incomplete(run_cfg: RunConfig, found: list[Discovery], plan: RepeatsPlan, processes: int) -> int:
@@ -207,9 +215,7 @@ def incomplete(run_cfg: RunConfig, found: list[Discovery], plan: RepeatsPlan, pr
     if cfg.disable_bucket_pruning and processes == 1:
         return 0
     batch = cfg.train_batch_size * processes
-    counts = Counter((d.dataset_id, s.group) for d in found if d.dataset_id in plan.repeats for s in d.samples
-                     if (d.dataset_id, s.group) not in plan.pruned for _ in range(1 + plan.repeats[d.dataset_id]))
-    return sum(n % batch for n in counts.values())
+    return sum(n % batch for n in _planned_items(found, plan).values())
 
 
 def plan_note(run_cfg: RunConfig, processes: int, given: str | None = None) -> str:
