@@ -324,3 +324,14 @@ def test_items_that_fill_no_batch_are_said(tmp_path, capsys):
                                                        disable_bucket_pruning=True,
                                                        dataset={"resolution": 64}))]) == 0
     assert "incomplete batches" not in capsys.readouterr().out
+
+
+def test_the_no_usable_file_error_lists_twenty(tmp_path, capsys):
+    """20,000 uncaptioned images printed 20,005 lines after the one useful line."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(30):
+        Image.new("RGB", (64, 64)).save(images / f"{i:02d}.png")
+    assert main(["check", "--config", str(write_config(tmp_path, images))]) == 2
+    err = capsys.readouterr().err
+    assert "have no usable image or clip" in err and "    ... and 10 more" in err, err

@@ -235,7 +235,8 @@ def planned(run_cfg: RunConfig, found: list[Discovery], processes: int, given: s
         report = DataReport(found, [], e.plan.pruned, repeats=e.plan.changes,
                             plan_note=plan_note(run_cfg, processes, given))
         said = str(e).splitlines()
-        raise DataError("\n".join([*said, *(line for line in report.render().splitlines() if line not in said)])) \
+        raise DataError("\n".join([*said, *(line for line in report.render(LIST_LIMIT).splitlines()
+                                             if line not in said)])) \
             from e
 
 
@@ -283,6 +284,6 @@ def discover_datasets(run_cfg: RunConfig, write_metadata: bool = True, fetch: bo
             "; ".join(f"{d.dataset_id!r}: {d.why_empty()}" for d in empty)
         raise DataError(
             f"dataset(s) {', '.join(repr(d.dataset_id) for d in empty)} have no usable image or clip ({why}); "
-            f"add captioned files or disable the dataset\n{report.render()}"
+            f"add captioned files or disable the dataset\n{report.render(LIST_LIMIT)}"
         )
     return found
