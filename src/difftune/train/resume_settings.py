@@ -171,11 +171,9 @@ class Fresh:
         for group, fresh in zip(run.optimizer.param_groups, self.groups, strict=True):
             for key, value in fresh.items():
                 if key in group and not _same(group[key], value):
-                    changes.append(self._named(key, group[key], value))
-                    names, olds, news = ((_NAMES[key], group[key], value) if isinstance(_NAMES[key], tuple)
-                                         else ((_NAMES[key],), (group[key],), (value,)))
-                    defaults |= {n: (o, v) for n, o, v in zip(names, olds, news, strict=True)
-                                 if not _same(o, v) and n not in run.cfg.model_fields_set}
+                    pairs = self._pairs(key, group[key], value)
+                    changes.append("; ".join(f"{n} {_show(o)} -> {_show(v)}" for n, o, v in pairs))
+                    defaults |= {n: (o, v) for n, o, v in pairs if n not in run.cfg.model_fields_set}
                     group[key] = value
         if defaults:  # after an upgrade: this difftune's default for the optimizer is not the one trained with
             run.events.emit("warning", message=f"resuming {path}: " + ", ".join(
@@ -206,9 +204,9 @@ class Fresh:
                             + "; ".join(dict.fromkeys(changes)))
 
     @staticmethod
-    def _named(key: str, old: Any, new: Any) -> str:
+    def _pairs(key: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+        """(config key, then, now) for each config key a changed param-group value holds (betas: two)."""
         names = _NAMES[key]
         if isinstance(names, tuple):
-            return "; ".join(f"{n} {_show(o)} -> {_show(v)}" for n, o, v in zip(names, old, new, strict=True)
-                             if not _same(o, v))
-        return f"{names} {_show(old)} -> {_show(new)}"
+            return [(n, o, v) for n, o, v in zip(names, old, new, strict=True) if not _same(o, v)]
+        return [(names, old, new)]
