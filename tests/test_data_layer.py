@@ -149,6 +149,22 @@ def test_metadata_cache_rescans_only_changes(tmp_path, dataset):
     assert str(removed.name) not in json.loads((tmp_path / "meta.json").read_text())
 
 
+def test_datasets_sharing_a_latent_cache_folder_keep_their_probed_sizes(tmp_path, dataset):
+    """Two datasets with one cache_dir_vae: each scan pruned the other's entries from the one metadata.json, so
+    every start probed every file of both again."""
+    other = tmp_path / "other"
+    make_dataset(other, count=3, seed=9)
+    shared = str(tmp_path / "cache" / "shared")
+    second = {"id": "second", "type": "local", "instance_data_dir": str(other), "resolution": 64,
+              "caption_strategy": "textfile", "cache_dir_vae": shared}
+    run_cfg = load_config(write_config(tmp_path, dataset, dataset={"cache_dir_vae": shared},
+                                       extra_datasets=[second]))
+    assert [d.probed for d in discover_all(run_cfg)] == [4, 3]
+    assert [d.probed for d in discover_all(run_cfg)] == [0, 0]
+    assert {p.name for p in (tmp_path / "cache" / "shared").glob("metadata*.json")} == {
+        f"metadata-{run_cfg.datasets.images[0].id}.json", "metadata-second.json"}
+
+
 def test_text_cache_follows_caption_changes(tmp_path, dataset):
     path = write_config(tmp_path, dataset, max_train_steps=1)
     build_run(load_config(path))

@@ -5,6 +5,8 @@ caching work the same; a video dataset adds its `video` block."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -493,6 +495,15 @@ class DatasetPlan(BaseModel):
         (the trainer opens it; the web UI confines it without opening it)."""
         entry = self.text_embeds_for(dataset)
         return entry.cache_dir if entry else f"cache/text/{family}"
+
+    def metadata_file(self, dataset: ImageDataset, family: str) -> Path:
+        """The file of a dataset's probed image sizes, in its latent cache folder. Datasets sharing one
+        cache_dir_vae get one file each: in one file each dataset's scan pruned the other's entries, so every
+        start probed every file again."""
+        root = dataset.vae_cache_root(family)
+        shared = any(other is not dataset and os.path.abspath(other.vae_cache_root(family)) == os.path.abspath(root)
+                     for other in [*self.discovered(), *self.validation_only.values()])
+        return Path(root) / (f"metadata-{dataset.id}.json" if shared else "metadata.json")
 
     def conditioning_dir(self, dataset: ImageDataset) -> str | None:
         """The folder of a dataset's input images (image-to-image), or None (a mask dataset is no input)."""

@@ -128,7 +128,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
                              ds.only_instance_prompt, split_lines=not ds.disable_multiline_split,
                              filters=caption_filters(run_cfg, ds)),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
-        metadata_file=Path(ds.vae_cache_root(run_cfg.train.model_family)) / "metadata.json",
+        metadata_file=run_cfg.datasets.metadata_file(ds, run_cfg.train.model_family),
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
         mask_root=Path(masks) if masks else None, frames_as_set=frame_rule_as_set(run_cfg, ds),
     )
