@@ -26,6 +26,9 @@ def test_key_aliases(tmp_path, dataset):
     assert same.validation_step_interval == 7
     text = problems(write_config(tmp_path, dataset, checkpointing_steps=5, checkpoint_step_interval=10))
     assert "checkpointing_steps" in text and "checkpoint_step_interval" in text and "keep one" in text
+    # null under either name is "not set" (configs mixing both spellings null one of them)
+    mixed = load_config(write_config(tmp_path, dataset, checkpointing_steps=2, checkpoint_step_interval=None)).train
+    assert mixed.checkpoint_step_interval == 2
     # On the command line an alias overrides the file's own spelling.
     path = write_config(tmp_path, dataset, validation_step_interval=50)
     assert load_config(path, {"validation_steps": "5"}).train.validation_step_interval == 5

@@ -78,6 +78,8 @@ def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str],
         value = out.pop(alias)
         if coerce(value) is None:  # SimpleTuner writes null for "not set": the same as leaving the alias out
             continue
+        if key in out and coerce(out[key]) is None:  # null under difftune's name is "not set" too
+            del out[key]
         if key in out and coerce(out[key]) != coerce(value):
             problems.append(f"{where_of(alias)}: {alias}: {value!r} disagrees with {key} {out[key]!r} (the same "
                             f"setting, SimpleTuner's name and difftune's); keep one")
