@@ -174,3 +174,17 @@ def test_constant_with_a_warmup_warms_up():
     diffusers' constant."""
     assert rates(config(lr_scheduler="constant", lr_warmup_steps=4), 10) == [0.0, 0.25, 0.5, 0.75] + [1.0] * 9
     assert rates(config(lr_scheduler="constant"), 10) == [1.0] * 13
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, dataset):
+    """lr_warmup_steps 20 in a 3-step run: the rate never reaches learning_rate and the cosine never starts."""
+    from difftune.train.setup import build_run
+
+    run = build_run(load_config(write_config(tmp_path, dataset, lr_scheduler="cosine", lr_warmup_steps=20,
+                                             max_train_steps=3)))
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    warned = [e["message"] for e in events if e["event"] == "warning" and "lr_warmup_steps" in e["message"]]
+    assert warned == ["lr_warmup_steps 20 is longer than the run (3 steps): the learning rate never reaches "
+                      "learning_rate and lr_scheduler 'cosine' never starts; lower lr_warmup_steps (e.g. to 1)"]
+    run = build_run(load_config(write_config(tmp_path / "fits", dataset, lr_warmup_steps=3, max_train_steps=3)))
+    assert "lr_warmup_steps" not in (run.output_dir / "events.jsonl").read_text()

@@ -73,6 +73,16 @@ def build_lr_scheduler(cfg: Any, optimizer: Any, total_steps: int, rate: float |
                          num_cycles=cfg.lr_num_cycles)
 
 
+def warmup_too_long(cfg: Any, total_steps: int) -> str | None:
+    """A warning when lr_warmup_steps outlasts the run: the rate never reaches learning_rate and the schedule never
+    starts (easy to get after shortening a run, or with num_train_epochs deciding its length)."""
+    if cfg.lr_warmup_steps <= total_steps:
+        return None
+    return (f"lr_warmup_steps {cfg.lr_warmup_steps} is longer than the run ({total_steps} steps): the learning rate "
+            f"never reaches learning_rate and lr_scheduler {cfg.lr_scheduler!r} never starts; lower lr_warmup_steps "
+            f"(e.g. to {max(1, total_steps // 10)})")
+
+
 def schedule_free_warmup(warmup: int) -> Callable[[int], float]:
     """adamw_schedulefree's multiplier of learning_rate: the schedulefree library's own warm-up, (k + 1) / warmup at
     step k < warmup (from 0), then 1. Applied here instead of through its `warmup_steps`, the numbers are the same

@@ -46,7 +46,7 @@ from difftune.train.distributed import Ranks, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events, failures_reported
 from difftune.train.fsdp import Sharded, ram_efficient, shard, transformer_on_meta
-from difftune.train.lr_schedule import build_lr_scheduler, learning_rate
+from difftune.train.lr_schedule import build_lr_scheduler, learning_rate, warmup_too_long
 from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
@@ -306,6 +306,8 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
                           events.emit, ranks.count)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
     lr_scheduler = build_lr_scheduler(cfg, optimizer, steps, rate)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
+    if (too_long := warmup_too_long(cfg, steps)) is not None:
+        events.emit("warning", message=too_long)
     # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
     generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
     tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))
