@@ -146,6 +146,21 @@ def test_missing_text_embeds_entry_says_where_the_cache_goes(tmp_path, dataset, 
     assert "note:" in capsys.readouterr().out
 
 
+def test_an_empty_text_cache_dir_is_the_default_folder_and_an_empty_data_dir_is_refused(tmp_path, dataset):
+    """SimpleTuner's multidatabackend.json.example writes "cache_dir": "" on its text_embeds entry: it filled the
+    working folder with hash folders. An empty instance_data_dir read the working folder's images."""
+    path = write_config(tmp_path, dataset)
+    backend = tmp_path / "config" / "multidatabackend.json"
+    entries = json.loads(backend.read_text())
+    text_entry = next(e for e in entries if e.get("dataset_type") == "text_embeds")
+    backend.write_text(json.dumps([e if e is not text_entry else {**e, "cache_dir": ""} for e in entries]))
+    run = load_config(path)
+    assert run.datasets.text_cache_root(run.datasets.images[0], "lumina2") == "cache/text/lumina2"
+    for entry in ({"instance_data_dir": ""}, {"instance_data_dir": "  "}):
+        text = problems(write_config(tmp_path / "empty", dataset, dataset=entry))
+        assert "instance_data_dir is empty" in text and "give the folder of the images" in text
+
+
 # --- every key, given a value of the wrong JSON type, is a clean ConfigError ---------------------------------
 
 WRONG = [["image"], {"a": 1}, 12345, 1.5, True, None, "x"]

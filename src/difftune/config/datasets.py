@@ -115,6 +115,14 @@ def safe_id(value: str) -> str:
     return value
 
 
+def folder_given(value: object) -> object:
+    """An empty instance_data_dir would read the working folder: whatever images lie there would train."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("instance_data_dir is empty, which would read the folder difftune runs in; give the folder "
+                         "of the images")
+    return value
+
+
 class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     """A folder of images (or, with dataset_type 'video', of clips) with captions. dataset_type 'eval': held-out
     images (or clips, with a video block) that are never trained on: train/eval_loss.py measures the loss on them."""
@@ -268,6 +276,11 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     def _entry_paths_from_home(cls, v: object) -> object:
         return expand_home(v)  # `~/data` is the home folder's data, as in a shell
 
+    @field_validator("instance_data_dir")
+    @classmethod
+    def _folder_given(cls, v: object) -> object:
+        return folder_given(v)
+
     @field_validator("crop_style", mode="before")
     @classmethod
     def _entry_crop_style_centre(cls, v: object) -> object:
@@ -375,7 +388,9 @@ class TextEmbedsDataset(UnsetSpellings):  # "" and "none" as null, as in config.
     type: Literal["local"] = field("local", "Where the cache lives; only 'local'.", "data")
     dataset_type: Literal["text_embeds"] = field("text_embeds", "Kind of entry.", "data")
     default: bool = field(False, "Use this cache for every dataset.", "data")
-    cache_dir: str = field(..., "Folder of cached text embeddings.", "data")
+    cache_dir: str | None = field(
+        None, "Folder of cached text embeddings. Empty: cache/text/<model_family> (SimpleTuner's example writes \"\").",
+        "data")
     write_batch_size: int = field(
         128, "Captions encoded per text-encoder pass, unless text_encoder_batch_size is set. (SimpleTuner batches its "
         "cache writes by it; here each embedding is written as its own file.)", "data", gt=0, advanced=True,
@@ -437,7 +452,7 @@ class ConditioningDataset(UnsetSpellings):  # "" and "none" as null, as in confi
     @field_validator("instance_data_dir", mode="before")
     @classmethod
     def _paths_from_home(cls, v: object) -> object:
-        return expand_home(v)
+        return folder_given(expand_home(v))
 
     id: str = field(..., "Unique name of the dataset; training sets name it in conditioning_data.", "data",
                     min_length=1)
@@ -494,7 +509,7 @@ class DatasetPlan(BaseModel):
         """The folder of a dataset's text cache: its text_embeds entry's cache_dir, else cache/text/<family>
         (the trainer opens it; the web UI confines it without opening it)."""
         entry = self.text_embeds_for(dataset)
-        return entry.cache_dir if entry else f"cache/text/{family}"
+        return entry.cache_dir if entry and entry.cache_dir else f"cache/text/{family}"
 
     def metadata_file(self, dataset: ImageDataset, family: str) -> Path:
         """The file of a dataset's probed image sizes, in its latent cache folder. Datasets sharing one

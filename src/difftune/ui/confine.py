@@ -181,7 +181,7 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
         problems += _default(roots, ds.vae_cache_root(family), f"{where}: cache_dir_vae",
                              " - that is the default latent cache; set cache_dir_vae to a folder inside the roots")
         entry = plan.text_embeds_for(ds)
-        if entry is None or entry.id not in listed_ids:
+        if entry is None or entry.id not in listed_ids or not entry.cache_dir:  # "": the default folder
             problems += _default(roots, plan.text_cache_root(ds, family), f"{where}: text_embeds",
                                  " - that is the default text cache; add a text_embeds entry whose cache_dir "
                                  "is inside the roots")
