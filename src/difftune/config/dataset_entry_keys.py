@@ -71,7 +71,8 @@ def notes(where: str, item: Any) -> list[str]:
         return [f"{where}: write_batch_size is not used: text_encoder_batch_size sets the captions per text-encoder "
                 "pass, and each embedding is written as its own file; remove write_batch_size"]
     if isinstance(item, ImageDataset):
-        return _crop_notes(where, item) + _pixel_resolution_notes(where, item)
+        off = [f"{where}: {item._clear_each_epoch_off}"] if item._clear_each_epoch_off else []
+        return off + _crop_notes(where, item) + _pixel_resolution_notes(where, item)
     return []
 
 

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
 
 from difftune.config.fields import UnsetSpellings, expand_home, field, text_list
 from difftune.config.source_aws_keys import AwsSource
@@ -234,8 +234,8 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
         "of this dataset, instead of one crop per image and seed kept for the whole run. Its latents are then encoded "
         "during training (as with vae_cache_disable), once per use: the cost of re-caching them every epoch without "
         "the disk. The crop's position changes; its aspect (and so its bucket) stays the one drawn per image and seed, "
-        "also with crop_aspect 'random'. A crop that is not random (center, corner, crop: false) is refused: every "
-        "epoch would encode the same latents.", "data", advanced=True,
+        "also with crop_aspect 'random'. With a crop that is not random (center, corner, crop: false) every "
+        "epoch would encode the same latents: it is switched off with a note.", "data", advanced=True,
     )
     cache_dir_vae: str | None = field(
         None, "Folder of cached latents. Empty: cache/vae/<family>/<id>.", "data"
@@ -350,6 +350,8 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
             raise ValueError("minimum_aspect_ratio is larger than maximum_aspect_ratio")
         return self
 
+    _clear_each_epoch_off: str | None = PrivateAttr(None)  # why vae_cache_clear_each_epoch was switched off
+
     def _check_clear_each_epoch(self) -> None:
         """vae_cache_clear_each_epoch needs a crop whose position is drawn (data/latents.crop_position): with any
         other, every epoch would encode the same latents, at the cost of encoding them during training."""
@@ -359,11 +361,16 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
         if self.dataset_type == "eval":
             raise ValueError(f"{key}: an eval dataset is measured on the same crops every time; remove it")
         if not self.crop or self.crop_style != "random":
+            # SimpleTuner's own DATALOADER.md example sets it with crop false: only time is lost, so it is switched
+            # off with a note (config/dataset_entry_keys.notes) rather than refused
             what = "crop is false" if not self.crop else f"crop_style is {self.crop_style!r}"
             aspect = (" (crop_aspect 'random' draws each image's aspect, and so its bucket, once per image and seed "
                       "here, not each epoch)" if self.crop and self.crop_aspect == "random" else "")
-            raise ValueError(f"{key}: {what}, so every epoch would encode the same crops{aspect}; set crop to true and "
-                             "crop_style to 'random' for a new crop each epoch, or remove vae_cache_clear_each_epoch")
+            self.vae_cache_clear_each_epoch = False
+            self._clear_each_epoch_off = (
+                f"{key}: {what}, so every epoch would encode the same crops{aspect}: the latents are cached once "
+                "instead (the same result, without encoding during training); set crop to true and crop_style to "
+                "'random' for a new crop each epoch, or remove vae_cache_clear_each_epoch")
 
     def vae_cache_root(self, family: str) -> str:
         return self.cache_dir_vae or f"cache/vae/{family}/{self.id}"
