@@ -280,7 +280,7 @@ SIMPLETUNER_PENDING = [
     ("delete_unwanted_images", False, True), ("delete_problematic_images", False, True),
     ("preserve_data_backend_cache", False, True), ("override_dataset_config", False, True),
     ("skip_file_discovery", "", "vae"), ("max_upscale_threshold", None, 0.2), ("cache_dir", None, "/models"),
-    ("cache_dir_text", None, "cache/text"), ("vae_cache_ondemand", False, True),
+    ("vae_cache_ondemand", False, True),
     ("vae_cache_scan_behaviour", "recreate", "sync"), ("vae_enable_temporal_roll", False, True),
     ("keep_vae_loaded", False, True), ("cache_clear_validation_prompts", False, True),
     ("conditioning_image_embed_batch_size", None, 4),
@@ -460,3 +460,17 @@ def test_simpletuner_loss_and_perturbation_keys(tmp_path, images):
                      ("input_perturbation_steps", -5)):
         text = problems(path, **{key: bad})
         assert key in text and "not implemented yet" not in text, (key, text)
+
+
+def test_cache_dir_text_is_the_default_text_cache_folder(tmp_path, dataset):
+    """SimpleTuner's config-level cache_dir_text ("cache" by its default) was refused as not implemented; it is the
+    folder of the default text cache, and with text_embeds entries it is unused, with a note."""
+    path = write_config(tmp_path, dataset, cache_dir_text=str(tmp_path / "texts"))
+    backend = tmp_path / "config" / "multidatabackend.json"
+    entries = json.loads(backend.read_text())
+    run = load_config(path)
+    assert any("cache_dir_text" in n and "not used" in n for n in run.notes())
+    backend.write_text(json.dumps([e for e in entries if e.get("dataset_type") != "text_embeds"]))
+    run = load_config(path)
+    assert run.datasets.text_cache_root(run.datasets.images[0], "lumina2") == str(tmp_path / "texts")
+    assert not any("text" in n for n in run.notes())  # the folder was chosen: no note

@@ -311,14 +311,19 @@ def load_datasets(
     chosen = defaults_[0] if defaults_ else (embeds[0] if len(embeds) == 1 else None)
     if len(embeds) > 1 and not defaults_:
         problems.append(f"{path}: several text_embeds entries and none has default: true; mark one")
+    text_dir = (defaults or {}).get("cache_dir_text")  # the config's cache_dir_text: the default cache's folder
+    if embeds and text_dir:
+        notes.append(f"cache_dir_text {text_dir!r} is not used: the text_embeds entries of {path} set the text cache "
+                     "folders (cache_dir); remove cache_dir_text")
     if not embeds and family is not None:
-        folder = DEFAULT_TEXT_CACHE.replace("{model_family}", family)
+        folder = text_dir or DEFAULT_TEXT_CACHE.replace("{model_family}", family)
         ident = next(n for n in ("text-embeds", "text-embeds-default", "difftune-text-embeds") if n not in seen)
         chosen = TextEmbedsDataset(id=ident, default=True, cache_dir=folder, write_batch_size=32,
                                    text_encoder_batch_size=(defaults or {}).get("text_encoder_batch_size"))
         named_embeds[ident] = chosen
-        notes.append(f"{path}: no text_embeds entry, so text embeddings are cached in {folder}; add an entry with "
-                     "dataset_type 'text_embeds' and cache_dir to choose the folder")
+        if not text_dir:
+            notes.append(f"{path}: no text_embeds entry, so text embeddings are cached in {folder}; add an entry "
+                         "with dataset_type 'text_embeds' and cache_dir (or set cache_dir_text) to choose the folder")
         if (blocker := _is_file_in_the_way(Path(folder))) is not None:
             problems.append(f"{path}: the default text cache {folder!r} cannot be made ({str(blocker)!r} is a "
                             "file); add a text_embeds entry with another cache_dir")
@@ -489,7 +494,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         try:
             plan = load_datasets(Path(train.data_backend_config), problems, train.model_family,
                                  dataset_defaults(train.model_dump(include=set(DATASET_DEFAULT_KEYS)))
-                                 | {"text_encoder_batch_size": train.text_encoder_batch_size})
+                                 | {"text_encoder_batch_size": train.text_encoder_batch_size,
+                                    "cache_dir_text": train.cache_dir_text})
         except ConfigError as e:
             problems.extend(e.problems)
     if train is not None and plan is not None:

@@ -185,7 +185,6 @@ PENDING_TRAIN_KEYS |= {
     "max_upscale_threshold": ((None,), "dropping images upscaled beyond a threshold; set minimum_image_size on the "
                               "dataset entries"),
     "cache_dir": ((None,), "a download folder for models; set HF_HOME (or HF_HUB_CACHE) in the environment"),
-    "cache_dir_text": ((None,), "set cache_dir on the text_embeds entry of the dataset list"),
     "vae_cache_ondemand": ((False,), "encoding latents during training while still writing them to disk; set "
                            "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
                            "training"),

@@ -41,6 +41,11 @@ class SmallKeys(BaseModel):
         "text-encoder pass while the text cache fills. Also the batch of the default text cache (no text_embeds "
         "entry), else 32. Empty: each entry's own (its write_batch_size).", "memory", gt=0, advanced=True,
     )
+    cache_dir_text: str | None = field(
+        None, "SimpleTuner's config-level folder of the text cache: the folder of the default text cache, used when "
+        "the dataset list has no text_embeds entry (an entry's cache_dir sets its own; this one is then unused, "
+        "with a note). Empty: cache/text/<model_family>.", "data", advanced=True,
+    )
     allow_dataset_oversubscription: bool = field(
         False, "Raise the repeats of each dataset too small for one optimizer step, instead of pruning its buckets: "
         "a dataset with an aspect bucket holding fewer images (with repeats) than train_batch_size x processes x "
