@@ -56,7 +56,6 @@ PENDING = [
     ("delete_unwanted_images", False, True, "image"), ("delete_problematic_images", False, True, "image"),
     ("delete_nsfw_images", False, True, "image"), ("max_upscale_threshold", None, 0.2, "image"),
     ("disable_vae_cache", None, True, "image"), ("scan_for_errors", False, True, "image"),
-    ("preserve_data_backend_cache", False, True, "text"), ("skip_file_discovery", "", "vae aspect", "text"),
     ("memory_filesystem_path", None, "/tmp/st-memory", "text"), ("memory_filesystem_size", None, "64G", "text"),
     ("memory_filesystem_sudo", False, True, "text"), ("webshart", None, {"shard_cache_gb": 25}, "image"),
     ("source", None, "laion/shards", "image"), ("metadata", None, "me/shard-metadata", "image"),
@@ -76,6 +75,20 @@ def test_pending_dataset_key_accepted_off_refused_on(tmp_path, images, key, off,
     load_config(entry_config(tmp_path, images, where, **{key: off}))
     text = problems(entry_config(tmp_path, images, where, **{key: on}))
     assert f"{key}=" in text and "not implemented yet" in text and "unknown key" not in text
+
+
+@pytest.mark.parametrize("where", ["image", "text"])
+def test_scan_skipping_switches_change_nothing_and_say_so(tmp_path, images, where):
+    """SimpleTuner's multidatabackend.json.example carries skip_file_discovery and preserve_data_backend_cache: both
+    only skip its scans, which difftune reuses anyway (they were refused as not implemented)."""
+    plain = load_config(entry_config(tmp_path, images, where))
+    for key, off, on in [("skip_file_discovery", "", "vae,aspect,text,metadata"),
+                         ("preserve_data_backend_cache", False, True)]:
+        quiet = load_config(entry_config(tmp_path, images, where, **{key: off}))
+        assert not any(key in n for n in quiet.notes())
+        run = load_config(entry_config(tmp_path, images, where, **{key: on}))
+        assert run.datasets.images == plain.datasets.images
+        assert [n for n in run.notes() if key in n and "changes nothing here" in n]
 
 
 @pytest.mark.parametrize("block,off", [("caption_shuffle", {"enable": False, "count": 3, "split_on": "comma"}),

@@ -6,6 +6,8 @@ The keys difftune does not implement are in config/pending.py (PENDING_DATASET_K
 - `ignore_epochs` on an image, video or eval dataset is dropped with a note (a no-op in SimpleTuner too);
 - `metadata_update_interval` (SimpleTuner's seconds between metadata saves while scanning) is dropped, with a note
   at a value other than SimpleTuner's 3600: each dataset is scanned once at start-up, so it changes nothing;
+- `preserve_data_backend_cache` and `skip_file_discovery` (SimpleTuner's switches for skipping its scans) are
+  dropped, with a note when on: each start reuses the dataset's scan and caches anyway;
 - `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
   switched on they are refused by config/pending.py;
 - `conditioning_data` as a list of one id is that id; several ids are refused (a dataset pairs with one);
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 ENTRY_ALIASES = {"disable": "disabled", "csv_shorten_filenames": "shorten_filenames"}  # SimpleTuner's spellings
+# SimpleTuner's switches for skipping its scans (speed only): key -> its values that mean "off"
+SPEED_ONLY = {"preserve_data_backend_cache": (False, None), "skip_file_discovery": ("", None)}
 SWITCHED_BLOCKS = {"caption_shuffle": "enable", "grounding": "enabled"}  # block -> its on/off key
 
 
@@ -48,6 +52,12 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
         if interval not in (None, 3600):
             notes.append(f"{where}: metadata_update_interval {interval!r} changes nothing here (the dataset is "
                          "scanned once at start-up); remove it")
+    for key, off in SPEED_ONLY.items():  # SimpleTuner's multidatabackend.json.example carries both
+        value = coerce(out.pop(key, None))
+        if value not in off:
+            notes.append(f"{where}: {key} {value!r} changes nothing here: each start reuses the dataset's scan "
+                         "(metadata.json) and its caches while the files are unchanged, and reads only what changed; "
+                         "remove it")
     for block, switch in SWITCHED_BLOCKS.items():
         value = out.get(block)
         if isinstance(value, dict) and coerce(value.get(switch, False)) in (False, None):

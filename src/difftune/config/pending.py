@@ -269,11 +269,7 @@ PENDING_TRAIN_KEYS |= {
 PENDING_DATASET_KEYS |= {
     "scan_for_errors": ((False,), "scanning the latent cache for errors; each cached latent's fingerprint is "
                         "checked on every start" + _REMOVE),
-    "preserve_data_backend_cache": ((False,), "skipping the dataset scan; the metadata cache is reused while the "
-                                    "files are unchanged" + _REMOVE),
-    "skip_file_discovery": (("", None), "skipping discovery stages; the metadata cache is reused while the files "
-                            "are unchanged" + _REMOVE),
-}
+}  # a dataset entry's preserve_data_backend_cache and skip_file_discovery: config/dataset_entry_keys.prepare
 
 # --- The other dataset-entry keys of SimpleTuner's DATALOADER.md (the dataset_audit, tests/test_dataset_key_audit.py):
 # each is accepted at its "off" value and refused otherwise, as above.
