@@ -319,3 +319,15 @@ def test_ignore_epochs_and_metadata_backend_values(tmp_path):
     assert len(found.samples) == 3 and found.probed == 0  # sizes from the table: no file opened to measure it
     table["parquet"] = {"path": "captions.jsonl"}
     assert "sets width_column and height_column" in problems(write_config(tmp_path, images, dataset=table))
+
+
+def test_an_instance_prompt_in_no_caption_gets_a_note(tmp_path, images):
+    """SimpleTuner's example entry has instance_prompt with prepend_instance_prompt false and captions from the file
+    names: the trigger word trains in no caption. A forgotten prepend_instance_prompt was silent."""
+    run = load_config(write_config(tmp_path, images, dataset={"instance_prompt": "sks dog"}))
+    said = [n for n in run.notes() if "instance_prompt 'sks dog' is in no caption" in n]
+    assert len(said) == 1 and "prepend_instance_prompt" in said[0]
+    for used in ({"prepend_instance_prompt": True}, {"only_instance_prompt": True},
+                 {"caption_strategy": "instanceprompt"}):
+        run = load_config(write_config(tmp_path, images, dataset={"instance_prompt": "sks dog", **used}))
+        assert not any("is in no caption" in n for n in run.notes())

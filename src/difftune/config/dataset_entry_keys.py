@@ -82,7 +82,7 @@ def notes(where: str, item: Any) -> list[str]:
                 "pass, and each embedding is written as its own file; remove write_batch_size"]
     if isinstance(item, ImageDataset):
         off = [f"{where}: {item._clear_each_epoch_off}"] if item._clear_each_epoch_off else []
-        return off + _crop_notes(where, item) + _pixel_resolution_notes(where, item)
+        return off + _crop_notes(where, item) + _pixel_resolution_notes(where, item) + _trigger_notes(where, item)
     return []
 
 
@@ -96,6 +96,17 @@ def _pixel_resolution_notes(where: str, item: Any) -> list[str]:
                 f"{item.resolution:g} pixels{tiny}; did you mean resolution_type 'area' (megapixels)? Pixel "
                 "resolutions are whole numbers such as 512 or 1024"]
     return []
+
+
+def _trigger_notes(where: str, item: Any) -> list[str]:
+    """instance_prompt beside captions read from the data, without prepend_instance_prompt or only_instance_prompt:
+    the trigger word is in no caption (a forgotten prepend_instance_prompt), only on the model card."""
+    if (not item.instance_prompt or item.caption_strategy == "instanceprompt" or item.prepend_instance_prompt
+            or item.only_instance_prompt):
+        return []
+    return [f"{where}: instance_prompt {item.instance_prompt!r} is in no caption: caption_strategy "
+            f"{item.caption_strategy!r} trains the captions as they are, and the model card only names it as the "
+            "trigger; set prepend_instance_prompt to true to put it before every caption, or remove it"]
 
 
 def _crop_notes(where: str, item: Any) -> list[str]:
