@@ -255,3 +255,15 @@ def test_values_that_failed_after_loading_or_wrote_elsewhere_are_config_errors(t
     """A negative seed crashed the sampler after caching; learning_rate inf trained every weight to NaN and exited
     0; a tracker_project_name path put TensorBoard's logs outside output_dir (past the web UI's roots)."""
     assert said in problems(write_config(tmp_path, dataset, **{key: value}))
+
+
+def test_a_relative_dataset_list_not_found_says_where_it_was_looked_for(tmp_path, dataset, monkeypatch):
+    """SimpleTuner's "data_backend_config": "config/multidatabackend.json", run from another folder: the message
+    asked to create a file that was there, beside the config."""
+    path = write_config(tmp_path / "project", dataset, data_backend_config="config/multidatabackend.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    text = problems(path)
+    assert f"data_backend_config is read from the folder difftune runs in ({elsewhere})" in text
+    assert "run from the folder that holds config/multidatabackend.json" in text

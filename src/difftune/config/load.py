@@ -211,8 +211,11 @@ def load_datasets(
     """The dataset list at `path`. `family` fills `{model_family}` and names the default text cache;
     `defaults`: config-level resolution, resolution_type, minimum_image_size for entries without their own
     (text_encoder_batch_size: for text_embeds entries)."""
-    raw = _read_json(path, "dataset list", "create it (see config/multidatabackend.json.example) or set "
-                     "data_backend_config", problems)
+    hint = "create it (see config/multidatabackend.json.example) or set data_backend_config"
+    if not path.is_absolute():  # SimpleTuner's rule too, but a run started from another folder misses the file
+        hint = (f"data_backend_config is read from the folder difftune runs in ({Path.cwd()}): run from the folder "
+                f"that holds {path}, give an absolute path, or {hint.replace(' or set data_backend_config', '')}")
+    raw = _read_json(path, "dataset list", hint, problems)
     if not isinstance(raw, list):
         problems.append(f"{path}: the dataset list must be a JSON list of entries, got {type(raw).__name__}")
         return None
