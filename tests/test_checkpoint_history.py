@@ -57,6 +57,30 @@ def test_a_branch_keeps_its_checkpoints_and_latest_resumes_it(tmp_path, dataset)
     assert not warnings_after(out, seen)  # nothing after step 5 to set aside; the superseded folder is not looked at
 
 
+def test_a_run_from_step_0_sets_the_earlier_result_aside(tmp_path, dataset):
+    """A second run from scratch in the same output_dir overwrote the first one's LoRA and samples file by file (a
+    SimpleTuner LoRA left there too); they are moved into output_dir/superseded-<time>/, with a warning."""
+    out = tmp_path / "output"
+    keys = dict(max_train_steps=1, validation_prompt="a red circle", validation_step_interval=1,
+                validation_num_inference_steps=1, validation_resolution=32)
+    train(build_run(load_config(write_config(tmp_path, dataset, **keys))))
+    first = (out / "pytorch_lora_weights.safetensors").read_bytes()
+    samples = sorted(p.name for p in (out / "validation").rglob("*") if p.is_file())
+    assert samples
+    seen = len(events_of(out))
+    train(build_run(load_config(write_config(tmp_path, dataset, **keys))))
+    (aside,) = [p for p in out.iterdir() if p.name.startswith("superseded-")]
+    assert (aside / "pytorch_lora_weights.safetensors").read_bytes() == first
+    assert sorted(p.name for p in (aside / "validation").rglob("*") if p.is_file()) == samples
+    assert (out / "pytorch_lora_weights.safetensors").is_file()  # this run's
+    (warning,) = [w for w in warnings_after(out, seen) if "result" in w]  # the other: its checkpoint, set aside
+    assert "earlier run's result (pytorch_lora_weights.safetensors, validation)" in warning and str(aside) in warning
+    seen = len(events_of(out))  # a resume continues this run's result: nothing is set aside
+    train(build_run(load_config(write_config(tmp_path, dataset, **{**keys, "max_train_steps": 2},
+                                             resume_from_checkpoint="latest"))))
+    assert not warnings_after(out, seen) and len([p for p in out.iterdir() if p.name.startswith("superseded-")]) == 1
+
+
 def fake_checkpoint(folder, step: int, optimizer: str = "optimizer.pt"):
     """The files of a checkpoint (contents only as far as resolve_resume reads them)."""
     folder.mkdir(parents=True)
@@ -168,6 +192,10 @@ def test_another_trainers_checkpoint_is_refused_by_check(tmp_path, dataset):
         in problems and "init_lora" not in problems
     (theirs / "pytorch_lora_weights.safetensors").write_bytes(b"x")
     assert f"init_lora: '{theirs / 'pytorch_lora_weights.safetensors'}'" in config_problems(path)
+    # named as SimpleTuner users name it (its checkpoints lie directly in output_dir): the same answer, not "does
+    # not exist"
+    by_name = config_problems(write_config(tmp_path, dataset, resume_from_checkpoint="checkpoint-500"))
+    assert f"init_lora: '{theirs / 'pytorch_lora_weights.safetensors'}'" in by_name
 
 
 def test_resume_past_the_end_and_simpletuner_folders_warn_and_bad_checkpoints_exit_2(tmp_path, dataset, capsys):

@@ -316,7 +316,8 @@ def test_a_fresh_run_over_old_checkpoints_warns(tmp_path, dataset):
     train(build_run(load_config(path)))
     log = events_of(tmp_path / "output")
     second = log[next(i for i, e in enumerate(log) if e["event"] == "done"):]  # the second run's events
-    (warning,) = [e["message"] for e in second if e["event"] == "warning"]
+    warning, result = [e["message"] for e in second if e["event"] == "warning"]
+    assert "earlier run's result (pytorch_lora_weights.safetensors)" in result  # moved aside too, not overwritten
     assert "2 checkpoint(s) after step 0 (checkpoint-0000001, checkpoint-0000002)" in warning
     assert "starts from step 0 (resume_from_checkpoint is not set" in warning and "superseded-" in warning
     (aside,) = (tmp_path / "output" / "checkpoints").glob("superseded-*")

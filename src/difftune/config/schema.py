@@ -437,9 +437,11 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         """A checkpoint named as the folder the user sees under output_dir/checkpoints."""
         resume = self.resume_from_checkpoint
         if resume not in (None, "latest") and not Path(resume).is_dir():
-            named = Path(self.output_dir) / "checkpoints" / resume
-            if named.is_dir():
-                self.resume_from_checkpoint = str(named)
+            # output_dir/<name>: SimpleTuner's layout, which config/load.check_paths then refuses with what to do
+            for named in (Path(self.output_dir) / "checkpoints" / resume, Path(self.output_dir) / resume):
+                if named.is_dir():
+                    self.resume_from_checkpoint = str(named)
+                    break
         return self
 
     @field_validator("lora_target_modules", "fsdp_transformer_layer_cls_to_wrap", mode="before")

@@ -220,18 +220,36 @@ def set_aside_later(output_dir: Path, step: int) -> tuple[Path | None, list[str]
                    key=order) if root.is_dir() else []
     if not later:
         return None, []
+    return _move_aside(root, later, "the later checkpoints", output_dir), [p.name for p in later]
+
+
+# What a finished run leaves in output_dir (the adapter's files or the full model, the EMA, the samples)
+RESULT_NAMES = ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", "transformer", "ema", "validation")
+
+
+def set_aside_result(output_dir: Path) -> tuple[Path | None, list[str]]:
+    """Move an earlier run's result in output_dir (RESULT_NAMES) into a new `superseded-<UTC time>/` beside it, by
+    renames: a run that starts from step 0 in that folder would otherwise overwrite it file by file (a SimpleTuner
+    LoRA too). Returns that folder and the names moved (None and [] when there were none). Process 0 only."""
+    found = [output_dir / name for name in RESULT_NAMES if (output_dir / name).exists()]
+    if not found:
+        return None, []
+    return _move_aside(output_dir, found, "the earlier result", output_dir), [p.name for p in found]
+
+
+def _move_aside(root: Path, paths: list[Path], what: str, output_dir: Path) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     aside, n = root / f"{SUPERSEDED}{stamp}", 1
     while aside.exists():  # two starts within one second
         n += 1
         aside = root / f"{SUPERSEDED}{stamp}-{n}"
-    with written(f"the later checkpoints into {aside.name}", root, output_dir):  # renames only: nothing is lost
+    with written(f"{what} into {aside.name}", root, output_dir):  # renames only: nothing is lost
         aside.mkdir()
-        for p in later:
+        for p in paths:
             os.replace(p, aside / p.name)
         _fsync_dir(aside)
         _fsync_dir(root)
-    return aside, [p.name for p in later]
+    return aside
 
 
 def _fsync_tree(folder: Path) -> None:

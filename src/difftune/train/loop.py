@@ -36,6 +36,7 @@ from difftune.train.checkpoint import (
     save_adapter,
     save_checkpoint,
     set_aside_later,
+    set_aside_result,
 )
 from difftune.train.commands import poll_commands
 from difftune.train.fsdp import gathered, unsharded
@@ -289,6 +290,10 @@ def _start_point(run: Run) -> None:
             warn(f"{len(moved)} checkpoint(s) after step {start} ({_names(moved)}) are from an earlier run or branch "
                  f"and {how}: moved them into {aside}, so that 'latest' and checkpoints_total_limit never take them "
                  f"for this run's. Nothing was deleted; to resume one, move it back into {checkpoints_dir(run.output_dir)}")
+        aside, moved = set_aside_result(run.output_dir) if ckpt is None else (None, [])
+        if moved:
+            warn(f"{run.output_dir} holds an earlier run's result ({_names(moved)}) and this run starts from step 0: "
+                 f"moved it into {aside}, so that this run does not overwrite it. Nothing was deleted")
     run.ranks.barrier()
 
 
