@@ -335,7 +335,12 @@ def test_discovery_writes_its_file_sizes_only_when_they_change_and_survives_a_re
     first = MetadataCache(path)
     for i, image in enumerate(sorted(dataset.glob("*.png"))):
         first.size(image, str(i))
-    assert first.save() is None and len(json.loads(path.read_text())) == 4
+    assert first.save() is None and len(json.loads(path.read_text())["entries"]) == 4
+    stored = json.loads(path.read_text())  # an earlier probe's file (a flat dict, or another version): read again
+    for old in (stored["entries"], {**stored, "version": 1}):
+        path.write_text(json.dumps(old))
+        assert MetadataCache(path).entries == {}
+    path.write_text(json.dumps(stored))
     refuse_writes_under(monkeypatch, path.parent)
     again = MetadataCache(path)
     for i, image in enumerate(sorted(dataset.glob("*.png"))):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from difftune.data import captions
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache
 from difftune.data.captions import CaptionRule
@@ -83,8 +84,9 @@ def test_every_bad_case_reported_and_every_good_case_converted(corpus, monkeypat
     skipped = {p.name: why for p, why in found.skipped}
     assert {"ok.png", "UPPER.JPG", "Mixed.JpEg", "pic.webp", "pic.avif", "with space ünïcödé 猫.png",
             "inner.png", "cmyk.jpg", "gray.png", "sixteen.png", "palette.png", "alpha.png", "rotated.jpg",
-            "link.png", "via_dir_link.png", "emptycaption.png", "truncated.png"} <= used
+            "link.png", "via_dir_link.png", "emptycaption.png"} <= used
     assert "0 bytes" in skipped["empty.png"]
+    assert "truncated" in skipped["truncated.png"]  # header intact: the probe decodes a file cut off at its end
     assert "not a readable image" in skipped["cut_header.png"]
     assert "not a readable image" in skipped["notimage.jpg"]
     assert "minimum_image_size" in skipped["tiny.png"]
@@ -101,8 +103,35 @@ def test_every_bad_case_reported_and_every_good_case_converted(corpus, monkeypat
     cmyk = load_rgb(corpus / "cmyk.jpg").getpixel((32, 24))
     assert cmyk[0] > 150 and cmyk[1] < 60 and cmyk[2] < 60
     assert load_rgb(corpus / "rotated.jpg").size == (48, 64)
-    # truncated.png has a complete header, so discovery keeps it; caching decodes it, fails, reports it.
+    # A file damaged after the scan: caching decodes it, fails, reports it.
+    (corpus / "noise.png").write_bytes((corpus / "noise.png").read_bytes()[:5000])
     cache = TensorCache(tmp_path / "vae", {"test": 1})
     done, failed = fill_latent_cache(found.samples, cache, "center", 0, lambda px: px[:, :, ::8, ::8], 4)
-    assert [p.name for p, _ in failed] == ["truncated.png"] and "cannot decode" in failed[0][1]
+    assert [p.name for p, _ in failed] == ["noise.png"] and "cannot decode" in failed[0][1]
     assert len(done) == len(found.samples) - 1
+
+
+def test_caption_files_in_utf16_and_with_upper_case_extension(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    for name in ("notepad.png", "IMG_1.PNG", "latin.png"):
+        Image.new("RGB", (64, 48)).save(root / name)
+    (root / "notepad.txt").write_text("unicode caption\nsecond", encoding="utf-16")  # Notepad's "Unicode": a BOM
+    (root / "IMG_1.TXT").write_text("upper case caption", encoding="utf-8")
+    (root / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    found = discover(DatasetSpec("caps", root, RULE, CaptionRule("textfile"), metadata_file=tmp_path / "meta.json"))
+    got = {s.path.name: s.captions for s in found.samples}
+    assert got == {"notepad.png": ("unicode caption", "second"), "IMG_1.PNG": ("upper case caption",)}
+    assert "save it as UTF-8" in dict((p.name, why) for p, why in found.skipped)["latin.png"]
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t\n"])
+def test_empty_caption_note_names_the_instance_prompt_it_trains_with(tmp_path, text):
+    image = tmp_path / "empty.png"
+    Image.new("RGB", (64, 48)).save(image)
+    caption(image, text)
+    rule = CaptionRule("textfile", instance_prompt="sks", prepend_instance_prompt=True)
+    result = captions.caption(image, tmp_path, rule, None)
+    assert result.captions == ("sks",) and result.note == "empty caption file: trained with instance_prompt 'sks' alone"
+    plain = captions.caption(image, tmp_path, CaptionRule("textfile"), None)
+    assert plain.captions == ("",) and plain.note == "empty caption file: trained with an empty prompt"

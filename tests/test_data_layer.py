@@ -146,7 +146,7 @@ def test_metadata_cache_rescans_only_changes(tmp_path, dataset):
     removed.unlink()
     found = discover(spec)
     assert found.probed == 0 and len(found.samples) == 4
-    assert str(removed.name) not in json.loads((tmp_path / "meta.json").read_text())
+    assert str(removed.name) not in json.loads((tmp_path / "meta.json").read_text())["entries"]
 
 
 def test_datasets_sharing_a_latent_cache_folder_keep_their_probed_sizes(tmp_path, dataset):
@@ -188,6 +188,14 @@ def test_text_cache_counts_captions_two_datasets_share_once(tmp_path, dataset):
     assert messages == ["text cache: 8 captions, 3 distinct: 0 from the cache, 3 newly encoded"]
 
 
+def garble(image):
+    """Damage a PNG's pixel data, its chunks intact: only a decode finds it (discovery's probe decodes a file cut off
+    at its end, so a truncated one no longer gets past discovery)."""
+    blob = image.read_bytes()
+    start = blob.index(b"IDAT") + 6  # past the chunk type and the 2-byte zlib header
+    image.write_bytes(blob[:start] + b"\xff" * (len(blob) - start - 16) + blob[-16:])  # IDAT's CRC and IEND kept
+
+
 def test_cache_counts_add_up(tmp_path, dataset):
     """One entry deleted (rebuilt), one image damaged after discovery's header read (fails to decode):
     the line says what happened to each file, and the parts add up to the total."""
@@ -196,8 +204,7 @@ def test_cache_counts_add_up(tmp_path, dataset):
     image = sorted(dataset.glob("*.png"))[-1]
     other = next(c for c in run.data.items if c.sample.path.resolve() != image.resolve())
     other.latent_file.unlink()  # another file's entry (the damaged file's own key changes with it anyway)
-    blob = image.read_bytes()
-    image.write_bytes(blob[: len(blob) // 2])  # the header still reads; the pixels do not
+    garble(image)  # the header still reads; the pixels do not
     run = build_run(load_config(path))
     events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
     lines = [e["message"] for e in events if e["event"] == "info" and e["message"].startswith("latent cache")]
@@ -210,8 +217,7 @@ def test_a_dataset_whose_every_file_fails_to_decode_names_the_reasons(tmp_path, 
     from difftune.train.plan import DataError
 
     for image in dataset.glob("*.png"):
-        blob = image.read_bytes()
-        image.write_bytes(blob[: len(blob) // 2])
+        garble(image)
     with pytest.raises(DataError) as info:
         build_run(load_config(write_config(tmp_path, dataset, max_train_steps=1)))
     text = str(info.value)

@@ -404,6 +404,10 @@ def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: lis
             problems.append(f"{path}: dataset {ds.id!r}: video.num_frames {ds.video.num_frames}: image-to-video "
                             "trains the frames after the first latent frame, so clips need at least 5 frames; "
                             "set num_frames to 5 or more")
+        elif (ds.dataset_type == "image" and facts.needs_conditioning(train.flavour()) and ds.conditioning_data is None
+              and train.validation_using_datasets and ds.id == train.eval_dataset_id):
+            plan.images.remove(ds)  # image-to-image: a plain image folder named as the validation input images
+            plan.validation_only[ds.id] = ds
         elif ds.dataset_type == "image" and facts.first_frame(train.flavour()):
             if train.validation_using_datasets and ds.id == train.eval_dataset_id:
                 plan.images.remove(ds)
@@ -462,6 +466,23 @@ def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, proble
                 f"({', '.join(sorted(facts.conditioning_flavours)) or 'none for ' + train.model_family}); "
                 "remove it or pick such a flavour"
             )
+        entry = plan.conditioning.get(ds.conditioning_data) if ds.conditioning_data else None
+        if entry is not None and Path(entry.instance_data_dir).resolve() == Path(ds.instance_data_dir).resolve():
+            plan.notes.append(f"{path}: dataset {ds.id!r}: its conditioning dataset {entry.id!r} is the same folder "
+                              f"({entry.instance_data_dir}): every image is its own "
+                              + ("loss mask" if masks else "input image (an edit that changes nothing)")
+                              + "; point the conditioning entry at the folder of the inputs")
+    named = {ds.conditioning_data for ds in [*plan.images, *plan.evaluation]}
+    if train.validation_using_datasets:
+        named.add(train.eval_dataset_id)
+    for ident in sorted(set(plan.conditioning) - named):
+        what = (f"flavour {flavour!r} trains without input images" if not facts.needs_conditioning(flavour) else
+                "no dataset pairs with it")
+        plan.notes.append(f"{path}: conditioning dataset {ident!r} is not used: no dataset names it in "
+                          f"conditioning_data ({what}); set conditioning_data on the dataset it belongs to"
+                          + ("" if facts.needs_conditioning(flavour) or not facts.conditioning_flavours else
+                             f", with an image-to-image flavour ({', '.join(sorted(facts.conditioning_flavours))})")
+                          + ", or remove it")
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -7,6 +7,7 @@ captions read from the data only; instance-prompt options are applied last.
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,21 +36,50 @@ class CaptionRule:
     filters: CaptionFilter | None = None  # caption_filter_list of the dataset's text_embeds entry
 
 
-def from_textfile(path: Path, split_lines: bool = True) -> CaptionResult:
-    txt = path.with_suffix(".txt")
-    if not txt.is_file():
-        return CaptionResult(None, f"no caption file {txt.name} (caption_strategy textfile needs one beside each image)")
+def from_textfile(path: Path, split_lines: bool = True, empty: str = "an empty prompt") -> CaptionResult:
+    """The captions of the .txt file beside the image; `empty` says what an empty file trains with, for its note."""
+    txt = _caption_file(path)
+    if txt is None:
+        return CaptionResult(None, f"no caption file {path.with_suffix('.txt').name} (caption_strategy textfile "
+                                   "needs one beside each image)")
     try:
-        text = txt.read_text(encoding="utf-8-sig")  # -sig: an editor's byte-order mark is not caption text
-    except (OSError, UnicodeDecodeError) as e:
+        data = txt.read_bytes()
+        # a byte-order mark says the encoding (Windows Notepad's "Unicode" is UTF-16); without one, UTF-8
+        # (-sig: an editor's UTF-8 byte-order mark is not caption text)
+        if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+            text = data.decode("utf-32")
+        elif data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            text = data.decode("utf-16")
+        else:
+            text = data.decode("utf-8-sig")
+    except OSError as e:
         return CaptionResult(None, f"caption file {txt.name} unreadable: {e}")
+    except UnicodeDecodeError as e:
+        return CaptionResult(None, f"caption file {txt.name} unreadable: {e}; save it as UTF-8")
+    note = f"empty caption file: trained with {empty}"
     if not split_lines:  # disable_multiline_split: the whole file is one caption, its line breaks kept
-        return CaptionResult((text.strip(),)) if text.strip() else CaptionResult(
-            ("",), note="empty caption file: trained with an empty prompt")
+        return CaptionResult((text.strip(),)) if text.strip() else CaptionResult(("",), note=note)
     lines = tuple(line.strip() for line in text.splitlines() if line.strip())
     if not lines:
-        return CaptionResult(("",), note="empty caption file: trained with an empty prompt")
+        return CaptionResult(("",), note=note)
     return CaptionResult(lines)
+
+
+def _caption_file(path: Path) -> Path | None:
+    """The image's .txt file, whatever the case of its extension (IMG_1.JPG's caption is often IMG_1.TXT): the
+    usual spellings are tried, not a listing of the folder per image."""
+    for suffix in (".txt", ".TXT", ".Txt"):
+        txt = path.with_suffix(suffix)
+        if txt.is_file():
+            return txt
+    return None
+
+
+def _empty_trains_with(rule: CaptionRule) -> str:
+    """What an image whose caption is empty is trained with, for the notes that say so."""
+    if rule.instance_prompt and (rule.prepend_instance_prompt or rule.only_instance_prompt):
+        return f"instance_prompt {rule.instance_prompt!r} alone"
+    return "an empty prompt"
 
 
 def from_filename(path: Path) -> CaptionResult:
@@ -72,7 +102,7 @@ class CaptionTable:
             name = str(row[columns.filename_column])
             self.rows[name if columns.identifier_includes_extension else Path(name).stem] = row
 
-    def lookup(self, path: Path, root: Path) -> CaptionResult:
+    def lookup(self, path: Path, root: Path, empty: str = "an empty prompt") -> CaptionResult:
         rel = path.relative_to(root)
         keys = [str(rel), path.name] if self.columns.identifier_includes_extension else [str(rel.with_suffix("")), path.stem]
         row = next((self.rows[k] for k in keys if k in self.rows), None)
@@ -88,7 +118,8 @@ class CaptionTable:
             except (KeyError, TypeError, ValueError):
                 size = None
         if not captions:
-            return CaptionResult(("",), note="empty caption in the parquet table: trained with an empty prompt", size=size)
+            return CaptionResult(("",), note=f"empty caption in the parquet table: trained with {empty}",
+                                 size=size)
         return CaptionResult(captions, size=size)
 
 
@@ -146,9 +177,7 @@ def apply_filters(result: CaptionResult, rule: CaptionRule) -> CaptionResult:
     kept = tuple(c for c in filtered if c)
     note = None
     if emptied and not kept:
-        instead = f"instance_prompt {rule.instance_prompt!r} alone" if rule.prepend_instance_prompt else \
-            "an empty prompt"
-        note = f"caption_filter_list left nothing of its caption: trained with {instead}"
+        note = f"caption_filter_list left nothing of its caption: trained with {_empty_trains_with(rule)}"
     elif emptied:
         note = f"caption_filter_list left nothing of {emptied} of its {len(filtered)} captions: those are not used"
     notes = "; ".join(n for n in (result.note, note) if n) or None
@@ -157,14 +186,14 @@ def apply_filters(result: CaptionResult, rule: CaptionRule) -> CaptionResult:
 
 def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | None) -> CaptionResult:
     if rule.strategy == "textfile":
-        result = from_textfile(path, rule.split_lines)
+        result = from_textfile(path, rule.split_lines, _empty_trains_with(rule))
     elif rule.strategy == "filename":
         result = from_filename(path)
     elif rule.strategy == "instanceprompt":
         result = CaptionResult((rule.instance_prompt or "",))
     else:
         assert table is not None
-        result = table.lookup(path, root)
+        result = table.lookup(path, root, _empty_trains_with(rule))
     if rule.strategy != "instanceprompt" and not rule.only_instance_prompt:  # else no caption of the data is used
         result = apply_filters(result, rule)
     return apply_instance_prompt(result, rule)

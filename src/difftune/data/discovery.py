@@ -128,8 +128,14 @@ class Discovery:
         return why
 
 
+# Raised when the probe learns to see more (2: files cut off at their end, a PNG's EXIF after its pixels): entries
+# of an earlier probe are read again once, instead of passing such files while their size and time are unchanged
+PROBE_VERSION = 2
+
+
 class MetadataCache:
-    """{relative path: [size, mtime_ns, width, height, problem]} for one dataset folder."""
+    """{"version": PROBE_VERSION, "entries": {relative path: [size, mtime_ns, width, height, problem]}} for one
+    dataset folder."""
 
     def __init__(self, path: Path | None):
         self.path = path
@@ -138,11 +144,13 @@ class MetadataCache:
         self.changed = False  # probed a file, or found the file damaged: worth writing
         if path is not None and path.is_file():
             try:
-                self.entries = json.loads(path.read_text())
+                stored = json.loads(path.read_text())
             except (OSError, ValueError):
-                self.entries = {}  # a damaged metadata file only costs a rescan
-            if not isinstance(self.entries, dict):  # valid JSON, but not ours (null, a list)
-                self.entries = {}
+                stored = None  # a damaged metadata file only costs a rescan
+            # valid JSON but not ours (null, a list), or an earlier probe's (a flat dict): read every file again
+            if isinstance(stored, dict) and stored.get("version") == PROBE_VERSION and isinstance(
+                    stored.get("entries"), dict):
+                self.entries = stored["entries"]
             self.changed = not self.entries
 
     def size(self, file: Path, rel: str) -> tuple[tuple[int, int] | None, str | None, bool]:
@@ -192,7 +200,7 @@ class MetadataCache:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
             as_created(fd)
             with os.fdopen(fd, "w") as f:
-                json.dump(self.entries, f)
+                json.dump({"version": PROBE_VERSION, "entries": self.entries}, f)
             os.replace(tmp, self.path)
         except OSError as e:
             if tmp is not None:
@@ -209,10 +217,11 @@ class Walk:
     errors: list[tuple[Path, str]] = field(default_factory=list)  # folders that could not be listed
 
 
-def walk(root: Path) -> Walk:
+def walk(root: Path, skip: tuple[Path, ...] = ()) -> Walk:
     """Every file under root, sorted, following symlinked folders once (no loops), passing over hidden
-    files and folders, and recording folders that cannot be listed instead of failing."""
-    seen: set[str] = set()
+    files and folders, and recording folders that cannot be listed instead of failing. `skip`: folders not read
+    (a dataset's input images or loss masks kept in a sub-folder of it)."""
+    seen: set[str] = {os.path.realpath(p) for p in skip}
     result = Walk([])
 
     def failed(error: OSError) -> None:
@@ -262,9 +271,24 @@ def image_files(root: Path, suffixes: set[str] = IMAGE_EXTENSIONS) -> list[Path]
     return [p for p in walk_files(root) if p.suffix.lower() in suffixes]
 
 
-def pair_index(root: Path) -> dict[Path, Path]:
-    """Conditioning images by relative path without extension (a .png target may pair with a .jpg)."""
-    return {p.relative_to(root).with_suffix(""): p for p in image_files(root)}
+def pair_index(root: Path) -> dict[Path, list[Path]]:
+    """Conditioning images by relative path without extension (a .png target may pair with a .jpg); two files of
+    one name (cat.png and cat.jpg) are both listed, so that the pair is refused rather than one picked silently."""
+    index: dict[Path, list[Path]] = {}
+    for p in image_files(root):
+        index.setdefault(p.relative_to(root).with_suffix(""), []).append(p)
+    return index
+
+
+def _partner(index: dict[Path, list[Path]], rel: Path, what: str, root: Path) -> tuple[Path | None, str | None]:
+    """The one file of `index` named as `rel`, or why there is none (missing, or several)."""
+    found = index.get(rel.with_suffix(""), [])
+    if not found:
+        return None, f"no {what} of the same name in {root}"
+    if len(found) > 1:
+        return None, (f"{len(found)} files in {root} could be its {what} ({', '.join(p.name for p in found)}); "
+                      "keep one")
+    return found[0], None
 
 
 def filesystem_problem(path: Path) -> str | None:
@@ -373,7 +397,13 @@ def discover(spec: DatasetSpec) -> Discovery:
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
     masks = pair_index(spec.mask_root) if spec.mask_root is not None else None
     metadata = MetadataCache(spec.metadata_file)
-    listing = walk(spec.root)
+    # input images or masks kept inside the dataset's folder (edits/inputs/) are not training images
+    inside = tuple(p for p in (spec.conditioning_root, spec.mask_root)
+                   if p is not None and p.resolve().is_relative_to(spec.root.resolve()) and p.resolve() != spec.root.resolve())
+    listing = walk(spec.root, inside)
+    for folder in inside:
+        result.notes.append((folder, "inside the dataset's folder: read as its input images or masks only, not "
+                                     "as images to train on"))
     result.skipped += listing.errors
     if listing.hidden:
         result.notes.append((spec.root, f"{listing.hidden} hidden file(s) or folder(s) (name starting with '.') "
@@ -405,16 +435,17 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
     rel = str(path.relative_to(spec.root))
     conditioning = None
     if pairs is not None:
-        conditioning = pairs.get(path.relative_to(spec.root).with_suffix(""))
+        conditioning, problem = _partner(pairs, path.relative_to(spec.root), "conditioning image",
+                                         spec.conditioning_root)
         if conditioning is None:
-            return f"no conditioning image of the same name in {spec.conditioning_root}"
+            return problem
         if (problem := filesystem_problem(conditioning)) is not None:
             return f"its conditioning image {conditioning}: {problem}"
     mask = None
     if masks is not None:  # like the i2i pairs: an image without its mask is left out (SimpleTuner pairs strictly)
-        mask = masks.get(path.relative_to(spec.root).with_suffix(""))
+        mask, problem = _partner(masks, path.relative_to(spec.root), "loss mask", spec.mask_root)
         if mask is None:
-            return f"no loss mask of the same name in {spec.mask_root} (conditioning_type 'mask')"
+            return f"{problem} (conditioning_type 'mask')"
         if (problem := filesystem_problem(mask)) is not None:
             return f"its loss mask {mask}: {problem}"
     captioned = caption(path, spec.root, spec.captions, spec.table)

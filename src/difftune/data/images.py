@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import warnings
 from pathlib import Path
 
@@ -36,27 +37,91 @@ def _open(path: Path) -> Image.Image:
 
 
 def probe_size(path: Path) -> tuple[int, int]:
-    """(width, height) as displayed (EXIF rotation applied), reading only the header."""
+    """(width, height) as displayed (EXIF rotation applied), reading only the header, plus a look at the file's end:
+    a JPEG not ending in its EOI marker, or a PNG whose chunks stop before IEND, is decoded in full to decide
+    (it is most often cut off by a copy or download; data appended after the image, as phones' motion photos have,
+    decodes fine), so a truncated file is left out here rather than failing at training."""
     with _open(path) as img:
         width, height = img.size
-        # A PNG's getexif() decodes the whole image to look for an eXIf chunk after the pixels; a
-        # header-only probe reads the EXIF only when it came before them (in img.info).
-        has_exif = img.format != "PNG" or "exif" in img.info
-        orientation = img.getexif().get(0x0112, 1) if has_exif else 1
+        try:
+            exif = img.getexif() if img.format != "PNG" else None
+            if img.format == "PNG":
+                # PIL fills img.info only with the chunks before the pixels; load_rgb's full decode sees an eXIf
+                # chunk after them too, so walk the chunk headers for it (seeks, no decode)
+                exif_data, complete = _png_tail(path)
+                if exif_data is not None:
+                    exif = Image.Exif()
+                    exif.load(exif_data if exif_data.startswith(b"Exif") else b"Exif\x00\x00" + exif_data)
+                elif "exif" in img.info:
+                    exif = img.getexif()
+            else:
+                complete = img.format not in ("JPEG", "MPO") or _jpeg_ends_with_eoi(path)
+        except (SyntaxError, ValueError, struct.error) as e:  # what PIL raises for EXIF that is not TIFF data
+            raise BadImage(f"damaged EXIF data ({type(e).__name__}: {e}); remove it (e.g. exiftool -all= FILE) or "
+                           "re-save the image") from e
+        if not complete:
+            marker = "its IEND chunk" if img.format == "PNG" else "its EOI marker"
+            try:
+                img.load()  # ImageFile.LOAD_TRUNCATED_IMAGES is left False: a short file raises
+            except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ... for damaged data
+                raise BadImage(f"truncated: the file ends before {marker} and does not decode ({type(e).__name__}: "
+                               f"{e}); re-copy or re-download it") from e
+        orientation = exif.get(0x0112, 1) if exif is not None else 1
     return (height, width) if orientation in _ROTATED else (width, height)
 
 
+def _jpeg_ends_with_eoi(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-2, 2)
+        return f.read(2) == b"\xff\xd9"
+
+
+def _png_tail(path: Path) -> tuple[bytes | None, bool]:
+    """(the last eXIf chunk's data or None, whether the chunks reach IEND within the file), from chunk headers."""
+    exif, size = None, path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(8)  # the signature
+        while True:
+            head = f.read(8)
+            if len(head) < 8:
+                return exif, False
+            length, kind = int.from_bytes(head[:4], "big"), head[4:]
+            if kind == b"IEND":
+                return exif, True
+            if f.tell() + length + 4 > size:  # the chunk (and its CRC) runs past the end of the file
+                return exif, False
+            if kind == b"eXIf":
+                exif = f.read(length)
+                f.seek(4, 1)
+            else:
+                f.seek(length + 4, 1)
+
+
 def load_rgb(path: Path) -> Image.Image:
-    """Fully decoded RGB image with EXIF orientation applied. Transparency is composited on white."""
+    """Fully decoded RGB image with EXIF orientation applied. Transparency (alpha, a palette's or a colour key's)
+    is composited on white. 16-bit data scales by the file's bit depth (65535 is white); float data (TIFF mode F)
+    in [0, 1] scales by 255, other float data is read as 0..255 and clipped."""
     img = _open(path)
     try:
         img.load()
+        # by the file's bit depth, not its data: a dark 16-bit PNG stays dark (older PIL opens 16-bit grey PNG as I)
+        peak = 65535.0 if img.mode.startswith("I;16") or img.format == "PNG" and img.mode == "I" else None
         img = ImageOps.exif_transpose(img)
-        if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
             arr = np.asarray(img, dtype=np.float64)
-            peak = 65535.0 if arr.max() > 255 else 255.0
-            img = Image.fromarray((arr / peak * 255.0).clip(0, 255).astype(np.uint8), "L")
-        if img.mode == "P":
+            key = img.info.get("transparency")  # a 16-bit PNG's colour key, in the file's values
+            if img.mode == "F":
+                arr = np.nan_to_num(arr)
+                arr = arr * 255.0 if arr.size and arr.min() >= 0.0 and arr.max() <= 1.0 else arr
+            else:
+                # a 32-bit int TIFF has no fixed white: 8-bit data stays, larger data is read as 16-bit
+                arr = arr / (peak or (65535.0 if arr.max() > 255 else 255.0)) * 255.0
+            grey = Image.fromarray(np.rint(arr).clip(0, 255).astype(np.uint8), "L")
+            if isinstance(key, int) and img.mode != "F":
+                alpha = Image.fromarray(np.where(np.asarray(img) == key, 0, 255).astype(np.uint8), "L")
+                grey = Image.merge("LA", (grey, alpha))
+            img = grey
+        if img.mode in ("P", "L", "RGB") and "transparency" in img.info:  # a palette index or a colour key
             img = img.convert("RGBA")
         if img.mode in ("RGBA", "LA", "PA"):
             rgba = img.convert("RGBA")

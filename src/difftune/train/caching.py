@@ -52,8 +52,13 @@ def validation_image(run_cfg: RunConfig, found: list[Discovery]) -> Path | None:
     """Validation input: the first image of eval_dataset_id, or the first training pair's input image, or
     (image-to-video) the first training clip, whose first frame is taken."""
     cfg = run_cfg.train
+    trained = [d for d in found if not d.held_out]  # not an eval dataset's input (they sort among the others)
     if cfg.validation_using_datasets:
         plan = run_cfg.datasets
+        named = [d for d in found if d.dataset_id == cfg.eval_dataset_id]
+        if named:  # a discovered dataset (a training set of clips, for image-to-video): its first usable file
+            files = sorted(s.path for s in named[0].samples)
+            return files[0] if files else None
         roots = {ds.id: ds.instance_data_dir for ds in [*plan.images, *plan.validation_only.values()]} | {
             cid: c.instance_data_dir for cid, c in plan.conditioning.items()
         }
@@ -62,9 +67,9 @@ def validation_image(run_cfg: RunConfig, found: list[Discovery]) -> Path | None:
             raise FileNotFoundError(f"eval_dataset_id {cfg.eval_dataset_id!r}: no image in {roots[cfg.eval_dataset_id]}")
         return files[0]
     if FAMILY_FACTS[cfg.model_family].first_frame(cfg.flavour()):
-        clips = sorted(s.path for d in found for s in d.samples if s.frames)
+        clips = sorted(s.path for d in trained for s in d.samples if s.frames)
         return clips[0] if clips else None
-    pairs = sorted(s.conditioning for d in found for s in d.samples if s.conditioning is not None)
+    pairs = sorted(s.conditioning for d in trained for s in d.samples if s.conditioning is not None)
     return pairs[0] if pairs else None
 
 
@@ -76,7 +81,8 @@ def load_input_image(path: Path) -> Image.Image:
 
 
 def encode_validation(
-    run_cfg: RunConfig, family: Family, comps: Components, text_cache: TensorCache, found: list[Discovery]
+    run_cfg: RunConfig, family: Family, comps: Components, text_cache: TensorCache, found: list[Discovery],
+    events: Events | None = None,
 ) -> list[SampleRequest]:
     cfg = run_cfg.train
     prompts = cfg.validation_prompts()
@@ -86,6 +92,9 @@ def encode_validation(
         prompts.append(("unconditional", ""))
     path = validation_image(run_cfg, found) if family.facts.takes_input_image(cfg.flavour()) else None
     image: Image.Image | None = load_input_image(path) if path is not None else None
+    if path is not None and events is not None:
+        first = " (its first frame)" if path.suffix.lower() in VIDEO_SUFFIXES else ""
+        events.emit("info", message=f"validation input image: {path}{first}")
     suffix = "" if path is None else f"\x00validation:{path.resolve()}:{path.stat().st_mtime_ns}"
     frames, fps = (validation_video_frames(cfg, run_cfg.datasets), cfg.video_fps()) if family.facts.video else (0, 0.0)
 
@@ -161,7 +170,8 @@ def fill_caches(
                                                            encode, events, ranks)
     if (said := long.message()) is not None:
         events.emit("warning", message=f"text cache: {said}")
-    validation = encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found) if ranks.main else []
+    validation = (encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found, events)
+                  if ranks.main else [])
     per_process = ranks.gather(encoded)
     new = sum(per_process)
     events.emit("info", message=f"text cache: {total} captions, {distinct} distinct: "

@@ -1,0 +1,96 @@
+"""Kandinsky 5 image-to-image and image-to-video inputs as users lay them out: two input files of one name, an input
+folder inside the dataset's folder or equal to it, a conditioning entry no dataset names, a plain image folder as
+i2i validation input, the validation input taken from a training set (not a held-out eval set) and from a set of
+clips. Discovery and the config only: no model loads."""
+
+import json
+
+from conftest import write_config
+from difftune.config import load_config
+from difftune.train.caching import validation_image
+from difftune.train.plan import discover_all
+from families import make_clips, make_pairs
+
+I2I = dict(model_family="kandinsky5-image", model_flavour="tiny-random-i2i", max_train_steps=1)
+
+
+def skipped(found) -> dict[str, str]:
+    return {path.name: why for d in found for path, why in d.skipped}
+
+
+def test_two_input_images_of_one_name_are_refused_not_picked(tmp_path, dataset):
+    inputs = tmp_path / "inputs"
+    make_pairs(dataset, inputs)
+    twin = sorted(inputs.glob("*.png"))[0]
+    (inputs / f"{twin.stem}.jpg").write_bytes(twin.read_bytes())
+    found = discover_all(load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                                  conditioning_dir=inputs, **I2I)))
+    why = skipped(found)[twin.name]
+    assert f"2 files in {inputs} could be its conditioning image ({twin.stem}.jpg, {twin.name}); keep one" == why
+    assert len(found[0].samples) == len(list(dataset.glob("*.png"))) - 1
+
+
+def test_an_input_folder_inside_the_dataset_folder_is_not_trained_on(tmp_path, dataset):
+    inputs = dataset / "inputs"
+    make_pairs(dataset, inputs)
+    found = discover_all(load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                                  conditioning_dir=inputs, **I2I)))
+    assert not found[0].skipped  # the inputs were read as targets, each left out for want of its own input
+    assert len(found[0].samples) == len(list(dataset.glob("*.png")))
+    assert [why for path, why in found[0].notes if path == inputs] == [
+        "inside the dataset's folder: read as its input images or masks only, not as images to train on"]
+
+
+def test_an_input_folder_equal_to_the_dataset_folder_and_an_unused_one_get_notes(tmp_path, dataset):
+    run = load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                   conditioning_dir=dataset, **I2I))
+    (same,) = [n for n in run.notes() if "is the same folder" in n]
+    assert "dataset 'train': its conditioning dataset 'inputs'" in same and "an edit that changes nothing" in same
+    make_pairs(dataset, tmp_path / "inputs")
+    t2i = load_config(write_config(tmp_path, dataset, conditioning_dir=tmp_path / "inputs",
+                                   model_family="kandinsky5-image", model_flavour="tiny-random"))
+    (unused,) = [n for n in t2i.notes() if "not used" in n and "'inputs'" in n]
+    assert "flavour 'tiny-random' trains without input images" in unused and "tiny-random-i2i" in unused
+
+
+def test_i2i_validation_inputs_from_a_plain_image_folder_and_never_from_a_held_out_set(tmp_path, dataset):
+    """A plain image folder named by eval_dataset_id was refused with "trains on image pairs"; without one, the
+    input came from whichever input folder's path sorted first, an eval set's included."""
+    make_pairs(dataset, tmp_path / "inputs")
+    probes = tmp_path / "probes"
+    make_pairs(dataset, probes)
+    plain = load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                     conditioning_dir=tmp_path / "inputs", validation_using_datasets=True,
+                                     eval_dataset_id="probes", validation_prompt="swap it",
+                                     extra_datasets=[{"id": "probes", "type": "local",
+                                                      "instance_data_dir": str(probes)}], **I2I))
+    assert "probes" in plain.datasets.validation_only
+    assert validation_image(plain, discover_all(plain)).parent == probes
+
+    held = tmp_path / "held"
+    make_pairs(dataset, held / "a-inputs")  # sorts before "inputs"
+    for png in sorted(dataset.glob("*.png"))[:2]:
+        (held / png.name).write_bytes(png.read_bytes())
+        (held / png.with_suffix(".txt").name).write_text("held out")
+    path = write_config(tmp_path / "second", dataset, dataset={"conditioning_data": "inputs"},
+                        conditioning_dir=tmp_path / "inputs", validation_prompt="swap it", **I2I)
+    backend = json.loads((tmp_path / "second" / "config" / "multidatabackend.json").read_text())
+    backend += [{"id": "held", "type": "local", "dataset_type": "eval", "instance_data_dir": str(held),
+                 "conditioning_data": "held-inputs", "resolution": 64, "resolution_type": "pixel_area"},
+                {"id": "held-inputs", "type": "local", "dataset_type": "conditioning",
+                 "instance_data_dir": str(held / "a-inputs")}]
+    (tmp_path / "second" / "config" / "multidatabackend.json").write_text(json.dumps(backend))
+    run = load_config(path)
+    assert validation_image(run, discover_all(run)).parent == tmp_path / "inputs"
+
+
+def test_i2v_validation_input_from_the_training_clips_named_by_eval_dataset_id(tmp_path, dataset):
+    """eval_dataset_id naming the video dataset itself: check said OK, and training died looking for an image in
+    the clips' folder."""
+    clips = make_clips(tmp_path / "clips", frames=12)
+    run = load_config(write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random-i2v",
+                                   max_train_steps=1, dataset={"dataset_type": "video", "resolution": 32,
+                                                               "video": {"num_frames": 9}},
+                                   validation_num_video_frames=17, validation_prompt="a square",
+                                   validation_using_datasets=True, eval_dataset_id="train"))
+    assert validation_image(run, discover_all(run)) == clips / "clip0.mp4"
