@@ -42,8 +42,11 @@ def test_keys_parse_and_the_refusal_is_gone(tmp_path, dataset):
     # the folder defaults to cache/sources/<id>; null keys are "not set" (SimpleTuner's example writes them)
     entry = {"type": "aws", "aws_bucket_name": BUCKET, "instance_data_dir": "", "aws_region_name": None,
              "aws_access_key_id": None, "aws_secret_access_key": None}
-    ds = load_config(write_config(tmp_path, dataset, dataset=entry)).datasets.images[0]
+    run = load_config(write_config(tmp_path, dataset, dataset=entry))
+    ds = run.datasets.images[0]
     assert ds.instance_data_dir == "cache/sources/train" and ds.aws_data_prefix == ""
+    # SimpleTuner's cache_dir_vae on an aws entry is a prefix in the bucket; here a local folder, said so
+    assert any("cache_dir_vae" in n and "a prefix inside the bucket" in n for n in run.notes())
 
 
 def test_config_level_pool_size_is_the_default_of_aws_entries(tmp_path, dataset):

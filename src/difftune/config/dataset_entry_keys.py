@@ -82,6 +82,9 @@ def notes(where: str, item: Any) -> list[str]:
                 "pass, and each embedding is written as its own file; remove write_batch_size"]
     if isinstance(item, ImageDataset):
         off = [f"{where}: {item._clear_each_epoch_off}"] if item._clear_each_epoch_off else []
+        if item.type == "aws" and item.cache_dir_vae:  # SimpleTuner writes the latents into the bucket there
+            off.append(f"{where}: cache_dir_vae {item.cache_dir_vae!r} is a folder on this machine here (in "
+                       "SimpleTuner, a prefix inside the bucket): the latents are cached locally, not in S3")
         return off + _crop_notes(where, item) + _pixel_resolution_notes(where, item) + _trigger_notes(where, item)
     return []
 
