@@ -274,7 +274,10 @@ def test_server_start_up_errors_are_one_line_and_exit_2(tmp_path, capsys):
 
 def test_token_is_enforced_beyond_loopback(root, tmp_path):
     assert access_token("127.0.0.1", None) is None and access_token("localhost", None) is None
-    assert access_token("0.0.0.0", None) and access_token("0.0.0.0", "given") == "given"
+    assert access_token("0.0.0.0", None) and access_token("0.0.0.0", "given-16-chars-x") == "given-16-chars-x"
+    assert access_token("127.0.0.1", "a") == "a"  # on loopback a token is an extra guard, of any length
+    with pytest.raises(ConfigError, match="--token: 1 character.s. is too short .* at least 16"):
+        access_token("0.0.0.0", "a")  # the only guard of a server reachable from the network
     assert access_token("192.168.1.5", None) != access_token("192.168.1.5", None)  # generated each start
     app = create_app([root], token="s3cret-token", state_dir=tmp_path / "state")
     c = TestClient(app, base_url="http://192.168.1.5:8001")
@@ -568,3 +571,85 @@ def test_the_folder_picker_counts_every_type_discovery_reads(client, root):
         (folder / name).write_bytes(b"")
     listing = client.get("/api/browse", params={"path": str(folder)}).json()
     assert (listing["images"], listing["clips"]) == (4, 1)
+
+
+def test_a_run_trains_the_config_that_was_checked_not_a_later_save(client, root, tmp_path, monkeypatch):
+    """The trainer re-read the user's file after Start's check: a save right after Start (output_dir outside the
+    roots, a post_checkpoint_script) was what trained. The supervisor (the process edge) is a stand-in that
+    records its arguments; the trainer it would start gets the snapshot it is given."""
+    from difftune.ui import runs
+
+    recorder = tmp_path / "supervisor.sh"
+    recorder.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'argv'}\n")
+    recorder.chmod(0o755)
+    monkeypatch.setattr(runs.sys, "executable", str(recorder))
+    path = root / "config" / "config.json"
+    config = json.loads(path.read_text())
+    config["--data_backend_config"] = config.pop("data_backend_config")  # SimpleTuner's spelling is replaced too
+    path.write_text(json.dumps(config))
+    started = client.post("/api/runs", json={"path": str(path)})
+    assert started.status_code == 200, started.text
+    bad = {**config, "output_dir": str(tmp_path / "outside"), "post_checkpoint_script": "touch pwned"}
+    path.write_text(json.dumps(bad))
+    (root / "config" / "multidatabackend.json").write_text("[]")
+    deadline = time.time() + 30
+    while not (tmp_path / "argv").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    snapshot = Path((tmp_path / "argv").read_text().split()[-1])
+    assert snapshot.parent == tmp_path / "state" / "runs" / started.json()["id"]
+    checked = load_config(snapshot)
+    assert checked.train.output_dir == str(root / "output") and not checked.train.post_checkpoint_script
+    assert [d.id for d in checked.datasets.discovered()] == ["train"]
+    assert started.json()["config_path"] == str(path)  # the page still shows the user's file
+
+
+def test_a_key_written_with_and_without_dashes_is_refused_as_check_refuses_it(client, root):
+    """A SimpleTuner `--key` config whose form field was then set held both spellings: the page said OK, and
+    `difftune check` refused the file."""
+    body = body_of(root)
+    body["config"]["--max_train_steps"] = 3
+    body["datasets"][0]["--resolution"] = 64
+    answer = client.post("/api/config/check", json=body).json()
+    texts = [p["text"] for p in answer["problems"]]
+    assert not answer["ok"] and any("max_train_steps: written twice" in t for t in texts), texts
+    assert any("dataset 'train': resolution: written twice" in t for t in texts), texts
+    with pytest.raises(ConfigError, match="max_train_steps: written twice"):  # the CLI's rule, the same words
+        client.put("/api/config", json=body)
+        load_config(root / "config" / "config.json")
+
+
+def test_a_config_and_dataset_list_with_a_byte_order_mark_open_as_check_reads_them(client, root):
+    """Windows Notepad writes a UTF-8 BOM; `difftune check` reads such files, the page answered 422."""
+    for name in ("config.json", "multidatabackend.json"):
+        path = root / "config" / name
+        path.write_text(path.read_text(), encoding="utf-8-sig")
+    load_config(root / "config" / "config.json")
+    opened = client.get("/api/config", params={"path": str(root / "config" / "config.json")})
+    assert opened.status_code == 200, opened.text
+    assert opened.json()["config"]["max_train_steps"] == 4 and opened.json()["datasets"][0]["id"] == "train"
+
+
+def test_a_run_that_failed_on_its_config_says_which_problems(tmp_path):
+    """The message was the header `error: the configuration cannot be used:` without the problems after it."""
+    run = fake_run(tmp_path, [], pid=None, exit_code=2)
+    (run.folder / "log.txt").write_text(
+        "$ python -m difftune.cli train --config c.json\nerror: the configuration cannot be used:\n"
+        "  - d.json: dataset 'shapes': instance_data_dir '/x/vanish' is not a folder; fix the path\n"
+        "  - c.json: seed: Input should be a valid integer\n")
+    status, message = run.status()
+    assert status == "failed" and message == (
+        "the configuration or the datasets cannot be used: error: the configuration cannot be used:\n"
+        "- d.json: dataset 'shapes': instance_data_dir '/x/vanish' is not a folder; fix the path\n"
+        "- c.json: seed: Input should be a valid integer")
+
+
+def test_an_empty_dataset_is_shown_with_each_left_out_files_reason(client, root):
+    """The message says "see each file's reason below", and the page got nothing below it."""
+    (root / "broken").mkdir()
+    (root / "broken" / "a.png").write_text("not an image")
+    (root / "broken" / "a.txt").write_text("a caption")
+    body = body_of(root)
+    body["datasets"][0]["instance_data_dir"] = str(root / "broken")
+    [problem] = client.post("/api/config/check", json={**body, "scan": True}).json()["problems"]
+    assert problem["key"] == "instance_data_dir" and "see each file's reason below" in problem["message"]
+    assert f"{root / 'broken' / 'a.png'}: not a readable image" in problem["message"]

@@ -208,3 +208,53 @@ def test_the_form_offers_what_the_web_ui_can_use(page, server):
     assert card.locator("[name=aws_bucket_name]").input_value() == "b"
     assert "local folders only" in page.inner_text("#problems")  # the check says why the web UI will not train it
     assert not console, console
+
+
+def test_other_keys_and_dashed_keys_are_never_lost(page, server):
+    """A typo in the "Other keys" box made Save write the config without all of them; "Fit GPU memory" → Apply
+    redrew the box from the config as opened, dropping what was typed since; a SimpleTuner `--key` config showed
+    every key in the box, and setting a form field saved the key twice (which `difftune check` refuses). The plan's
+    answer is stubbed (the route is the edge here: planning is tested in test_memory_plan*)."""
+    import json
+
+    from conftest import write_config
+    from difftune.config import load_config
+
+    url, root = server
+    path = write_config(root, root / "images", max_train_steps=3)
+    dashed = {f"--{k}": v for k, v in json.loads(path.read_text()).items()}
+    path.write_text(json.dumps({**dashed, "--not_a_form_key": 1}))
+    plan = {"peak_bytes": 30 * 2**30, "peak_phase": "training", "choice": {
+        "fits": True, "message": "", "peak_bytes_after": 20 * 2**30, "settings": {"gradient_checkpointing": True},
+        "steps": [{"key": "gradient_checkpointing", "value": True, "saving_bytes": 10 * 2**30, "cost": "slower"}]}}
+    page.route("**/api/config/plan", lambda route: route.fulfill(
+        status=200, content_type="application/json", body=json.dumps({"ok": True, "problems": [], "plan": plan})))
+    page.on("dialog", lambda d: d.accept("24") if d.type == "prompt" else d.accept())
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+    page.click("#btn-open")  # the picker opens in the config file's folder
+    page.locator("#picker-list li.file", has_text="config.json").click()
+    page.wait_for_selector("#notice:has-text('opened')")
+    assert page.input_value(field("max_train_steps")) == "3"  # the form shows `--max_train_steps`
+    assert json.loads(page.input_value("#other-keys")) == {"not_a_form_key": 1}
+    page.fill(field("max_train_steps"), "4")
+
+    page.fill("#other-keys", '{"not_a_form_key": 1 "lr_warmup_steps": 100}')  # a comma missing
+    before = path.read_text()
+    page.click("#btn-save")
+    page.wait_for_selector("#notice:has-text('Other keys')")
+    assert "not valid JSON" in page.inner_text("#notice") and path.read_text() == before  # nothing written
+
+    page.fill("#other-keys", '{"not_a_form_key": 1, "lr_warmup_steps": 100}')
+    page.click("#btn-plan")
+    page.wait_for_selector("#notice:has-text('applied')")
+    assert json.loads(page.input_value("#other-keys")) == {"not_a_form_key": 1, "lr_warmup_steps": 100}
+    page.click("#btn-save")
+    page.wait_for_selector("#notice:has-text('saved')")
+    saved = json.loads(path.read_text())
+    assert saved["max_train_steps"] == 4 and saved["gradient_checkpointing"] is True
+    assert saved["lr_warmup_steps"] == 100 and saved["not_a_form_key"] == 1
+    assert not any(k.startswith("-") for k in saved), saved  # one spelling: the file is one `difftune check` reads
+    saved.pop("not_a_form_key")
+    path.write_text(json.dumps(saved))
+    assert load_config(path).train.max_train_steps == 4

@@ -65,6 +65,7 @@ def _load(tmp_cfg: Path, tmp_data: Path) -> tuple[RunConfig | None, Any, list[st
     return run_cfg, plan, problems
 
 
+REPORT_LINES = 30  # of the data report, shown at an empty dataset's folder
 _EMPTY = re.compile(r"dataset\(s\) ((?:'(?:[^'\\]|\\.)*'(?:, )?)+) have no usable")
 
 
@@ -78,10 +79,16 @@ def scan_problems(run_cfg: RunConfig, data_where: str) -> list[str]:
         discover_all(run_cfg, write_metadata=False, fetch=False)
     except DataError as e:
         text = str(e)
-        first = text.split("\n", 1)[0]
+        first, _, report = text.partition("\n")
         if (m := _EMPTY.match(first)) is not None:
             ids = [ast.literal_eval(i) for i in re.findall(r"'(?:[^'\\]|\\.)*'", m.group(1))]
-            return [f"{data_where}: dataset {i!r}: instance_data_dir: {first}" for i in ids]
+            # the data report after it holds each left-out file's reason ("see each file's reason below")
+            lines = report.split("\n")
+            if len(lines) > REPORT_LINES:
+                lines = lines[:REPORT_LINES] + [f"... and {len(lines) - REPORT_LINES} more lines (`difftune check` "
+                                                "prints them all)"]
+            below = "\n".join(["", *lines]) if report else ""
+            return [f"{data_where}: dataset {i!r}: instance_data_dir: {first}{below}" for i in ids]
         return [f"{data_where}: {text}"]
     except Exception as e:  # noqa: BLE001 - see _unexpected
         return [_unexpected(Path(data_where), e)]

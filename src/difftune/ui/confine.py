@@ -116,7 +116,7 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
     problems: list[str] = []
     refused: set[str] = set()
     # spelled and filled as the loader does: leading dashes stripped, `{model_family}` replaced
-    cfg = clean_keys(config)
+    cfg = clean_keys(config, config_where, problems)  # a key written with and without dashes: refused, as check does
     family = family_name(cfg.get("model_family"))
     family = family if isinstance(family, str) and family in FAMILY_FACTS else None
     cfg = substitute_all(cfg, family, lambda key: config_where, [])
@@ -130,7 +130,9 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
         if not isinstance(entry, dict):
             entries.append(entry)
             continue
-        entry = substitute_all(clean_keys(entry), family, lambda key: data_where, [])
+        ident = entry.get("id")  # named as the loader names it (config/load.py:_entry_where)
+        named = f"{data_where}: dataset {ident if isinstance(ident, str) else index!r}"
+        entry = substitute_all(clean_keys(entry, named, problems), family, lambda key: data_where, [])
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):  # named as the loader names an unknown type (a list would crash it)
             entry["dataset_type"] = kind = json.dumps(kind)

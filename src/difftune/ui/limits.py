@@ -42,7 +42,7 @@ def parse_json(data: bytes | str) -> Any:
     """The JSON value, or BadJson with a message (not UTF-8, not JSON, non-finite, too deep)."""
     if isinstance(data, bytes):
         try:
-            data = data.decode("utf-8")
+            data = data.decode("utf-8-sig")  # a BOM (Windows Notepad), as the loader reads it (config/jsonfile.py)
         except UnicodeDecodeError as e:
             raise BadJson(f"the text is not UTF-8 (byte {e.start})") from None
     try:

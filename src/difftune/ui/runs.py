@@ -1,8 +1,9 @@
 """Runs started from the web UI: spawn, find again after a restart, and derive each one's status.
 
 A run is a folder `<state>/runs/<id>/` holding `run.json` (what was started, where, by which
-process), `log.txt` (the trainer's stdout and stderr) and, once the trainer has ended, `exit.json`
-(its exit status). The trainer runs under a small supervisor process (`python -m difftune.ui.runs`)
+process), `config.json` and `multidatabackend.json` (the checked config, which the trainer reads),
+`log.txt` (the trainer's stdout and stderr) and, once the trainer has ended, `exit.json` (its exit
+status). The trainer runs under a small supervisor process (`python -m difftune.ui.runs`)
 in its own session: closing the browser or stopping the server does not stop it, and the exit status
 is recorded even when nobody is watching. Progress comes from the trainer's own `events.jsonl`, read
 from the offset it had when the run started to where the run ended (an output_dir holds the log of
@@ -43,7 +44,7 @@ SPEED_FIELDS = ("tokens_per_s", "tflops", "mfu", "peak_memory_gib")  # of the "s
 USER_ERRORS = ("ConfigError", "DataError", "NothingToTrain", "ComponentError", "CheckpointError", "HubAccessError")
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
@@ -222,10 +223,17 @@ class Run:
             f": {cause}" if cause else " (see the log)")
 
     def last_exception(self) -> str | None:
-        """The last 'SomeError: message' (or 'error: ...') line of the log, the crash's own words."""
-        for line in reversed(self.log_tail(60)):
-            if re.match(r"(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*|error: ", line.strip()):
-                return line.strip()[:500]
+        """The last 'SomeError: message' (or 'error: ...') line of the log, the crash's own words. A line ending
+        in ':' is a header (`error: the configuration cannot be used:`): the problems are the '- ...' lines
+        after it, and they are what the user must read."""
+        lines = self.log_tail(60)
+        for index in range(len(lines) - 1, -1, -1):
+            line = lines[index].strip()
+            if re.match(r"(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b.*|error: ", line):
+                if line.endswith(":"):
+                    items = itertools.takewhile(lambda item: item.strip().startswith("- "), lines[index + 1:])
+                    line = "\n".join([line, *(item.strip() for item in items)])
+                return line[:2000]
         return None
 
     def summary(self, detail: bool = False) -> dict[str, Any]:
@@ -366,10 +374,19 @@ class Registry:
                 return run
         return None
 
-    def spawn(self, config_path: Path, output_dir: Path) -> Run:
+    def spawn(self, config_path: Path, output_dir: Path, config: dict[str, Any], datasets: Any) -> Run:
+        """Start a run of `config` and `datasets`, the values that were checked: the trainer reads a snapshot of
+        them in the run's folder, not the user's files, which a save right after Start may already have changed
+        (to something the check would refuse). `config_path` is only shown."""
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         folder = self.dir / run_id
         folder.mkdir(parents=True)
+        snapshot, snapshot_list = folder / "config.json", folder / "multidatabackend.json"
+        _write_json(snapshot_list, datasets)
+        # relative paths in both resolve against the trainer's working folder (self.base), as from the user's files;
+        # data_backend_config, however spelled (`--data_backend_config`), now names the snapshot's list
+        _write_json(snapshot, {**{k: v for k, v in config.items() if k.lstrip("-") != "data_backend_config"},
+                               "data_backend_config": str(snapshot_list)})
         events = output_dir / "events.jsonl"
         for stale in (output_dir / "commands").glob("*.json"):  # commands meant for an earlier run
             stale.unlink(missing_ok=True)
@@ -377,7 +394,7 @@ class Registry:
                 "events_offset": events.stat().st_size if events.exists() else 0, "started": time.time(),
                 "cwd": str(self.base)}
         _write_json(folder / "run.json", info)
-        command = [sys.executable, "-m", "difftune.ui.runs", str(folder), str(config_path)]
+        command = [sys.executable, "-m", "difftune.ui.runs", str(folder), str(snapshot)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(os.devnull, "rb") as stdin:
             child = subprocess.Popen(command, cwd=self.base, env=env, stdin=stdin, stdout=subprocess.DEVNULL,

@@ -96,9 +96,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+MIN_TOKEN_CHARS = 16
+
+
 def access_token(host: str, token: str | None) -> str | None:
-    """The token to enforce: the one given, or a new one when listening beyond loopback."""
+    """The token to enforce: the one given, or a new one when listening beyond loopback. Beyond loopback the
+    token is all that guards a server that starts processes: a short one given there is refused."""
     if token:
+        if len(token) < MIN_TOKEN_CHARS and not is_loopback(host):
+            raise ConfigError([f"--token: {len(token)} character(s) is too short for a server listening on {host} "
+                               f"(reachable from other machines); give at least {MIN_TOKEN_CHARS}, or leave --token "
+                               "out and a strong one is generated; nothing was started"])
         return token
     return None if is_loopback(host) else secrets.token_urlsafe(24)
 
@@ -405,7 +413,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         if (active := registry.active_on(output_dir)) is not None:
             raise ApiError(409, f"run {active.id} is still writing to {output_dir}; stop it first")
         output_dir.mkdir(parents=True, exist_ok=True)
-        run = registry.spawn(config_path, output_dir)
+        run = registry.spawn(config_path, output_dir, config, datasets)  # what was checked, not the file again
         return run.summary(detail=True)
 
     @app.get("/api/runs/{run_id}")

@@ -225,22 +225,41 @@ function addDataset(kind) {
   renderDatasets(); changed();
 }
 
+// The form's config; `error` (nothing else) when the "Other keys" box is not a JSON object: a config without
+// those keys must never be sent, as a save would write the file without them. The box's keys become S.extra, so
+// that a redraw (renderConfig) keeps what was typed there.
 function collect() {
-  let extra = {};
+  let extra = {}, error = null;
   const text = $("#other-keys").value.trim();
   if (text) {
-    try { extra = JSON.parse(text); } catch { extra = null; }
+    try { extra = JSON.parse(text); } catch (e) { error = `not valid JSON (${e.message})`; }
+    const object = extra !== null && typeof extra === "object" && !Array.isArray(extra);
+    if (!error && !object) error = "not a JSON object of keys and values";
   }
-  $('[data-error="other"]').textContent = extra === null ? "not valid JSON: fix it or empty it" : "";
-  return { path: $("#config-path").value.trim(), config: { ...S.config, ...(extra || {}) }, datasets: S.datasets };
+  $('[data-error="other"]').textContent = error ? `${error}: fix it or empty it` : "";
+  if (error) return { error: `the "Other keys (JSON)" box: ${error}; fix it first (nothing was sent)` };
+  S.extra = extra;
+  return { path: $("#config-path").value.trim(), config: { ...S.config, ...extra }, datasets: S.datasets };
+}
+
+// SimpleTuner's `--key` spelling is shown and saved as `key` (the loader reads both), so that its form field shows
+// it; a key written both ways keeps its dashed one, and the check reports it as `difftune check` does
+function undash(obj) {
+  const out = {};
+  for (const [k, v] of Object.entries(obj)) {
+    const plain = k.replace(/^-+/, "");
+    out[plain !== k && plain && !(plain in obj) ? plain : k] = v;
+  }
+  return out;
 }
 
 function load(data) {
   const known = new Set(S.schema.train.map((f) => f.name));
   S.config = {}; S.extra = {};
-  for (const [k, v] of Object.entries(data.config || {})) (known.has(k) ? S.config : S.extra)[k] = v;
+  for (const [k, v] of Object.entries(undash(data.config || {}))) (known.has(k) ? S.config : S.extra)[k] = v;
   S.original.set(S.config, { ...S.config });
-  S.datasets = Array.isArray(data.datasets) ? data.datasets : [];
+  S.datasets = (Array.isArray(data.datasets) ? data.datasets : [])
+    .map((d) => (d && typeof d === "object" && !Array.isArray(d) ? undash(d) : d));
   S.datasets.forEach((d) => { if (d && typeof d === "object") S.original.set(d, { ...d }); });
   if (data.path) $("#config-path").value = data.path;
   S.versions = data.versions || {}; // the files as opened: a save replaces only these without asking
@@ -257,6 +276,7 @@ function changed() {
 // scan: also scan the dataset folders (the Check button); the check while typing leaves that out
 async function check(scan = false) {
   const body = collect();
+  if (body.error) { if (scan) notice(body.error, true); return; }
   if (!body.path) return;
   try { showProblems(await api("POST", "/api/config/check", { ...body, scan })); } catch (e) { notice(e.message, true); }
 }
@@ -264,6 +284,7 @@ async function check(scan = false) {
 // The memory planner (`difftune plan --gpu-memory`): the cheapest settings that fit, applied on confirmation.
 async function planMemory() {
   const body = collect();
+  if (body.error) { notice(body.error, true); return; }
   if (!body.path) { notice("give the config a path first", true); return; }
   const answer = window.prompt("GPU memory to fit, in GiB", "24");
   if (answer === null) return;
@@ -277,7 +298,11 @@ async function planMemory() {
   if (!choice.steps.length) { notice(`predicted peak ${peak} GiB: fits in ${gib} GiB as it is`); return; }
   const lines = choice.steps.map((s) => `${s.key}: ${JSON.stringify(s.value)} (saves ${(s.saving_bytes / 2 ** 30).toFixed(1)} GiB; ${s.cost})`);
   if (!window.confirm(`Predicted peak ${peak} GiB. To fit ${gib} GiB:\n${lines.join("\n")}\nApply these settings?`)) return;
+  // onto the form as it is now: collect() above took the Other keys box into S.extra, which the redraw shows again
+  const now = collect();
+  if (now.error) { notice(now.error, true); return; }
   Object.assign(S.config, choice.settings);
+  for (const k of Object.keys(choice.settings)) delete S.extra[k]; // the plan's value, not one typed in the box
   renderConfig();
   changed();
   notice(`applied: predicted peak ${(choice.peak_bytes_after / 2 ** 30).toFixed(1)} GiB`);
@@ -357,6 +382,7 @@ async function newConfig() {
 
 async function save() {
   const body = { ...collect(), opened: S.versions };
+  if (body.error) { notice(body.error, true); return null; }
   if (!body.path) { notice("give the config file a path first", true); return null; }
   try {
     let result;
