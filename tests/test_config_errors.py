@@ -267,3 +267,10 @@ def test_a_relative_dataset_list_not_found_says_where_it_was_looked_for(tmp_path
     text = problems(path)
     assert f"data_backend_config is read from the folder difftune runs in ({elsewhere})" in text
     assert "run from the folder that holds config/multidatabackend.json" in text
+
+
+def test_a_dataset_resolution_of_inf_or_nan_is_refused(tmp_path, dataset):
+    """`--resolution inf` (or a hand-written one) passed gt=0 and failed only when the buckets were made."""
+    for value in ("inf", "nan"):
+        text = problems(write_config(tmp_path, dataset, dataset={"resolution": value}))
+        assert "resolution" in text and "finite" in text

@@ -614,3 +614,25 @@ def test_plan_takes_world_size_as_check_does(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["plan", "--config", str(path)]) == 2
     assert "buckets planned for 2 process(es) (WORLD_SIZE)" in capsys.readouterr().err
+
+
+def test_full_fine_tune_of_bf16_weights_is_planned_with_a_kahan_optimizer(real_cfg):
+    """The planner advised adamw8bit for a bf16 full fine-tune, and training then warned that it loses small
+    updates (use adamw_bf16): the advice now follows the trainer's rule, and 8-bit state is kept for fp32 weights."""
+    from difftune.memory_plan.levers import lossless_optimizer
+
+    full = real_cfg.model_copy(update={"model_type": "full", "optimizer": "adamw"})
+    assert full.weight_dtype_name() == "bf16" and lossless_optimizer(full) == {"optimizer": "adamw_bf16"}
+    for gigabytes in (16, 24, 80):
+        choice = choose(full, None, gigabytes)
+        assert choice.fits and choice.settings()["optimizer"] == "adamw_bf16", gigabytes
+        assert choice.steps[0].key == "optimizer" and "loses small updates" in choice.steps[0].why
+        assert choice.after.peak <= gigabytes * GIB
+    assert choose(full.model_copy(update={"optimizer": "lion"}), None, 80).settings() == {"optimizer": "optimi-lion"}
+    assert lossless_optimizer(full.model_copy(update={"optimizer": "adamw_bf16"})) == {}
+    assert lossless_optimizer(real_cfg) == {}  # LoRA: the base weights are frozen
+    fp32 = full.model_copy(update={"mixed_precision": "no"})
+    assert fp32.weight_dtype_name() == "fp32" and lossless_optimizer(fp32) == {}
+    rungs = ladder(fp32, predict(fp32, None), 1)
+    assert any(r[0].get("optimizer") == "adamw8bit" for r in rungs)
+    assert not any(r[0].get("optimizer") == "adamw8bit" for r in ladder(full, predict(full, None), 1))

@@ -20,7 +20,7 @@ from difftune.demo import make_dataset
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extras: pip install -e '.[test]'")
 
 PROMPT = r"\n([\w.]+)(?: \[[^\r\n]*\])?: "
-OTHER = [r"GPU memory available, in GB \(0: no GPU\) \[24\]: ", r"Use these settings\? \[Y/n\]: ",
+OTHER = [r"GPU memory available, in GiB \(0: no GPU\) \[24\]: ", r"Use these settings\? \[Y/n\]: ",
          r"Write these files\? \[Y/n\]: ", r"Go through the questions again .*\[Y/n\]: "]
 
 
@@ -355,3 +355,194 @@ def test_the_memory_step_names_the_users_files_when_the_planner_cannot_run(tmp_p
     assert f"the memory planner could not run: the configuration cannot be used:\n  - {path}: unknown key " \
            "'learnig_rate'" in said and "difftune-configure-" not in said
 
+
+
+def test_non_finite_and_float_integer_answers(tmp_path, dataset, monkeypatch):
+    """resolution inf crashed the wizard (int(inf)); lora_rank 1e3 was written as 1000.0; GPU memory -8 or nan was
+    taken as "no GPU" without a word."""
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "lora_rank": ["1e3"],
+                                   "instance_data_dir": ["images"], "resolution": ["inf", "64"],
+                                   "max_train_steps": ["5"], "learning_rate": ["nan", "1e-3"],
+                                   "validation_prompt": ["a circle"]},
+                     {"GPU memory": ["-8", "nan", "0"], "Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "resolution: inf: Input should be a finite number" in transcript
+    assert "-8: give the GPU's memory as a number of GiB" in transcript
+    assert "nan: give the GPU's memory as a number of GiB" in transcript
+    assert sum(p.startswith("GPU memory available, in GiB") for p in asked) == 3
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert config["lora_rank"] == 1000 and isinstance(config["lora_rank"], int)
+
+
+def test_image_to_image_flavour_asks_for_the_input_folder_and_trains(tmp_path, dataset, monkeypatch):
+    """No question asked for the input images of an i2i flavour, so its review could never pass."""
+    from difftune.train.loop import train
+    from difftune.train.setup import build_run
+    from families import make_pairs
+
+    make_pairs(dataset, tmp_path / "inputs")
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["kandinsky5-image"], "model_flavour": ["tiny-random-i2i"],
+                                   "lora_rank": ["4"], "instance_data_dir": ["images"], "resolution": ["64"],
+                                   "conditioning.instance_data_dir": ["nope", "inputs"], "max_train_steps": ["2"],
+                                   "validation_prompt": ["swap it"]},
+                     {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "conditioning.instance_data_dir: " in asked and "'nope' is not a folder" in transcript
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert datasets[0]["conditioning_data"] == "images-inputs"
+    assert datasets[1] == {"id": "images-inputs", "type": "local", "dataset_type": "conditioning",
+                           "instance_data_dir": "inputs"}
+    assert check(tmp_path, "config/config.json").returncode == 0
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    config.update(validation_num_inference_steps=1, output_dir=str(tmp_path / "out"))
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config))
+    run = build_run(load_config("config/config.json"))
+    assert train(run).exists() and run.state.step == 2
+
+
+def test_review_refuses_an_output_dir_check_refuses(tmp_path, dataset, monkeypatch):
+    """The wizard said "difftune check accepts this configuration" for output_dir /proc/nope, which check refuses."""
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "instance_data_dir": ["images"],
+                           "resolution": ["64"], "max_train_steps": ["5"], "validation_prompt": ["a circle"],
+                           "output_dir": ["/proc/nope", "out"]},
+             {"Write these files": ["y"], "Go through the questions again": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "output_dir: cannot write in /proc (" in transcript  # /proc takes no new file, even for root
+    assert json.loads((tmp_path / "config" / "config.json").read_text())["output_dir"] == "out"
+
+
+def test_lycoris_is_offered_and_its_config_file_written(tmp_path, dataset, monkeypatch):
+    """model_type lora offered no LyCORIS: lora_type is asked, then the algorithm, and a lycoris_config file for it
+    is written beside config.json; check accepts the files and they train."""
+    from difftune.train.loop import train
+    from difftune.train.setup import build_run
+
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "lora_type": ["lycoris"],
+                                   "lycoris.algo": ["lokra", "3"], "instance_data_dir": ["images"],
+                                   "resolution": ["64"], "max_train_steps": ["2"], "validation_prompt": ["a circle"]},
+                     {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "lycoris.algo [lokr]: " in asked and not any(p.startswith("lora_rank") for p in asked)
+    assert "choose a number from 1 to 3, or one of: lokr, locon, loha" in transcript
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert config["lora_type"] == "lycoris" and config["lycoris_config"] == "config/lycoris_config.json"
+    assert json.loads((tmp_path / "config" / "lycoris_config.json").read_text())["algo"] == "loha"
+    result = check(tmp_path, "config/config.json")
+    assert result.returncode == 0, result.stderr
+    config.update(validation_prompt=None, output_dir=str(tmp_path / "out"))
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config))
+    run = build_run(load_config("config/config.json"))
+    assert train(run).exists() and run.state.step == 2
+    # the default lokr file trains too (its factor fits the tiny model)
+    (tmp_path / "config" / "lycoris_config.json").write_text(json.dumps(
+        __import__("difftune.ui.wizard", fromlist=["x"]).LYCORIS_DEFAULTS["lokr"]))
+    config.update(output_dir=str(tmp_path / "out2"))
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config))
+    run = build_run(load_config("config/config.json"))
+    assert train(run).exists() and run.state.step == 2
+
+
+def test_image_to_video_offers_enough_validation_frames(tmp_path, monkeypatch):
+    """i2v with short clips: the offered num_frames (9) left validation with 9 frames, which its review refused
+    (17 needed), so the first pass always failed. The wizard offers 17 and says why."""
+    from difftune.data.video import synthetic_clip
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i in range(2):
+        synthetic_clip(clips / f"c{i}.mp4", frames=12, seed=i)
+        (clips / f"c{i}.txt").write_text("a moving square")
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["kandinsky5-video"], "model_flavour": ["tiny-random-i2v"],
+                                   "instance_data_dir": ["clips"], "resolution": ["32"], "max_train_steps": ["2"],
+                                   "validation_prompt": ["a square"]}, {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "video.num_frames [9]: " in asked and "validation_num_video_frames [17]: " in asked
+    assert "image-to-video validation needs at least 17 frames" in transcript
+    assert not any(p.startswith("Go through the questions again") for p in asked)  # the first review passed
+    assert json.loads((tmp_path / "config" / "config.json").read_text())["validation_num_video_frames"] == 17
+
+
+def test_full_fine_tune_offer_takes_the_optimizer_training_does_not_warn_about(tmp_path, dataset, monkeypatch):
+    """The memory offer for a bf16 full fine-tune kept adamw (or added adamw8bit), and training then warned that it
+    loses small updates: the offer now sets adamw_bf16, and the 2-step run says nothing of it."""
+    from difftune.train.loop import train
+    from difftune.train.setup import build_run
+
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "model_type": ["full"],
+                           "instance_data_dir": ["images"], "resolution": ["64"], "max_train_steps": ["2"],
+                           "learning_rate": ["1e-5"]},
+             {"GPU memory": ["16"], "Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert config["mixed_precision"] == "bf16" and config["optimizer"] == "adamw_bf16", transcript
+    config.update(output_dir=str(tmp_path / "out"))
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config))
+    run = build_run(load_config("config/config.json"))
+    assert train(run).exists() and run.state.step == 2
+    assert "loses small updates" not in (run.output_dir / "events.jsonl").read_text()
+
+
+def test_validation_resolution_is_written_only_with_a_validation_prompt(tmp_path, dataset, monkeypatch):
+    """With the validation prompt left empty, validation_resolution was written anyway, and check then noted it
+    unused."""
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"],
+                                   "instance_data_dir": ["images"], "resolution": ["64"], "max_train_steps": ["2"]},
+                     {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert not any(p.startswith("validation_resolution") for p in asked)
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert "validation_resolution" not in config and "validation_prompt" not in config
+    result = check(tmp_path, "config/config.json")
+    assert result.returncode == 0 and "validation_resolution" not in result.stdout, result.stdout
+
+
+def test_a_larger_gpu_is_planned_without_the_levers_of_a_smaller_one(tmp_path, dataset, monkeypatch):
+    """Rerun with 80 GiB on a config written for a small GPU: the old levers (checkpointing, 8-bit state) stayed,
+    with their cost, while the wizard said only "Settings that fit: mixed_precision: bf16"."""
+    path = write_config(tmp_path, dataset, model_type="full", mixed_precision="bf16", gradient_checkpointing=True,
+                        optimizer="adamw8bit", offload_during_startup=True, seed=5, output_dir="out")
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {}, {"GPU memory": ["80"], "Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "The config has memory levers: gradient_checkpointing True, optimizer adamw8bit, " \
+           "offload_during_startup True; planned without them" in transcript
+    assert "Predicted peak without them" in transcript
+    config = json.loads(path.read_text())
+    assert "gradient_checkpointing" not in config and "offload_during_startup" not in config
+    assert config["optimizer"] == "adamw_bf16" and config["seed"] == 5  # the lossless one; the rest kept
+    assert "optimizer adamw_bf16: costs" in transcript
+
+
+def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
+    """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
+    question could remove it."""
+    from families import make_pairs
+
+    make_pairs(dataset, tmp_path / "inputs")
+    path = write_config(tmp_path, dataset, model_family="kandinsky5-image", model_flavour="tiny-random-i2i",
+                        dataset={"conditioning_data": "inputs"}, conditioning_dir=tmp_path / "inputs")
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_flavour": ["tiny-random"]},
+             {"Remove conditioning_data": ["y"], "Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "flavour tiny-random trains on single images, but dataset 'train' has conditioning_data 'inputs'" \
+        in transcript
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert "conditioning_data" not in datasets[0]
+    assert [d["dataset_type"] for d in datasets] == ["image", "text_embeds"]

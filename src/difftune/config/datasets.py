@@ -127,7 +127,7 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     """A folder of images (or, with dataset_type 'video', of clips) with captions. dataset_type 'eval': held-out
     images (or clips, with a video block) that are never trained on: train/eval_loss.py measures the loss on them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # resolution inf passed gt=0
     # optional keys whose text may be the word "none" itself (a prompt, a name, a column): only "" or null unsets them
     FREE_TEXT = frozenset(("instance_prompt", "dataset_name", "dataset_config", "data_files", "revision",
                            "csv_caption_column", "fallback_caption_column", "aws_bucket_name", "aws_access_key_id",

@@ -427,6 +427,9 @@ def validation_video_frames(train: TrainConfig, plan: DatasetPlan) -> int:
     return next((ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
 
 
+I2V_MIN_FRAMES = 17  # image-to-video validation's least frame count (the wizard offers it too)
+
+
 def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, problems: list[str]) -> None:
     """The stock I2V pipeline renormalizes the first 4 latent frames against the next ones: below 17
     frames there are none, and the video comes out as NaN. Caught here, before anything loads."""
@@ -435,7 +438,7 @@ def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, prob
     if not (train.validation_prompt or train.user_prompt_library or train.validation_prompt_library):
         return
     frames = validation_video_frames(train, plan)
-    if frames < 17:
+    if frames < I2V_MIN_FRAMES:
         given = "" if train.validation_num_video_frames else " (from the first video dataset's num_frames)"
         problems.append(f"{where}: validation_num_video_frames: {frames}{given} is too few for image-to-video "
                         "validation, which needs at least 17 (the stock I2V pipeline renormalizes the first 4 "

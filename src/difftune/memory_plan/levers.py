@@ -9,8 +9,9 @@ of the answer without which it still fits is dropped (a free rung that saved not
 2. gradient_checkpointing (about 30% slower steps)
 3. gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory (copies that
    overlap the compute; no quality cost, so before quantization)
-4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune takes the
-   8-bit optimizer state instead (optimizer adamw8bit), then, when that is not enough, its own optimizer stepping
+4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune of fp32 weights
+   takes the 8-bit optimizer state instead (optimizer adamw8bit: on bf16/fp16 weights it has no Kahan summation and
+   loses small updates, so it is not offered there), then, when that is not enough, its own optimizer stepping
    in CPU memory (optimizer_cpu_offload_method 'cpu': slower steps, no quality cost), then its gradients too
    (optimizer_offload_gradients, one micro-batch per step)
 5. musubi_blocks_to_swap N, the fewest blocks that fit (copies over PCIe: slower)
@@ -20,6 +21,8 @@ of the answer without which it still fits is dropped (a free rung that saved not
 8. base_model_precision int4-quanto with block streaming (the largest quality cost)
 
 Every candidate is validated by TrainConfig first, so a combination the trainer refuses is never proposed.
+A full fine-tune of bf16/fp16 weights with an optimizer the trainer warns about (no Kahan summation: small updates
+lost to rounding) is planned with the one the trainer says to use instead, its first step (train/setup.py's rule).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
         rungs.append([dict(base)])
     full = cfg.model_type == "full"
     if full:
-        if cfg.optimizer != "adamw8bit":
+        if cfg.optimizer != "adamw8bit" and cfg.weight_dtype_name() == "fp32":  # else lossy: see the docstring
             rungs.append([{**base, "optimizer": "adamw8bit"}])
         if _has(cfg, "optimizer_cpu_offload_method") and not cfg.optimizer_offload_gradients:
             # the optimizer the user chose, on the CPU; then its gradients too (one micro-batch, one process)
@@ -131,11 +134,39 @@ def _main_stack_size(cfg: Any) -> int:
     return list(blocks.count.values())[-1] if blocks.count else 0
 
 
+def lossless_optimizer(cfg: Any) -> dict[str, Any]:
+    """{'optimizer': the one to use} when the trainer would warn that this full fine-tune loses small updates (its
+    bf16/fp16 weights and an optimizer without Kahan summation: train/setup.py), else {}."""
+    from difftune.train.optimizers import KAHAN, KAHAN_INSTEAD
+
+    if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer not in KAHAN:
+        return {"optimizer": KAHAN_INSTEAD.get(cfg.optimizer, "adamw_bf16")}
+    return {}
+
+
 def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int = 1,
            before: Prediction | None = None) -> Choice:
     """The cheapest lever set whose predicted peak fits `gigabytes` GiB (see the module docstring)."""
-    limit = gigabytes * GIB
     before = before or predict(cfg, found, processes)
+    fix = lossless_optimizer(cfg)
+    fixed = _valid(cfg, fix) if fix else None
+    if fixed is None:
+        return _choose(cfg, found, gigabytes, processes, before)
+    # the optimizer change first (its cost said as a negative saving), then the levers planned with it
+    start = predict(fixed, found, processes)
+    choice = _choose(fixed, found, gigabytes, processes, start)
+    why = (f"a full fine-tune of {cfg.weight_dtype_name()} weights with '{cfg.optimizer}' loses small updates to "
+           "rounding; this one keeps them (Kahan summation)")
+    step = Step("optimizer", fix["optimizer"], before.peak - start.peak, why)
+    message = (f"fits with {len(choice.steps) + 1} change(s)" if choice.fits
+               else f"{choice.message}; planned with optimizer '{fix['optimizer']}': {why}")
+    return Choice(choice.fits, gigabytes, before, choice.after, [step, *choice.steps] if choice.fits else [],
+                  message)
+
+
+def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int, before: Prediction) -> Choice:
+    """`choose` for a config whose optimizer is kept: the ladder's first rung that fits."""
+    limit = gigabytes * GIB
     if before.peak <= limit:
         return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed")
     frugal = before  # the prediction of the last (most frugal) set tried

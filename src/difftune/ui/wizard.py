@@ -9,6 +9,7 @@ schema (ui.describe_model), and every answer is checked by the schema at once, w
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from difftune.config import ConfigError, TrainConfig, load_config
 from difftune.config.compat import family_name
 from difftune.config.datasets import DATASET_MODELS, VideoOptions
 from difftune.config.jsonfile import JsonFileError, read_json
-from difftune.config.load import _validate, split_problem
+from difftune.config.load import I2V_MIN_FRAMES, _validate, split_problem
 from difftune.data.discovery import VIDEO_SUFFIXES, count_files
 from difftune.data.frames import resampled_count, vae_frames
 from difftune.data.images import IMAGE_EXTENSIONS
@@ -28,7 +29,14 @@ from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
 
 DEFAULT_CONFIG = "config/config.json"
-TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_rank")
+TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_type", "lora_rank")
+# lora_type 'lycoris': the lycoris_config file the wizard writes beside config.json, by algorithm. lokr: SimpleTuner's
+# example (linear_dim 10000 means full size: the factor sets the size); the others a rank-16 network.
+LYCORIS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lokr": {"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 16},
+    "locon": {"algo": "locon", "multiplier": 1.0, "linear_dim": 16, "linear_alpha": 1},
+    "loha": {"algo": "loha", "multiplier": 1.0, "linear_dim": 16, "linear_alpha": 1},
+}
 DATASET_QUESTIONS = ("instance_data_dir", "caption_strategy", "instance_prompt", "resolution")
 RUN_QUESTIONS = ("max_train_steps", "learning_rate", "validation_prompt", "validation_resolution", "output_dir")
 VIDEO_RUN_QUESTIONS = ("validation_num_video_frames",)  # and the `video` block's bucket_strategy, num_frames
@@ -88,6 +96,7 @@ class Wizard:
         self.notes: list[str] = []  # said before the first question
         self.shortest: tuple[int, int, float] | None = None  # video: (frames, clips probed, fps) of the shortest
         self.problems_seen: list[str] = []  # the last review's problems
+        self.lycoris: Any = None  # the lycoris_config file to write beside config.json, when the wizard makes one
         self.editing = self.config_path.exists()
         if self.editing:
             self.config = self.read(self.config_path, "config file")
@@ -175,6 +184,9 @@ class Wizard:
                     continue
             else:
                 value = self.parse(spec, answer)
+                if isinstance(value, float) and not math.isfinite(value):  # the schema takes inf for `> 0`
+                    self.say(f"  {label}: {answer}: Input should be a finite number")
+                    continue
             if value is None and spec["required"]:
                 self.say("  this one is required")
                 continue
@@ -196,9 +208,12 @@ class Wizard:
             return {"y": True, "yes": True, "true": True, "n": False, "no": False, "false": False}.get(text.lower(), text)
         if spec["kind"] in ("integer", "number"):
             try:
-                return int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
+                value = int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
             except ValueError:
                 return text  # the schema check says what is wrong
+            if spec["kind"] == "integer" and isinstance(value, float) and value.is_integer():
+                return int(value)  # 1e3 is written 1000, not 1000.0; 2.5 stays a float and the schema refuses it
+            return value
         return text
 
     @staticmethod
@@ -263,9 +278,21 @@ class Wizard:
     def questions(self) -> None:
         cfg = self.config
         for name in TRAIN_QUESTIONS:
-            if name == "lora_rank" and cfg.get("model_type", "lora") != "lora":
+            if name in ("lora_type", "lora_rank") and cfg.get("model_type", "lora") != "lora":
+                continue
+            if name == "lora_rank" and cfg.get("lora_type") == "lycoris":
+                self.lycoris_question()  # the network's size is in its lycoris_config, not lora_rank
+                continue
+            if name == "lora_type":  # answered before its lycoris_config exists: checked as if it did
+                values = {**cfg, "lycoris_config": cfg.get("lycoris_config") or self.lycoris_path()}
+                self.ask(self.train_specs[name], values, TrainConfig)
+                if "lora_type" in values:
+                    cfg["lora_type"] = values["lora_type"]
                 continue
             self.ask(self.train_specs[name], cfg, TrainConfig)
+        if cfg.get("lora_type") != "lycoris" and cfg.get("lycoris_config") == self.lycoris_path() \
+                and not Path(self.lycoris_path()).is_file():
+            del cfg["lycoris_config"]  # chosen on an earlier pass, never written: it would name a missing file
         self.say("\n--- the dataset")
         entry = self.image_entry()
         for name in DATASET_QUESTIONS:
@@ -277,18 +304,103 @@ class Wizard:
             self.video_questions(entry)
         if not entry.get("id"):
             entry["id"] = re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name) or "images"
+        if FAMILY_FACTS[cfg["model_family"]].needs_conditioning(str(cfg.get("model_flavour"))):
+            self.conditioning_question(entry)
+        elif entry.get("conditioning_data") is not None:  # pairs of an i2i flavour, now another flavour: refused
+            self.drop_conditioning(entry)
         if not any(isinstance(e, dict) and e.get("dataset_type") == "text_embeds" for e in self.datasets):
             self.datasets.append({"id": "text-embeds", "type": "local", "dataset_type": "text_embeds",
                                   "default": True, "cache_dir": f"cache/text/{cfg['model_family']}"})
         self.say("\n--- training")
         resolution = entry.get("resolution")
+        size = None  # validation_resolution's offer: the dataset's resolution when it is a pixel size
         if "validation_resolution" not in cfg and isinstance(resolution, int | float) and int(resolution) % 16 == 0:
-            cfg["validation_resolution"] = f"{int(resolution)}x{int(resolution)}"
+            size = f"{int(resolution)}x{int(resolution)}"
         if not cfg.get("max_train_steps") and not cfg.get("num_train_epochs"):
             cfg["max_train_steps"] = 1000  # the schema's 0 means "use epochs", which is 0 too
         for name in RUN_QUESTIONS + (VIDEO_RUN_QUESTIONS if entry.get("dataset_type") == "video" else ()):
-            self.ask(self.train_specs[name], cfg, TrainConfig)
+            if name == "validation_resolution":
+                if cfg.get("validation_prompt") or "validation_resolution" in cfg:  # without a prompt: unused
+                    self.ask(self.train_specs[name], cfg, TrainConfig, offer=size)
+            elif name == "validation_num_video_frames":
+                self.ask(self.train_specs[name], cfg, TrainConfig, offer=self.i2v_frames(entry))
+            else:
+                self.ask(self.train_specs[name], cfg, TrainConfig)
         self.memory()
+
+    def lycoris_question(self) -> None:
+        """lora_type 'lycoris' needs a lycoris_config file: an existing one is kept, else the algorithm is asked and
+        a default file for it is written beside config.json (with the other files, after the review)."""
+        cfg = self.config
+        current = cfg.get("lycoris_config")
+        if isinstance(current, str) and Path(current).is_file() and current != self.lycoris_path():
+            self.say(f"\n  lycoris_config: {current} (kept; edit that file to change the network)")
+            return
+        path = self.lycoris_path()
+        if self.lycoris is None and Path(path).is_file():
+            self.lycoris = self.read(Path(path), "lycoris_config")
+        algo = self.lycoris.get("algo") if isinstance(self.lycoris, dict) else None
+        algos = list(LYCORIS_DEFAULTS)
+        self.say("\nLyCORIS algorithm (lycoris_config algo)")
+        self.say(f"  written to {path}; edit it afterwards for the other LyCORIS keys (factor, linear_dim, presets)")
+        for i, name in enumerate(algos, 1):
+            self.say(f"  {i}) {name}")
+        while True:
+            answer = _input(f"lycoris.algo [{algo or 'lokr'}]: ").strip() or str(algo or "lokr")
+            chosen = algos[int(answer) - 1] if answer.isdigit() and 0 < int(answer) <= len(algos) else answer
+            if chosen == algo or chosen in algos:
+                break
+            self.say(f"  choose a number from 1 to {len(algos)}, or one of: {', '.join(algos)}")
+        if chosen != algo:
+            self.lycoris = dict(LYCORIS_DEFAULTS[chosen])
+        cfg["lycoris_config"] = path
+
+    def lycoris_path(self) -> str:
+        return str(self.config_path.parent / "lycoris_config.json")
+
+    def conditioning_question(self, entry: dict[str, Any]) -> None:
+        """Image-to-image flavours train on (input, target) pairs: the folder of input images becomes a
+        `dataset_type: conditioning` entry that the trained dataset names in conditioning_data (the review could
+        never pass without it)."""
+        wanted = entry.get("conditioning_data")
+        inputs = next((e for e in self.datasets if isinstance(e, dict) and e.get("dataset_type") == "conditioning"
+                       and (e.get("id") == wanted or wanted is None)), None)
+        if inputs is None:
+            inputs = {"id": f"{entry['id']}-inputs", "type": "local", "dataset_type": "conditioning"}
+            self.datasets.insert(self.datasets.index(entry) + 1, inputs)
+        self.say(f"\n  flavour {self.config['model_flavour']} trains on image pairs: give the folder of input images, "
+                 "each named like its target image in the dataset folder")
+        spec = {f["name"]: f for f in describe_model(DATASET_MODELS["conditioning"])["fields"]}["instance_data_dir"]
+        self.ask(spec, inputs, DATASET_MODELS["conditioning"], label="conditioning.instance_data_dir")
+        entry["conditioning_data"] = inputs["id"]
+
+    def drop_conditioning(self, entry: dict[str, Any]) -> None:
+        """Offer to remove the trained dataset's conditioning_data (and the conditioning entry it names, when no other
+        dataset names it): a flavour that does not train on pairs refuses it, and no question could change it."""
+        name = entry["conditioning_data"]
+        self.say(f"\n  flavour {self.config.get('model_flavour')} trains on single images, but dataset "
+                 f"{entry.get('id')!r} has conditioning_data {name!r} (input images for image-to-image flavours)")
+        if not _yes(f"Remove conditioning_data and the dataset {name!r}? [Y/n]: "):
+            return  # the review says why it cannot pass
+        del entry["conditioning_data"]
+        if not any(isinstance(e, dict) and e.get("conditioning_data") == name for e in self.datasets):
+            self.datasets[:] = [e for e in self.datasets if not (isinstance(e, dict) and e.get("id") == name
+                                                                 and e.get("dataset_type") == "conditioning")]
+
+    def i2v_frames(self, entry: dict[str, Any]) -> int | None:
+        """The validation_num_video_frames to offer an image-to-video flavour whose validation would get fewer
+        than it needs (the video dataset's num_frames, the default, is often shorter), said with why."""
+        cfg = self.config
+        if not (FAMILY_FACTS[cfg["model_family"]].first_frame(str(cfg.get("model_flavour")))
+                and cfg.get("validation_prompt")):
+            return None
+        block = entry.get("video") if isinstance(entry.get("video"), dict) else {}
+        frames = cfg.get("validation_num_video_frames") or block.get("num_frames") or 61  # config/load.py's rule
+        if not isinstance(frames, int) or frames >= I2V_MIN_FRAMES:
+            return None
+        self.say(f"\n  image-to-video validation needs at least {I2V_MIN_FRAMES} frames (the stock I2V pipeline "
+                 f"renormalizes the first 4 latent frames against the next ones); {frames} would be refused")
+        return I2V_MIN_FRAMES
 
     def video_questions(self, entry: dict[str, Any]) -> None:
         """The `video` block's frame keys, with num_frames offered from the shortest clip: with bucket_strategy
@@ -315,38 +427,70 @@ class Wizard:
     def memory(self) -> None:
         self.say("\n--- memory")
         while True:
-            answer = _input("GPU memory available, in GB (0: no GPU) [24]: ").strip() or "24"
+            answer = _input("GPU memory available, in GiB (0: no GPU) [24]: ").strip() or "24"
             try:
                 gigabytes = float(answer)
-                break
             except ValueError:
-                self.say("  give a number, such as 24")
+                gigabytes = math.nan
+            if math.isfinite(gigabytes) and gigabytes >= 0:
+                break
+            self.say(f"  {answer}: give the GPU's memory as a number of GiB, such as 24, or 0 for no GPU")
         memory_fields = [n for n, s in self.train_specs.items() if s["group"] == "memory"] + ["mixed_precision"]
         offer = memory_settings(gigabytes, set(self.train_specs))
-        planned = self.planned(gigabytes, offer) if gigabytes > 0 else None
-        if planned is not None:
+        kept = self.levers_set() if gigabytes > 0 else {}
+        if kept:  # set for another GPU size, maybe: planned afresh, so a larger GPU does not keep their cost
+            self.say("The config has memory levers: " + ", ".join(f"{k} {_show(v)}" for k, v in kept.items())
+                     + "; planned without them (those the plan below does not need are removed if you accept)")
+        planned = self.planned(gigabytes, offer, drop=set(kept)) if gigabytes > 0 else None
+        if planned is None:
+            kept = {}  # the fixed suggestion: the config's levers stay
+        else:
             offer = planned
+        if "optimizer" not in offer:
+            offer.update(self.lossless_optimizer(offer))
         self.say("Settings that fit:" if offer else "No suggestion for this size.")
         for key, value in offer.items():
             self.say(f"  {key}: {_show(value)}  ({self.train_specs[key]['description']})")
         if _input("Use these settings? [Y/n]: ").strip().lower() in ("", "y", "yes"):
+            for key in kept.keys() - offer.keys():
+                del self.config[key]
             self.config.update(offer)
             return
         for name in memory_fields:
             self.ask(self.train_specs[name], self.config, TrainConfig)
 
-    def planned(self, gigabytes: float, base: dict[str, Any]) -> dict[str, Any] | None:
+    def lossless_optimizer(self, offer: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer a full fine-tune of bf16/fp16 weights needs so that the trainer does not warn that it loses
+        small updates (the planner's rule, memory_plan/levers.py); {} when none is needed or the config is not
+        valid yet (the review says why)."""
+        from difftune.memory_plan.levers import lossless_optimizer
+
+        if self.config.get("model_type") != "full":
+            return {}
+        try:
+            return lossless_optimizer(TrainConfig.model_validate({**self.config, **offer}))
+        except ValueError:
+            return {}
+
+    def levers_set(self) -> dict[str, Any]:
+        """The planner's memory levers (memory_plan/levers.py) the config sets to other than their default: the
+        optimizer only as a full fine-tune's 8-bit lever (otherwise it is the user's choice, not a memory setting)."""
+        from difftune.memory_plan.levers import SPEED
+
+        lever_optimizer = "adamw8bit" if self.config.get("model_type") == "full" else None
+        return {k: v for k, v in self.config.items() if k in SPEED and k in self.train_specs
+                and v != self.train_specs[k]["default"] and (k != "optimizer" or v == lever_optimizer)}
+
+    def planned(self, gigabytes: float, base: dict[str, Any], drop: set[str] = frozenset()) -> dict[str, Any] | None:
         """The memory planner's choice for this configuration (`difftune plan --gpu-memory`): `base` (bf16 on a
         GPU) plus the cheapest levers that fit, each said with its saving. None when it cannot plan (the fixed
-        suggestion `memory_settings` stays)."""
+        suggestion `memory_settings` stays). `drop`: config keys planned without."""
         from difftune.memory_plan.levers import choose
         from difftune.memory_plan.predict import GIB
 
         with tempfile.TemporaryDirectory(prefix="difftune-configure-") as tmp:
-            tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
-            tmp_data.write_text(json.dumps(self.datasets))
             settings = {k: v for k, v in base.items() if k in ("mixed_precision",)}
-            tmp_cfg.write_text(json.dumps({**self.config, **settings, "data_backend_config": str(tmp_data)}))
+            tmp_cfg, tmp_data = self.stage(Path(tmp), settings, drop)
             try:
                 run_cfg = load_config(tmp_cfg)
                 from difftune.train.plan import discover_all
@@ -359,34 +503,49 @@ class Wizard:
                 self.say(f"  (the memory planner could not run: {said}; a fixed suggestion follows, and the review "
                          "below says what to fix)")
                 return None
-        self.say(f"Predicted peak as configured: {choice.before.peak / GIB:.1f} GiB ({choice.before.peak_phase}).")
+        self.say(f"Predicted peak {'without them' if drop else 'as configured'}: {choice.before.peak / GIB:.1f} GiB "
+                 f"({choice.before.peak_phase}).")
         if not choice.fits:
             self.say(f"  {choice.message}")
             return {**settings}
         for step in choice.steps:
-            self.say(f"  {step.key} {_show(step.value)}: saves {step.saving / GIB:.1f} GiB ({step.why})")
+            effect = f"saves {step.saving / GIB:.1f}" if step.saving >= 0 else f"costs {-step.saving / GIB:.1f}"
+            self.say(f"  {step.key} {_show(step.value)}: {effect} GiB ({step.why})")
         if choice.steps and choice.after is not None:
             self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB")
         return {**settings, **choice.settings()}
+
+    def stage(self, tmp: Path, settings: dict[str, Any], drop: set[str] = frozenset()) -> tuple[Path, Path]:
+        """The files about to be written, in `tmp` (config, dataset list, and the lycoris_config the wizard makes),
+        with `settings` over the config and without the keys `drop`: what the planner and the review read."""
+        tmp_cfg, tmp_data = tmp / "config.json", tmp / "datasets.json"
+        tmp_data.write_text(json.dumps(self.datasets))
+        config = {k: v for k, v in self.config.items() if k not in drop}
+        config.update(settings, data_backend_config=str(tmp_data))
+        if self.lycoris is not None and config.get("lycoris_config") == self.lycoris_path():
+            (tmp / "lycoris.json").write_text(json.dumps(self.lycoris))
+            config["lycoris_config"] = str(tmp / "lycoris.json")
+        tmp_cfg.write_text(json.dumps(config))
+        return tmp_cfg, tmp_data
 
     def problems(self) -> list[str]:
         """What `difftune check` would say about the files about to be written (config, list, scan)."""
         data_path = self.datasets_path()
         with tempfile.TemporaryDirectory(prefix="difftune-configure-") as tmp:
-            tmp_cfg, tmp_data = Path(tmp) / "config.json", Path(tmp) / "datasets.json"
-            tmp_data.write_text(json.dumps(self.datasets))
-            tmp_cfg.write_text(json.dumps({**self.config, "data_backend_config": str(tmp_data)}))
+            tmp_cfg, tmp_data = self.stage(Path(tmp), {})
             try:
                 run_cfg = load_config(tmp_cfg)
                 from difftune.train.plan import DataError, discover_all
+                from difftune.train.run_lock import NotWritable, check_writable
 
                 try:
+                    check_writable(Path(run_cfg.train.output_dir))  # as `difftune check` does
                     discover_all(run_cfg)
-                except DataError as e:
+                except (DataError, NotWritable) as e:
                     return [str(e)]
             except ConfigError as e:
                 return [p.replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data), str(data_path))
-                        for p in e.problems]
+                        .replace(str(Path(tmp) / "lycoris.json"), self.lycoris_path()) for p in e.problems]
         return []
 
     def review(self) -> bool:
@@ -404,7 +563,12 @@ class Wizard:
         return True
 
     def write(self) -> None:
-        for path, data in ((self.datasets_path(), self.datasets), (self.config_path, self.config)):
+        files = [(self.datasets_path(), self.datasets), (self.config_path, self.config)]
+        lycoris = Path(self.lycoris_path())
+        if self.lycoris is not None and self.config.get("lycoris_config") == str(lycoris) and not (
+                lycoris.is_file() and self.read(lycoris, "lycoris_config") == self.lycoris):
+            files.insert(0, (lycoris, self.lycoris))  # only when the wizard made or changed it
+        for path, data in files:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
             self.say(f"wrote {path}")

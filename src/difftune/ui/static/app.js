@@ -296,7 +296,7 @@ async function planMemory() {
   const choice = result.plan.choice, peak = (result.plan.peak_bytes / 2 ** 30).toFixed(1);
   if (!choice.fits) { notice(`predicted peak ${peak} GiB (${result.plan.peak_phase}); ${choice.message}`, true); return; }
   if (!choice.steps.length) { notice(`predicted peak ${peak} GiB: fits in ${gib} GiB as it is`); return; }
-  const lines = choice.steps.map((s) => `${s.key}: ${JSON.stringify(s.value)} (saves ${(s.saving_bytes / 2 ** 30).toFixed(1)} GiB; ${s.cost})`);
+  const lines = choice.steps.map((s) => `${s.key}: ${JSON.stringify(s.value)} (${s.saving_bytes < 0 ? "costs" : "saves"} ${(Math.abs(s.saving_bytes) / 2 ** 30).toFixed(1)} GiB; ${s.cost})`);
   if (!window.confirm(`Predicted peak ${peak} GiB. To fit ${gib} GiB:\n${lines.join("\n")}\nApply these settings?`)) return;
   // onto the form as it is now: collect() above took the Other keys box into S.extra, which the redraw shows again
   const now = collect();
