@@ -345,3 +345,16 @@ def test_unimplemented_text_encoder_precision_is_refused(tmp_path, dataset, key,
         load_config(write_config(tmp_path, dataset, model_family="kandinsky5-image", **{key: value}))
     text = "\n".join(info.value.problems)
     assert key in text and "not implemented yet" in text and value in text
+
+
+def test_lora_on_torchao_base_prints_no_peft_merge_warning(tmp_path, dataset):
+    """peft warns per torchao layer that merge() would fail; difftune never merges, so no such warning is shown."""
+    import warnings
+
+    path = write_config(tmp_path, dataset, model_family="lumina2", model_flavour="tiny-random",
+                        base_model_precision="int8-torchao", **{**FAST, "max_train_steps": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = build_run(load_config(path))
+    assert quantized_weights(run.accelerator.unwrap_model(run.transformer)) > 0
+    assert not [w for w in caught if "TorchaoLoraLinear" in str(w.message)]

@@ -8,6 +8,7 @@ diffusers transformer folder).
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,11 +45,15 @@ class LoraAdapter:
         self.cfg, self.family, self.transformer = cfg, family, transformer
         transformer.requires_grad_(False)
         targets = cfg.lora_target_modules or family.lora_target_modules
-        transformer.add_adapter(LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.effective_lora_alpha(), lora_dropout=cfg.lora_dropout,
-            init_lora_weights=LORA_INIT_WEIGHTS[cfg.lora_init_type], use_dora=cfg.use_dora,
-            target_modules=targets if isinstance(targets, str) else list(targets),
-        ))
+        with warnings.catch_warnings():
+            # peft warns on every int8/fp8-torchao layer that merge() would fail; difftune never merges (the base
+            # stays as loaded and the adapter is saved apart), so the warning is noise on every such run.
+            warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated", category=UserWarning)
+            transformer.add_adapter(LoraConfig(
+                r=cfg.lora_rank, lora_alpha=cfg.effective_lora_alpha(), lora_dropout=cfg.lora_dropout,
+                init_lora_weights=LORA_INIT_WEIGHTS[cfg.lora_init_type], use_dora=cfg.use_dora,
+                target_modules=targets if isinstance(targets, str) else list(targets),
+            ))
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"lora_target_modules {targets!r} matched no module of the transformer")
