@@ -636,3 +636,17 @@ def test_full_fine_tune_of_bf16_weights_is_planned_with_a_kahan_optimizer(real_c
     rungs = ladder(fp32, predict(fp32, None), 1)
     assert any(r[0].get("optimizer") == "adamw8bit" for r in rungs)
     assert not any(r[0].get("optimizer") == "adamw8bit" for r in ladder(full, predict(full, None), 1))
+
+
+def test_gpu_memory_keeps_room_for_the_cuda_context(real_cfg):
+    """`--gpu-memory 16` on a config whose predicted peak is a hair under 16 GiB is not "fits": the CUDA context
+    and fragmentation are not predicted, so the user-facing planners keep reserve_for(GiB) free."""
+    from difftune.memory_plan.levers import reserve_for
+
+    assert reserve_for(24) == 1.0 and reserve_for(16) == pytest.approx(0.8) and reserve_for(0.001) < 0.0001
+    before = predict(real_cfg, None)
+    card = before.peak / GIB + 0.1  # the prediction fits the card with 0.1 GiB to spare
+    assert choose(real_cfg, None, card, 1, before).steps == []  # to the byte: as it is
+    kept = choose(real_cfg, None, card, 1, before, reserve_for(card))
+    assert kept.fits and kept.steps and kept.after.peak <= (card - reserve_for(card)) * GIB
+    assert kept.reserve == reserve_for(card)

@@ -44,9 +44,12 @@ def test_lora_size_keys_unused_by_the_adapter_get_a_note(tmp_path, dataset, kind
 def test_flow_shift_beside_auto_shift_gets_a_note(tmp_path, dataset):
     path = write_config(tmp_path, dataset, flow_schedule_auto_shift=True, flow_schedule_shift=3.0)
     assert "flow_schedule_shift 3 not used: flow_schedule_auto_shift" in notes(path)
-    for shift in (0, 1):
-        quiet = write_config(tmp_path, dataset, flow_schedule_auto_shift=True, flow_schedule_shift=shift)
-        assert "flow_schedule_shift" not in notes(quiet)
+    # The Kandinsky 5 guides: copy the example (auto shift on) and set flow_schedule_shift 1.0, the default value
+    explicit_one = write_config(tmp_path, dataset, flow_schedule_auto_shift=True, flow_schedule_shift=1.0)
+    assert "flow_schedule_shift 1 not used: flow_schedule_auto_shift" in notes(explicit_one)
+    quiet = write_config(tmp_path, dataset, flow_schedule_auto_shift=True, flow_schedule_shift=0)  # ST: "none"
+    assert "flow_schedule_shift" not in notes(quiet)
+    assert "flow_schedule_shift" not in notes(write_config(tmp_path, dataset, flow_schedule_auto_shift=True))
     assert "flow_schedule_shift" not in notes(write_config(tmp_path, dataset, flow_schedule_shift=3.0))
 
 
@@ -122,3 +125,24 @@ def test_rollout_and_crepa_keys_their_other_keys_leave_unused_get_notes(tmp_path
     for key in ("crepa_lambda_end", "crepa_power", "crepa_threshold_mode", "crepa_adjacent_distance"):
         assert f"{key} not used" in text, text
     assert "crepa" not in notes(write_config(tmp_path, dataset, crepa_lambda_end=0.1))  # CREPA off: nothing said
+
+
+def test_lycoris_without_lycoris_config_reads_simpletuners_default_file(tmp_path, dataset, monkeypatch):
+    """SimpleTuner reads config/lycoris_config.json (in the working folder) when lycoris_config is unset; its LyCORIS
+    configs rely on that. Without the file the error names it."""
+    monkeypatch.chdir(tmp_path)
+    path = write_config(tmp_path, dataset, lora_type="lycoris")
+    assert "lycoris_config" in config_problems(path) and "config/lycoris_config.json" in config_problems(path)
+    (tmp_path / "config" / "lycoris_config.json").write_text(json.dumps({"algo": "lokr", "linear_dim": 4,
+                                                                         "linear_alpha": 1, "factor": 4}))
+    run_config = load_config(path)
+    assert run_config.train.lycoris_config == "config/lycoris_config.json"
+    assert "lycoris_config not set: the LyCORIS network is the one config/lycoris_config.json describes" \
+        in "\n".join(run_config.notes())
+    named = load_config(write_config(tmp_path, dataset, lora_type="lycoris",
+                                     lycoris_config="config/lycoris_config.json"))
+    assert "lycoris_config not set" not in "\n".join(named.notes())  # named in the file: no note
+    assert "lycoris_config" not in "\n".join(load_config(write_config(tmp_path, dataset)).notes())  # standard LoRA
+    (tmp_path / "config" / "lycoris_config.json").write_text("{}")
+    path = write_config(tmp_path, dataset, lora_type="lycoris")
+    assert "must be a JSON object with at least 'algo'" in config_problems(path)  # the default file is checked too

@@ -222,7 +222,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     quiet_libraries()
     from difftune.config.resume_check import world_size
-    from difftune.memory_plan.levers import choose
+    from difftune.memory_plan.levers import choose, reserve_for
     from difftune.memory_plan.predict import predict
     from difftune.memory_plan.render import render
     from difftune.train.plan import discover_all
@@ -233,7 +233,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         prediction = predict(run_cfg.train, found, processes)
         choice = None
         if args.gpu_memory is not None:
-            choice = choose(run_cfg.train, found, args.gpu_memory, processes, prediction)
+            choice = choose(run_cfg.train, found, args.gpu_memory, processes, prediction,
+                            reserve_for(args.gpu_memory))
     except ValueError as e:  # e.g. an architecture without a config or coefficients: said, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from difftune.config.crepa_keys import crepa_checks, crepa_notes
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
-from difftune.config.lora_keys import lora_notes
+from difftune.config.lora_keys import DEFAULT_LYCORIS_CONFIG, lora_notes
 from difftune.config.offload_keys import offload_checks
 from difftune.config.optimizer_keys import optimizer_notes
 from difftune.config.reporting_keys import reporting_checks
@@ -33,8 +33,14 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
             f"choose one of {', '.join(facts.flavours)}"
         )
     if cfg.lora_type == "lycoris" and cfg.lycoris_config is None and cfg.model_type == "lora":
-        raise ValueError("lora_type 'lycoris' needs lycoris_config: a JSON file such as "
-                         '{"algo": "lokr", "linear_dim": 16, "linear_alpha": 1, "factor": 16}')
+        if not Path(DEFAULT_LYCORIS_CONFIG).is_file():
+            raise ValueError("lora_type 'lycoris' needs lycoris_config: a JSON file such as "
+                             '{"algo": "lokr", "linear_dim": 16, "linear_alpha": 1, "factor": 16} (unset, '
+                             f"{DEFAULT_LYCORIS_CONFIG} in the working folder is read, as in SimpleTuner)")
+        # SimpleTuner's default file, which its LyCORIS configs rely on; set past validate_assignment (this runs in
+        # the model's validator), and marked so that lora_notes says where the network came from
+        cfg.__dict__["lycoris_config"] = DEFAULT_LYCORIS_CONFIG
+        cfg._lycoris_config_by_default = True
     if cfg.model_type == "full" and cfg.weight_dtype_name() == "fp16":
         # fp16 weights updated in place overflow and underflow (AdamW's epsilon is 0 in fp16): NaN at step 2.
         raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
@@ -106,7 +112,11 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
     """Keys set to a value their combination with another key leaves unused. SimpleTuner's configs carry such
     values (it ignores them too), so they are notes printed before the run, not errors."""
     notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg)
-    if cfg.flow_schedule_auto_shift and cfg.flow_schedule_shift not in (0, 1):
+    # Any value the file sets, 1.0 included: the Kandinsky 5 guides say to copy config.json.example (auto shift on)
+    # and set flow_schedule_shift 1.0, which would otherwise train at ~3.2 at 1024² without a word. 0 is
+    # SimpleTuner's spelling of "no fixed shift" beside auto shift.
+    if cfg.flow_schedule_auto_shift and cfg.flow_schedule_shift != 0 and \
+            (cfg.flow_schedule_shift != 1 or "flow_schedule_shift" in cfg.model_fields_set):
         notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "
                      "flow_schedule_auto_shift to false to use it)")

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, PrivateAttr, field_validator, model_validator
 
 from difftune.config.fields import field
 
@@ -31,11 +31,14 @@ REWRITES_BASE = {
     "olora": "OLoRA takes a QR factor of each base weight into the adapter and subtracts it from the base layer",
     "loftq": "LoftQ replaces each base weight with a quantized residual (and needs bitsandbytes)",
 }
+# What lora_type 'lycoris' reads when lycoris_config is unset: SimpleTuner's default, relative to the working folder.
+DEFAULT_LYCORIS_CONFIG = "config/lycoris_config.json"
 STORE_NOTE = ("difftune never saves the base model, and the saved LoRA is loaded onto the stock base weights "
               "(load_lora_weights, ComfyUI), where it would not reproduce the trained model")
 
 
 class LoraKeys(BaseModel):
+    _lycoris_config_by_default: bool = PrivateAttr(False)  # lycoris_config unset: DEFAULT_LYCORIS_CONFIG was read
     use_dora: bool = field(
         False, "With lora_type 'standard': train a DoRA (weight-decomposed LoRA, peft's use_dora). Each adapted "
         "layer also learns one magnitude per output row, and its weight becomes magnitude x (W + dW) / |W + dW| "
@@ -128,10 +131,14 @@ def lora_notes(cfg: Any) -> list[str]:
             "lora_type 'lycoris' takes its size and dropout from lycoris_config (linear_dim, linear_alpha, dropout)")
     else:
         return []
+    notes = []
+    if cfg.lora_type == "lycoris" and getattr(cfg, "_lycoris_config_by_default", False):
+        notes.append(f"lycoris_config not set: the LyCORIS network is the one {cfg.lycoris_config} describes "
+                     "(SimpleTuner's default file); set lycoris_config to name another")
     unused = [k for k in keys if k in cfg.model_fields_set and getattr(cfg, k) is not None]
-    if not unused:
-        return []
-    return [f"{', '.join(unused)} not used: {why}; remove {'them' if len(unused) > 1 else 'it'}"]
+    if unused:
+        notes.append(f"{', '.join(unused)} not used: {why}; remove {'them' if len(unused) > 1 else 'it'}")
+    return notes
 
 
 def _header_keys(path: str) -> list[str]:

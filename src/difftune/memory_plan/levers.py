@@ -20,6 +20,10 @@ of the answer without which it still fits is dropped (a free rung that saved not
    this rung is gradient checkpointing plus FSDP)
 8. base_model_precision int4-quanto with block streaming (the largest quality cost)
 
+`reserve`: GiB of the card kept free for what the prediction does not count, the CUDA context (about 0.5 GiB with
+cuBLAS's workspace) and the caching allocator's fragmentation; `difftune plan`, the wizard and the web UI keep
+`reserve_for(gigabytes)` (a 24 GiB card is planned to 23 GiB).
+
 Every candidate is validated by TrainConfig first, so a combination the trainer refuses is never proposed.
 A full fine-tune of bf16/fp16 weights with an optimizer the trainer warns about (no Kahan summation: small updates
 lost to rounding) is planned with the one the trainer says to use instead, its first step (train/setup.py's rule).
@@ -59,6 +63,12 @@ class Step:
     why: str
 
 
+def reserve_for(gigabytes: float) -> float:
+    """GiB of a card of `gigabytes` GiB the user-facing planners keep free (module docstring): 1 GiB, or 5% of a
+    card under 20 GiB."""
+    return min(1.0, 0.05 * gigabytes)
+
+
 @dataclass
 class Choice:
     fits: bool
@@ -67,6 +77,7 @@ class Choice:
     after: Prediction | None
     steps: list[Step] = field(default_factory=list)
     message: str = ""
+    reserve: float = 0.0  # GiB of `gigabytes` kept free (reserve_for)
 
     def settings(self) -> dict[str, Any]:
         return {s.key: s.value for s in self.steps}
@@ -145,30 +156,32 @@ def lossless_optimizer(cfg: Any) -> dict[str, Any]:
 
 
 def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int = 1,
-           before: Prediction | None = None) -> Choice:
-    """The cheapest lever set whose predicted peak fits `gigabytes` GiB (see the module docstring)."""
+           before: Prediction | None = None, reserve: float = 0.0) -> Choice:
+    """The cheapest lever set whose predicted peak fits `gigabytes` GiB less `reserve` (see the module docstring)."""
     before = before or predict(cfg, found, processes)
     fix = lossless_optimizer(cfg)
     fixed = _valid(cfg, fix) if fix else None
     if fixed is None:
-        return _choose(cfg, found, gigabytes, processes, before)
+        return _choose(cfg, found, gigabytes, processes, before, reserve)
     # the optimizer change first (its cost said as a negative saving), then the levers planned with it
     start = predict(fixed, found, processes)
-    choice = _choose(fixed, found, gigabytes, processes, start)
+    choice = _choose(fixed, found, gigabytes, processes, start, reserve)
     why = (f"a full fine-tune of {cfg.weight_dtype_name()} weights with '{cfg.optimizer}' loses small updates to "
            "rounding; this one keeps them (Kahan summation)")
     step = Step("optimizer", fix["optimizer"], before.peak - start.peak, why)
     message = (f"fits with {len(choice.steps) + 1} change(s)" if choice.fits
                else f"{choice.message}; planned with optimizer '{fix['optimizer']}': {why}")
     return Choice(choice.fits, gigabytes, before, choice.after, [step, *choice.steps] if choice.fits else [],
-                  message)
+                  message, reserve)
 
 
-def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int, before: Prediction) -> Choice:
+def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int, before: Prediction,
+            reserve: float) -> Choice:
     """`choose` for a config whose optimizer is kept: the ladder's first rung that fits."""
-    limit = gigabytes * GIB
+    limit = (gigabytes - reserve) * GIB
+    kept = f" ({reserve:g} GiB kept free)" if reserve else ""
     if before.peak <= limit:
-        return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed")
+        return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed", reserve)
     frugal = before  # the prediction of the last (most frugal) set tried
     for rung in ladder(cfg, before, processes):
         # a rung's alternatives save more and more (more blocks swapped, smaller groups): bisect for the first
@@ -186,10 +199,10 @@ def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int,
         if best is not None:
             changes, after = _without_needless(cfg, *best, found, processes, limit)
             return Choice(True, gigabytes, before, after, explain(cfg, changes, found, processes, before),
-                          f"fits with {len(changes)} change(s)")
+                          f"fits with {len(changes)} change(s)", reserve)
     return Choice(False, gigabytes, before, None, [],
-                  f"nothing fits in {gigabytes:g} GiB: the most frugal settings still need "
-                  f"{frugal.peak / GIB:.2f} GiB ({frugal.peak_phase})" + _beyond(cfg, frugal, processes))
+                  f"nothing fits in {gigabytes:g} GiB{kept}: the most frugal settings still need "
+                  f"{frugal.peak / GIB:.2f} GiB ({frugal.peak_phase})" + _beyond(cfg, frugal, processes), reserve)
 
 
 def _without_needless(cfg: Any, changes: dict[str, Any], after: Prediction, found: list[Any] | None,

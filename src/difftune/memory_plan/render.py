@@ -43,8 +43,10 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
     if not choice.fits:
         console.print(f"[bold red]{choice.message}[/]")
         return
+    kept = (f", keeping {choice.reserve:g} GiB free for the CUDA context and fragmentation (not predicted)"
+            if choice.reserve else "")
     if not choice.steps:
-        console.print(f"[green]fits in {choice.gigabytes:g} GiB as it is: no lever needed[/]")
+        console.print(f"[green]fits in {choice.gigabytes:g} GiB as it is{kept}: no lever needed[/]")
         return
     table = Table(title=f"levers for {choice.gigabytes:g} GiB, cheapest first", title_justify="left")
     table.add_column("key")
@@ -56,7 +58,7 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
     console.print(table)
     assert choice.after is not None
     console.print(f"[green]with these: predicted peak {gib(choice.after.peak)} ({choice.after.peak_phase}), "
-                  f"fits in {choice.gigabytes:g} GiB[/]")
+                  f"fits in {choice.gigabytes:g} GiB{kept}[/]")
     console.print("paste into config.json:")
     console.print(json.dumps(choice.settings(), indent=2), markup=False)
 
@@ -70,7 +72,8 @@ def as_json(prediction: Prediction, choice: Choice | None) -> dict[str, Any]:
                    for p in prediction.phases],
     }
     if choice is not None:
-        out["choice"] = {"fits": choice.fits, "gigabytes": choice.gigabytes, "message": choice.message,
+        out["choice"] = {"fits": choice.fits, "gigabytes": choice.gigabytes, "reserve_gigabytes": choice.reserve,
+                         "message": choice.message,
                          "settings": choice.settings(),
                          "steps": [{"key": s.key, "value": s.value, "saving_bytes": s.saving, "cost": s.why}
                                    for s in choice.steps],

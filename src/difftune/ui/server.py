@@ -342,7 +342,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         answer, run_cfg = check(confined, confined.confine(body.path), body.config, body.datasets, scan=True)
         if run_cfg is None:
             return {**answer, "plan": None}
-        from difftune.memory_plan.levers import choose
+        from difftune.memory_plan.levers import choose, reserve_for
         from difftune.memory_plan.predict import predict
         from difftune.memory_plan.render import as_json
         from difftune.train.plan import DataError, discover_all
@@ -352,7 +352,8 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         except DataError as e:
             raise ApiError(422, str(e)) from e
         prediction = predict(run_cfg.train, found, body.processes)
-        choice = choose(run_cfg.train, found, body.gpu_memory, body.processes, prediction) if body.gpu_memory else None
+        choice = choose(run_cfg.train, found, body.gpu_memory, body.processes, prediction,
+                        reserve_for(body.gpu_memory)) if body.gpu_memory else None
         return {**answer, "plan": as_json(prediction, choice)}
 
     @app.put("/api/config")

@@ -485,7 +485,7 @@ class Wizard:
         """The memory planner's choice for this configuration (`difftune plan --gpu-memory`): `base` (bf16 on a
         GPU) plus the cheapest levers that fit, each said with its saving. None when it cannot plan (the fixed
         suggestion `memory_settings` stays). `drop`: config keys planned without."""
-        from difftune.memory_plan.levers import choose
+        from difftune.memory_plan.levers import choose, reserve_for
         from difftune.memory_plan.predict import GIB
 
         with tempfile.TemporaryDirectory(prefix="difftune-configure-") as tmp:
@@ -496,7 +496,7 @@ class Wizard:
                 from difftune.train.plan import discover_all
 
                 found = discover_all(run_cfg, write_metadata=False)
-                choice = choose(run_cfg.train, found, gigabytes)
+                choice = choose(run_cfg.train, found, gigabytes, reserve=reserve_for(gigabytes))
             except Exception as e:  # noqa: BLE001 - the wizard falls back to its fixed suggestion
                 said = str(e).replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data),
                                                                                    str(self.datasets_path()))
@@ -512,7 +512,8 @@ class Wizard:
             effect = f"saves {step.saving / GIB:.1f}" if step.saving >= 0 else f"costs {-step.saving / GIB:.1f}"
             self.say(f"  {step.key} {_show(step.value)}: {effect} GiB ({step.why})")
         if choice.steps and choice.after is not None:
-            self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB")
+            self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB ({choice.reserve:g} of the {gigabytes:g} GiB "
+                     "kept free for the CUDA context and fragmentation)")
         return {**settings, **choice.settings()}
 
     def stage(self, tmp: Path, settings: dict[str, Any], drop: set[str] = frozenset()) -> tuple[Path, Path]:
