@@ -91,6 +91,17 @@ def test_vae_from_elsewhere_changes_the_latent_cache_only(lumina2_dir, parts):
         assert fingerprint(ident["vae"]) != fingerprint(base["vae"]) and ident["vae"]["source"] == str(vae)
 
 
+def test_a_vae_of_other_latent_channels_is_refused_at_load(lumina2_dir, tmp_path):
+    """SimpleTuner configs carry an SDXL VAE (4 latent channels) in pretrained_vae_model_name_or_path: a VAE whose
+    latents the transformer cannot take is an error naming the key when it loads, not a shape error after caching."""
+    config = AutoencoderKL.load_config(lumina2_dir, subfolder="vae")
+    AutoencoderKL.from_config({**config, "latent_channels": config["latent_channels"] * 2}).save_pretrained(
+        tmp_path / "sdxl_like")
+    with pytest.raises(SourceError, match=r"pretrained_vae_model_name_or_path: .*sdxl_like makes latents of "
+                                          rf"{config['latent_channels'] * 2} channels.*makes {config['latent_channels']}"):
+        LUMINA.load(ModelSource(str(lumina2_dir), vae=str(tmp_path / "sdxl_like")), torch.float32)
+
+
 def _original_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers' Lumina2 keys back to the original (Alpha-VLLM) layout, ComfyUI's prefix in front: the inverse of
     diffusers' convert_lumina2_to_diffusers (renamed keys, q/k/v fused into one qkv)."""

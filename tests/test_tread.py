@@ -51,6 +51,15 @@ def test_config_keys_are_checked(tmp_path, dataset):
                                   scheduled_sampling_reflexflow=True, scheduled_sampling_reflexflow_beta1=0.0,
                                   scheduled_sampling_reflexflow_beta2=0.0),
         "scheduled_sampling_strategy": dict(scheduled_sampling_strategy="biased_middle"),
+        # told before any model loads when the indices count from the same end (else once the blocks are known)
+        r"routes\[0\] and routes\[1\] overlap \(blocks 0 to 1 and 1 to 1\)": dict(tread_config={"routes": [
+            {"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 1},
+            {"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 1}]}),
+        r"routes\[0\] and routes\[1\] overlap \(blocks -3 to -1 and -4 to -3\)": dict(tread_config={"routes": [
+            {"selection_ratio": 0.5, "start_layer_idx": -3, "end_layer_idx": -1},
+            {"selection_ratio": 0.5, "start_layer_idx": -4, "end_layer_idx": -3}]}),
+        r"routes\[0\]: start_layer_idx 3 comes after end_layer_idx 1": dict(tread_config={"routes": [
+            {"selection_ratio": 0.5, "start_layer_idx": 3, "end_layer_idx": 1}]}),
         "replaces scheduled_sampling_probability": dict(scheduled_sampling_max_step_offset=3, scheduled_sampling_ramp_steps=5,
                                                         scheduled_sampling_probability=0.5),
     }

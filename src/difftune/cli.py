@@ -1,10 +1,11 @@
 """`difftune` command line: thin calls into config/, data/ and train/.
 
     difftune train [--config PATH] [--key value ...]
-    difftune check [--config PATH] [--key value ...]
+    difftune check [--config PATH] [--all] [--key value ...]
+    difftune cache [--config PATH] [--key value ...]
     difftune plan  [--config PATH] [--gpu-memory GiB] [--processes N] [--key value ...]
     difftune demo  [--dir DIR]
-    difftune server [--host 127.0.0.1] [--port 8001] [--root DIR ...] [--token TOKEN]
+    difftune server [--host 127.0.0.1] [--port 8001] [--root DIR ...] [--token TOKEN] [--state-dir DIR]
     difftune configure [PATH]
 """
 
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--processes", type=_positive(int), default=None, metavar="N",
                       help="processes (GPUs) the run will use (default: WORLD_SIZE, else 1); FSDP divides the "
                            "weights between them")
-    demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a few minutes on CPU)")
+    demo = sub.add_parser("demo", help="train a LoRA on a tiny model and generated data (a minute or two on CPU)")
     demo.add_argument("--dir", default="demo", help="where the demo's data, config and outputs go")
     server = sub.add_parser("server", help="web UI: set runs up, start, watch and stop them (http://127.0.0.1:8001)")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback needs a token)")

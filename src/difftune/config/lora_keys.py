@@ -91,7 +91,8 @@ def lora_checks(cfg: Any) -> None:
         # the user narrowed what trains: training the lycoris_config's targets instead would silently train more
         raise ValueError(f"lora_target_modules {cfg.lora_target_modules} applies to lora_type 'standard' (peft); a "
                          "LyCORIS network wraps what its lycoris_config names: use apply_preset target_name (module "
-                         f"paths) or target_module (module classes) in {cfg.lycoris_config}, and remove "
+                         f"paths) or target_module (module classes) in {cfg.lycoris_config or DEFAULT_LYCORIS_CONFIG}, "
+                         "and remove "
                          "lora_target_modules")
     if cfg.lora_init_type != "default" and not standard:
         what = "model_type 'full'" if cfg.model_type == "full" else "lora_type 'lycoris'"

@@ -34,7 +34,8 @@ ATTENTION_BACKENDS = {
 }
 # Spec values difftune refuses, with what to use instead.
 REFUSED_ATTENTION = {
-    "xformers": "xformers is not used by difftune; use 'auto' (torch SDPA or FlashAttention, as fast or faster)",
+    "xformers": "attention_mechanism 'xformers': xformers is not used by difftune; use 'auto' (torch SDPA or "
+                "FlashAttention, as fast or faster)",
     "sla": "not implemented yet: attention_mechanism 'sla' (Sparse-Linear Attention needs per-model tuning); use "
            "'auto'",
     "native-npu": "attention_mechanism 'native-npu' needs an Ascend NPU, which difftune does not support; use 'auto'",

@@ -541,7 +541,7 @@ class Wizard:
 
                 try:
                     check_writable(Path(run_cfg.train.output_dir))  # as `difftune check` does
-                    discover_all(run_cfg)
+                    discover_all(run_cfg, write_metadata=False)  # a cancelled wizard writes nothing
                 except (DataError, NotWritable) as e:
                     return [str(e)]
             except ConfigError as e:
