@@ -20,6 +20,19 @@ def test_a_run_prints_no_library_noise_and_says_what_it_saved(tmp_path, dataset)
     assert f"validation samples in {tmp_path / 'output' / 'validation'}" in done.stdout
 
 
+def test_a_kandinsky5_bf16_run_prints_no_torch_dispatch_warning(tmp_path, dataset):
+    """diffusers' Kandinsky 5 attention feeds fp32 queries to a bf16 RMSNorm (as the stock pipeline does): torch's
+    once-a-process "Mismatch dtype ... Cannot dispatch to fused implementation" was on every bf16 run's console."""
+    config = write_config(tmp_path, dataset, max_train_steps=1, model_family="kandinsky5-image",
+                          mixed_precision="bf16", validation_prompt="a cat", validation_resolution="32x32",
+                          validation_num_inference_steps=1)
+    done = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONWARNINGS": "default"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("Mismatch dtype", "UserWarning"):
+        assert noise not in done.stderr + done.stdout, (done.stderr + done.stdout)[-3000:]
+
+
 def test_full_finetune_says_model_and_no_samples_line_without_validation(tmp_path, dataset, capsys):
     config = write_config(tmp_path, dataset, max_train_steps=1, model_type="full")
     assert cli.main(["train", "--config", str(config)]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,12 @@ from difftune.models.sources import ModelSource, cache_origin, hub_kwargs, load_
 from difftune.models.tiny_kandinsky5 import build_tiny_kandinsky5_image
 from difftune.models.vae_dtype import load_vae
 from difftune.train.objective import resolution_shift
+
+# diffusers' Kandinsky 5 attention (video too) normalises query and key as `attn.query_norm(query.float())` with the
+# RMSNorm weight in the model's dtype; on bf16 weights torch then says, once per process, that it "Cannot dispatch to
+# fused implementation". The stock pipelines do the same, so the line is no news to the user: only it is filtered.
+warnings.filterwarnings("ignore", message=r"Mismatch dtype between input and weight: input dtype = float, weight "
+                        r"dtype = c10::BFloat16", category=UserWarning, module=r"torch\.nn\.functional")
 
 # Self- and cross-attention projections only: not feed-forward, modulation or embedding layers.
 ATTENTION_PROJECTIONS = r".*(self_attention|cross_attention)\.(to_query|to_key|to_value|out_layer)"
