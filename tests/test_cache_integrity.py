@@ -398,3 +398,30 @@ def test_a_start_reads_each_entry_header_once(tmp_path, monkeypatch):
     assert all(cache.has("k") for _ in range(5)) and len(reads) == 1
     path.unlink()
     assert not cache.has("k")
+
+
+def test_a_moved_dataset_keeps_its_latents_and_its_draws(tmp_path, dataset):
+    """A dataset folder moved (mv, rsync -a: its times kept), or a project copied to another machine under another
+    path: the latents come from the cache, and the random crops, random aspect buckets and max_num_samples draw are
+    those of the first run. They followed the absolute path: a move re-encoded everything and drew other images."""
+    import shutil
+
+    first = tmp_path / "here" / "images"
+    shutil.copytree(dataset, first)  # copy2: times kept
+    entry = dict(crop=True, crop_style="random", crop_aspect="random", crop_aspect_buckets=[1.0, 0.75],
+                 max_num_samples=3)
+
+    def start(folder, out):
+        run = build_run(load_config(write_config(tmp_path, folder, max_train_steps=1, dataset=entry,
+                                                 output_dir=str(tmp_path / out))))
+        run.events.close()
+        infos = [e["message"] for e in events_of(tmp_path / out) if e["event"] == "info"]
+        return sorted((c.sample.name, c.sample.bucket, c.uv, c.latent_file.name) for c in run.data.items), infos
+
+    drawn, infos = start(first, "out1")
+    assert "latent cache: 3 files: 0 from the cache, 3 newly encoded" in infos
+    shutil.move(tmp_path / "here", tmp_path / "there")  # a rename: times kept
+    again, infos = start(tmp_path / "there" / "images", "out2")
+    assert "latent cache: 3 files: 3 from the cache, 0 newly encoded" in infos
+    assert again == drawn
+    assert len({name for name, *_ in drawn}) == 3 and len({uv for *_, uv, _ in drawn}) == 3

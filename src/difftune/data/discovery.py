@@ -69,6 +69,14 @@ class Sample:
     frames: int = 0  # clips: frames trained on (4k+1), taken at `fps` from the first frame; 0 for images
     fps: float = 0.0
     mask: Path | None = None  # its loss mask (conditioning_type 'mask', train/masked_loss.py), same relative name
+    name: str = ""  # its path below the dataset's folder, '/'-separated (discovery sets it)
+
+    @property
+    def ident(self) -> str:
+        """What names the file wherever its dataset's folder lies: the cache keys, random crops and the
+        max_num_samples draw follow it, so a dataset moved or copied with its times (mv, rsync -a) to another
+        folder or machine keeps its cached latents and trains the same. The path itself when `name` is unset."""
+        return f"{self.dataset_id}/{self.name}" if self.name else str(self.path)
 
     @property
     def caption(self) -> str:
@@ -327,9 +335,9 @@ def input_aspect_note(input_size: tuple[int, int], size: tuple[int, int], bucket
             f"is resized to cover the {bucket[0]}x{bucket[1]} bucket and cropped to it, so part of it is cut off")
 
 
-def choice_for(path: Path, seed: int) -> float:
-    """A fixed number in [0, 1) per file and seed (for crop_aspect 'random')."""
-    digest = hashlib.sha256(f"{seed}|aspect|{path}".encode("utf-8", "surrogateescape")).digest()
+def choice_for(ident: str, seed: int) -> float:
+    """A fixed number in [0, 1) per file (its Sample.ident) and seed (for crop_aspect 'random')."""
+    digest = hashlib.sha256(f"{seed}|aspect|{ident}".encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:4], "little") / 2**32
 
 
@@ -475,7 +483,8 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         return problem
     down = downsample_first(width, height, rule)
     basis = down or (width, height)
-    bucket = bucket_for(*basis, rule, choice_for(path, spec.seed))
+    name = path.relative_to(spec.root).as_posix()
+    bucket = bucket_for(*basis, rule, choice_for(f"{spec.dataset_id}/{name}", spec.seed))
     factor = upscale(*basis, bucket)
     if rule.minimum_image_size is None and factor >= MAX_UPSCALE:
         return (f"{width}x{height} is far below its {bucket[0]}x{bucket[1]} bucket (it would be enlarged "
@@ -503,6 +512,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         result.notes.append((path, "; ".join(notes)))
     fps = spec.frames.frame_rate if spec.frames is not None else 0.0
     result.samples.append(
-        Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps, mask)
+        Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps, mask,
+               name)
     )
     return None

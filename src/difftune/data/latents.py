@@ -60,20 +60,28 @@ def crop_position(sample: Sample, crop_style: str, seed: int, epoch: int | None 
     (vae_cache_clear_each_epoch), once per file, seed and epoch of its dataset, so a resumed run draws the same."""
     if crop_style != "random":
         return 0.5, 0.5  # fixed positions ('center', 'corner') do not depend on the seed
-    text = f"{seed}|{sample.path}" if epoch is None else f"{seed}|{sample.path}|epoch {epoch}"
+    text = f"{seed}|{sample.ident}" if epoch is None else f"{seed}|{sample.ident}|epoch {epoch}"
     h = hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()  # a non-UTF-8 file name too
     return int.from_bytes(h[:4], "little") / 2**32, int.from_bytes(h[4:8], "little") / 2**32
 
 
-def file_key(path: Path, bucket: tuple[int, int], extra: object, uv: tuple[float, float]) -> str:
+def file_key(path: Path, ident: str, bucket: tuple[int, int], extra: object, uv: tuple[float, float]) -> str:
+    """A cache key: the file's `ident` (Sample.ident, not where it lies: a moved dataset keeps its entries), its size
+    and modification time (a changed file is encoded again), and what its pixels go through."""
     st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{bucket}|{extra}|{uv}"
+    return f"{ident}|{st.st_size}|{st.st_mtime_ns}|{bucket}|{extra}|{uv}"
+
+
+def conditioning_key(sample: Sample, uv: tuple[float, float]) -> str:
+    """The cache key of an image-to-image sample's input image (its own dataset, the same relative name)."""
+    assert sample.conditioning is not None
+    return file_key(sample.conditioning, f"{sample.ident}#input{sample.conditioning.suffix}", sample.bucket, None, uv)
 
 
 def latent_key(sample: Sample, crop_style: str, seed: int) -> str:
     """The cache key of a sample's latents (a clip's also holds its frame count and rate)."""
     extra = (sample.downsample, sample.frames, sample.fps) if sample.frames else sample.downsample
-    return file_key(sample.path, sample.bucket, extra, crop_position(sample, crop_style, seed))
+    return file_key(sample.path, sample.ident, sample.bucket, extra, crop_position(sample, crop_style, seed))
 
 
 def mask_key(sample: Sample, crop_style: str, seed: int) -> str:
@@ -81,7 +89,8 @@ def mask_key(sample: Sample, crop_style: str, seed: int) -> str:
     size, downsample, bucket and crop). The latent grid follows the bucket and the VAE (the cache's identity)."""
     assert sample.mask is not None
     extra = ("mask", sample.width, sample.height, sample.downsample)
-    return file_key(sample.mask, sample.bucket, extra, crop_position(sample, crop_style, seed))
+    return file_key(sample.mask, f"{sample.ident}#mask{sample.mask.suffix}", sample.bucket, extra,
+                    crop_position(sample, crop_style, seed))
 
 
 def mask_pixels(sample: Sample, crop_style: str, uv: tuple[float, float]) -> torch.Tensor:
@@ -109,7 +118,7 @@ def text_key(sample: Sample, caption: str, crop_style: str, seed: int) -> str:
     if sample.conditioning is None:
         return caption
     uv = crop_position(sample, crop_style, seed)
-    return f"{caption}\x00{file_key(sample.conditioning, sample.bucket, None, uv)}"
+    return f"{caption}\x00{conditioning_key(sample, uv)}"
 
 
 def conditioning_image(sample: Sample, crop_style: str, seed: int) -> Image.Image:
@@ -158,7 +167,7 @@ def fill_latent_cache(
         try:  # the key stats the file: one that vanished or broke since discovery is reported, not fatal
             keys = [(sample.path, latent_key(sample, crop_style, seed))]
             if sample.conditioning is not None:
-                keys.append((sample.conditioning, file_key(sample.conditioning, sample.bucket, None, uv)))
+                keys.append((sample.conditioning, conditioning_key(sample, uv)))
             masked = mask_key(sample, crop_style, seed) if sample.mask is not None else None
         except (OSError, RuntimeError) as e:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
             failed.append((sample.path, f"filesystem error: {e}"))

@@ -139,7 +139,7 @@ def limit(found: Discovery, max_num_samples: int | None) -> Discovery:
     if max_num_samples is None or len(found.samples) <= max_num_samples:
         return found
     def rank(sample) -> str:
-        return hashlib.sha256(f"{found.dataset_id}|{sample.path}".encode()).hexdigest()
+        return hashlib.sha256(sample.ident.encode("utf-8", "surrogateescape")).hexdigest()  # not where it lies
 
     keep = set(sorted(found.samples, key=rank)[:max_num_samples])
     dropped = [s for s in found.samples if s not in keep]
