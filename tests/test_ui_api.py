@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -479,12 +480,67 @@ def test_a_past_runs_view_has_its_prompts_saves_and_plain_data_errors(tmp_path):
          "traceback": "Traceback (most recent call last): ..."}], pid=999999999, exit_code=2)
     (tmp_path / "out" / ".difftune.lock").write_text("")
     (tmp_path / "out" / "pytorch_lora_weights.safetensors").write_text("x")
+    (tmp_path / "out" / "validation").mkdir()
+    (tmp_path / "out" / "validation" / "a.png").write_bytes(b"png")
+    (tmp_path / "out" / "checkpoint-3").mkdir()
+    for written in ("validation/a.png", "checkpoint-3", "pytorch_lora_weights.safetensors"):  # before the end
+        os.utime(tmp_path / "out" / written, (time.time() - 60, time.time() - 60))
     summary = run.summary(detail=True)
     assert [(s["prompt"], s["text"]) for s in summary["samples"]] == [("validation", "a red circle")]
     assert summary["checkpoints"] == [{"step": 3, "path": "checkpoint-3"}]
-    assert [o["path"] for o in summary["outputs"]] == ["pytorch_lora_weights.safetensors"]
+    assert [o["path"] for o in summary["outputs"]] == ["pytorch_lora_weights.safetensors", "validation/a.png"]
     assert summary["status"] == "failed" and summary["message"].endswith("\nthe data report")
     assert summary["traceback"] is None  # a crash keeps its traceback (test above); a data error needs none
+
+
+def test_a_past_run_links_its_own_files_after_a_later_run_set_them_aside(tmp_path):
+    """A run from step 0 into the same output_dir moves the earlier result into superseded-<time>/ and writes its
+    own under the same names: the past run's page linked the later run's adapter and 404 samples, and listed the
+    checkpoints its checkpoints_total_limit had pruned."""
+    out = tmp_path / "out"
+    run = fake_run(tmp_path, [
+        {"event": "start", "total_steps": 2, "step": 0, "pid": 999999999},
+        {"event": "sample", "step": 2, "path": str(out / "validation" / "s.png"), "prompt": "validation"},
+        {"event": "checkpoint", "step": 1, "path": str(out / "checkpoints" / "checkpoint-0000001"), "pruned": []},
+        {"event": "checkpoint", "step": 2, "path": str(out / "checkpoints" / "checkpoint-0000002"),
+         "pruned": ["checkpoint-0000001"]},
+        {"event": "done", "adapter": str(out / "pytorch_lora_weights.safetensors")}], pid=999999999, exit_code=0)
+    before, after = time.time() - 60, time.time() + 60
+
+    def write(rel: str, when: float, folder: bool = False) -> None:
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir() if folder else path.write_bytes(rel.encode())
+        os.utime(path, (when, when))
+
+    for rel in ("validation/s.png", "pytorch_lora_weights.safetensors"):
+        write(rel, before)
+    write("checkpoints/checkpoint-0000002", before, folder=True)
+
+    def view() -> tuple:
+        summary = run.summary(detail=True)
+        return ([s["path"] for s in summary["samples"]], summary["adapter"], summary["checkpoints"],
+                run.summary()["last_sample"])
+
+    assert view()[:3] == (["validation/s.png"], "pytorch_lora_weights.safetensors",
+                          [{"step": 2, "path": "checkpoints/checkpoint-0000002"}])  # the pruned one is not listed
+    # the later run's start: renames keep the times, then it writes its own files of the same names
+    (out / "superseded-20260101T000000Z").mkdir()
+    for rel in ("validation", "pytorch_lora_weights.safetensors"):
+        (out / rel).rename(out / "superseded-20260101T000000Z" / rel)
+    (out / "checkpoints" / "superseded-20260101T000000Z").mkdir()
+    (out / "checkpoints" / "checkpoint-0000002").rename(
+        out / "checkpoints" / "superseded-20260101T000000Z" / "checkpoint-0000002")
+    for rel in ("validation/s.png", "pytorch_lora_weights.safetensors"):
+        write(rel, after)
+    write("checkpoints/checkpoint-0000002", after, folder=True)
+    samples, adapter, checkpoints, last = view()
+    assert samples == ["superseded-20260101T000000Z/validation/s.png"] and last["path"] == samples[0]
+    assert adapter == "superseded-20260101T000000Z/pytorch_lora_weights.safetensors"
+    assert checkpoints == [{"step": 2, "path": "checkpoints/superseded-20260101T000000Z/checkpoint-0000002"}]
+    shutil.rmtree(out / "superseded-20260101T000000Z")  # deleted by the user: nothing of that run is left
+    samples, adapter, _, last = view()
+    assert samples == [] and adapter is None and last is None
 
 
 def test_a_damaged_or_removed_run_folder_does_not_break_the_run_list(client, root, tmp_path):

@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 
 from difftune.train.commands import send_command
+from difftune.ui.run_files import RunFiles
 
 log = logging.getLogger("difftune.ui")
 TERMINAL = {"done": "done", "stopped": "stopped", "error": "failed"}
@@ -124,7 +125,10 @@ class Run:
         self._partial = b""
         self._closed = False  # the rest of the log belongs to later runs
         self.next_offset: int | None = None  # where the next run into this output_dir starts (Registry sets it)
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # every event but "step"s, which a long run has by the million
+        self.steps: list[tuple[int, float, float | None]] = []  # (step, time, loss) of each "step" event
+        self.last_step: dict[str, Any] | None = None  # the last "step" event whole (lr, throughput)
+        self.files = RunFiles(self.output_dir)
 
     # --- reading
     def _events_end(self) -> int | None:
@@ -153,7 +157,7 @@ class Run:
             with os.fdopen(fd, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 if f.tell() < self._pos:  # the log was replaced: read it again from the start
-                    self._pos, self._partial, self.events = 0, b"", []
+                    self._pos, self._partial, self.events, self.steps, self.last_step = 0, b"", [], [], None
                 f.seek(self._pos)
                 data = f.read() if end is None else f.read(max(0, end - self._pos))
                 self._pos = f.tell()
@@ -171,6 +175,12 @@ class Run:
             if event["event"] == "start" and (pid := self._trainer_pid()) is not None and event.get("pid") != pid:
                 self._closed = True  # another trainer's start (`difftune train` into the same output_dir)
                 break
+            if event["event"] == "step" and isinstance(event.get("step"), int) and \
+                    isinstance(event.get("time"), int | float):
+                loss = event.get("loss")
+                self.steps.append((event["step"], event["time"], loss if isinstance(loss, int | float) else None))
+                self.last_step = event
+                continue
             self.events.append(event)
         if end is not None and self._pos >= end:
             self._closed = True
@@ -240,8 +250,7 @@ class Run:
         status, message = self.status()
         events = self.events
         start = next((e for e in events if e["event"] == "start"), None)
-        steps = [e for e in events if e["event"] == "step"]
-        last = steps[-1] if steps else None
+        steps, last = self.steps, self.last_step
         total = start.get("total_steps") if start else None
         out: dict[str, Any] = {
             "id": self.id, "status": status, "message": message, "config_path": self.info.get("config_path"),
@@ -256,31 +265,36 @@ class Run:
             out[key] = last.get(key) if last else None
         if len(steps) >= 2:
             window = steps[-20:]
-            span = window[-1]["time"] - window[0]["time"]
+            span = window[-1][1] - window[0][1]
             if span > 0:
-                out["its"] = (window[-1]["step"] - window[0]["step"]) / span
+                out["its"] = (window[-1][0] - window[0][0]) / span
                 if total and status in ("running", "stopping"):
-                    out["eta_s"] = max(0.0, (total - window[-1]["step"]) / out["its"])
+                    out["eta_s"] = max(0.0, (total - window[-1][0]) / out["its"])
+        # a past run's files as it left them: a later run into the same output_dir moves them aside and writes its
+        # own under the same names (ui/run_files.py)
+        past = out["ended"] if status not in ("running", "stopping", "starting") else None
         samples = [e for e in events if e["event"] == "sample"]
-        # prompt: the prompt's name ("validation", a library name); text: the prompt itself (older runs: None)
-        out["samples"] = [{"step": e.get("step"), "prompt": e.get("prompt"), "text": e.get("text"),
-                           "path": self.relative(e.get("path"))} for e in samples if self.relative(e.get("path"))]
         if not detail:
-            out["last_sample"] = out["samples"][-1] if out["samples"] else None
-            del out["samples"]
+            last_sample = next((e for e in reversed(samples) if self.files.locate(e.get("path"), past)), None)
+            out["last_sample"] = self._sample(last_sample, past) if last_sample else None
             return out
+        # prompt: the prompt's name ("validation", a library name); text: the prompt itself (older runs: None)
+        out["samples"] = [self._sample(e, past) for e in samples if self.files.locate(e.get("path"), past)]
         stride = max(1, len(steps) // MAX_CURVE_POINTS)
-        out["losses"] = [[e["step"], e["loss"]] for e in steps[::stride]]
-        if steps and out["losses"][-1][0] != steps[-1]["step"]:
-            out["losses"].append([steps[-1]["step"], steps[-1]["loss"]])
+        out["losses"] = [[step, loss] for step, _, loss in steps[::stride]]
+        if steps and out["losses"][-1][0] != steps[-1][0]:
+            out["losses"].append([steps[-1][0], steps[-1][2]])
         out["evaluations"] = [[e["step"], e["value"]] for e in events  # CLIP scores (train/evaluation.py)
                               if e["event"] == "evaluation" and isinstance(e.get("value"), int | float)]
         out["eval_losses"] = [[e["step"], e["loss"]] for e in events  # held-out loss (train/eval_loss.py)
                               if e["event"] == "eval_loss" and isinstance(e.get("loss"), int | float)]
-        out["checkpoints"] = [{"step": e.get("step"), "path": self.relative(e.get("path"))}
-                              for e in events if e["event"] == "checkpoint"]
+        pruned = {name for e in events if e["event"] == "checkpoint" for name in e.get("pruned") or []
+                  if isinstance(name, str)}  # by checkpoints_total_limit, later in this run
+        out["checkpoints"] = [{"step": e.get("step"), "path": self.files.locate(e.get("path"), past)}
+                              for e in events if e["event"] == "checkpoint"
+                              and Path(str(e.get("path"))).name not in pruned]
         done = next((e for e in events if e["event"] in ("done", "stopped") and e.get("adapter")), None)
-        out["adapter"] = self.relative(done.get("adapter")) if done else None
+        out["adapter"] = self.files.locate(done.get("adapter"), past) if done else None
         out["messages"] = [{"event": e["event"], "message": e.get("message") or e.get("text") or e.get("command")}
                            for e in events if e["event"] in ("info", "warning", "data_report", "command")][-50:]
         error = next((e for e in reversed(events) if e["event"] == "error"), None)
@@ -292,12 +306,11 @@ class Run:
 
     def relative(self, path: str | None) -> str | None:
         """A path from the event log as a path inside output_dir (None when it lies elsewhere)."""
-        if not path:
-            return None
-        try:
-            return Path(path).resolve().relative_to(self.output_dir.resolve()).as_posix()
-        except (ValueError, OSError):
-            return None
+        return self.files.relative(path)
+
+    def _sample(self, event: dict[str, Any], past: float | None) -> dict[str, Any]:
+        return {"step": event.get("step"), "prompt": event.get("prompt"), "text": event.get("text"),
+                "path": self.files.locate(event.get("path"), past)}
 
     def outputs(self) -> list[dict[str, Any]]:
         """Files at the top of output_dir and the media under validation/ (for past runs)."""
