@@ -106,5 +106,11 @@ def test_full_model_folder_is_replaced_atomically(tmp_path):
     # Killed after the old folder was set aside, before the new one arrived: the old one comes back.
     (out / "transformer").rename(out / ".old-result-transformer-123")
     (out / ".tmp-result-123").mkdir()
+    # and a validation sample killed mid-write: an MP4's temporary name holds its writer's pid, so no resumed run
+    # ever wrote over it
+    (out / "validation").mkdir()
+    for name in (".step-000050-32x32@9.mp4.4242.tmp", ".step-000050-32x32.png.tmp", "step-000025-32x32.png"):
+        (out / "validation" / name).write_bytes(b"x")
     clean_partial(out)
-    assert sorted(p.name for p in out.iterdir()) == ["transformer"]
+    assert sorted(p.name for p in out.iterdir()) == ["transformer", "validation"]
+    assert [p.name for p in (out / "validation").iterdir()] == ["step-000025-32x32.png"]

@@ -542,3 +542,9 @@ def clean_partial(output_dir: Path) -> None:
                     shutil.rmtree(p, ignore_errors=True)
             elif p.name.startswith(".tmp-result-"):
                 shutil.rmtree(p, ignore_errors=True)
+    # a sample killed mid-write (a PNG's `.<name>.tmp`, write_mp4's `.<name>.<pid>.tmp`): the resumed run writes a PNG
+    # again under its name, never an MP4's, whose temporary name holds the dead writer's pid. The run lock makes
+    # this run the folder's only writer.
+    validation = output_dir / "validation"
+    for p in sorted(validation.glob(".*.tmp")) if validation.is_dir() else []:
+        p.unlink(missing_ok=True)
