@@ -137,7 +137,8 @@ def run_card_usage(run_cfg, run, tmp_path, monkeypatch, image, size, ours) -> No
         from difftune.models.tiny_kandinsky5 import load_qwen_processor
 
         names["processor"] = load_qwen_processor(run.comps.source)
-        code = code.replace("torch_dtype=torch.bfloat16)", "torch_dtype=torch.bfloat16, tokenizer=processor)", 1)
+        code = code.replace("dtype=torch.bfloat16)", "dtype=torch.bfloat16, tokenizer=processor)", 1)
+    assert "torch_dtype" not in code  # deprecated for pipelines from diffusers 0.42: the card writes dtype=
     exec(compile(code, "model card", "exec"), names)
     width, height, frames = size
     if frames is None:

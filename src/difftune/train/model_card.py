@@ -13,6 +13,18 @@ from difftune.config.load import validation_video_frames
 from difftune.config.reporting_keys import pipeline_name
 from difftune.models.registry import FAMILY_FACTS
 
+
+def _dtype_keyword() -> str:
+    """diffusers 0.40 takes `dtype=` in from_pretrained and from_single_file, and from 0.42 a pipeline warns that
+    `torch_dtype` is deprecated (to be removed in 1.0): the card's code is written for the diffusers installed."""
+    from importlib.metadata import version
+
+    found = re.match(r"(\d+)\.(\d+)", version("diffusers"))
+    return "dtype" if found and (int(found[1]), int(found[2])) >= (0, 40) else "torch_dtype"
+
+
+DTYPE = _dtype_keyword()
+
 MAX_CAPTIONS = 5
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # owner/name: the hub's base_model takes no paths
 
@@ -40,15 +52,15 @@ def _parts_elsewhere(cfg: Any) -> str:
     if own is not None:
         if own.lower().endswith(".safetensors"):
             call = (f"from_single_file(\"{own}\", config=\"{_pipeline_base(cfg)}\", subfolder=\"transformer\",\n"
-                    "    torch_dtype=torch.bfloat16)")
+                    f"    {DTYPE}=torch.bfloat16)")
         else:
             sub = cfg.pretrained_transformer_subfolder
             subfolder = f', subfolder="{sub}"' if sub else ""
-            call = f"from_pretrained(\"{own}\"{subfolder}, torch_dtype=torch.bfloat16)"
+            call = f"from_pretrained(\"{own}\"{subfolder}, {DTYPE}=torch.bfloat16)"
         lines += f"pipe.transformer = type(pipe.transformer).{call}  # the base this was trained on\n"
     if cfg.pretrained_vae_model_name_or_path is not None:
         lines += (f"pipe.vae = type(pipe.vae).from_pretrained(\"{cfg.pretrained_vae_model_name_or_path}\", "
-                  "torch_dtype=torch.bfloat16)  # add subfolder=\"vae\" for a whole pipeline's VAE\n")
+                  f"{DTYPE}=torch.bfloat16)  # add subfolder=\"vae\" for a whole pipeline's VAE\n")
     return lines
 
 
@@ -101,10 +113,10 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
     cfg = run_cfg.train
     if cfg.model_type == "full":
         return (f"```python\n{_imports(run_cfg, pipeline)}"
-                f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n"
+                f"pipe = {pipeline}.from_pretrained(\"{base}\", {DTYPE}=torch.bfloat16)\n"
                 f"{_parts_elsewhere(cfg) if cfg.pretrained_vae_model_name_or_path else ''}"
                 f"pipe.transformer = type(pipe.transformer).from_pretrained(\"{repo}\", subfolder=\"transformer\",\n"
-                f"    torch_dtype=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
+                f"    {DTYPE}=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
     if cfg.lora_type == "lycoris":
         multiplier = _lycoris_multiplier(cfg)
         return ("This is a LyCORIS network (`pytorch_lora_weights.safetensors`, with its `lycoris_config` in the "
@@ -113,7 +125,7 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
                 "the multiplier it trained with) on the pipeline's transformer, in the transformer's dtype "
                 "(`network.to(dtype=pipe.transformer.dtype)`).\n")
     return (f"```python\n{_imports(run_cfg, pipeline)}"
-            f"pipe = {pipeline}.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
+            f"pipe = {pipeline}.from_pretrained(\"{base}\", {DTYPE}=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
             # named: the EMA copy (ema/) and a ComfyUI file are .safetensors too, which diffusers could pick instead
             f"pipe.load_lora_weights(\"{repo}\", weight_name=\"pytorch_lora_weights.safetensors\")\n"
             f"pipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
