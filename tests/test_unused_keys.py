@@ -146,3 +146,11 @@ def test_lycoris_without_lycoris_config_reads_simpletuners_default_file(tmp_path
     (tmp_path / "config" / "lycoris_config.json").write_text("{}")
     path = write_config(tmp_path, dataset, lora_type="lycoris")
     assert "must be a JSON object with at least 'algo'" in config_problems(path)  # the default file is checked too
+
+
+def test_aspect_bucket_rounding_is_accepted_with_a_note(tmp_path, dataset):
+    """SimpleTuner's config.json.example (and most configs made from it) sets aspect_bucket_rounding 2: refused as
+    'not implemented yet', every such config stopped at `difftune check`."""
+    assert "aspect_bucket_rounding 2 not used: difftune buckets each image by its size in pixels" in \
+        notes(write_config(tmp_path, dataset, aspect_bucket_rounding="2"))
+    assert "aspect_bucket_rounding" not in notes(write_config(tmp_path, dataset, aspect_bucket_rounding=""))

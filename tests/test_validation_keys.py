@@ -13,6 +13,7 @@ import torch
 
 from conftest import write_config
 from difftune.config import load_config
+from difftune.config.validation_triggers import samples_base_model
 from difftune.data.cache import TensorCache
 from difftune.models import get_family, tiny_model
 from difftune.train.caching import encode_validation
@@ -146,11 +147,29 @@ def test_startup_and_image_count_keys_validate(tmp_path, dataset):
                                    disable_benchmark="false", num_validation_images=None)).train
     assert cfg.validation_on_startup and cfg.disable_benchmark is False and cfg.num_validation_images == 1
     assert load_config(write_config(tmp_path, images, max_train_steps=1)).train.disable_benchmark is True
-    for key, value in [("validation_on_startup", True), ("disable_benchmark", False), ("num_validation_images", 3),
+    for key, value in [("validation_on_startup", True), ("num_validation_images", 3),
                        ("validation_epoch_interval", 2)]:
         text = problems(write_config(tmp_path / key, images, max_train_steps=1, **{key: value}))
         assert key in text and "validation_prompt" in text, text
-    assert "disable_benchmark to true" in problems(write_config(tmp_path / "d", images, disable_benchmark=False))
+    # SimpleTuner's config.json.example writes disable_benchmark "false": without a prompt it samples nothing, as
+    # there (a user who removed the prompt was refused)
+    quiet = load_config(write_config(tmp_path / "d", images, max_train_steps=1, disable_benchmark="false"))
+    assert not samples_base_model(quiet.train)
+    assert any(n.startswith("disable_benchmark false not used: no validation prompt") for n in quiet.notes())
+
+
+def test_validation_disable_samples_nothing(tmp_path, dataset):
+    """SimpleTuner's validation_disable (its LTX-2 quickstart sets it beside prompts) was refused."""
+    images = dataset / "images"
+    off = load_config(write_config(tmp_path, images, **BASE, validation_on_startup=True, disable_benchmark=False,
+                                   num_validation_images=3, validation_epoch_interval=2, validation_prompt_library=True,
+                                   validation_disable="true"))
+    assert off.train.validation_prompts() == [] and not samples_base_model(off.train)
+    assert off.train.num_validation_images == 1 and not off.train.validation_epoch_interval
+    assert any(n.startswith("validation_disable: nothing is sampled") for n in off.notes())
+    kept = load_config(write_config(tmp_path, images, **BASE, validation_disable=False)).train
+    assert kept.validation_prompts() and not any("validation_disable" in n for n in load_config(
+        write_config(tmp_path, images, **BASE)).notes())
     assert "num_validation_images" in problems(write_config(tmp_path / "n", images, **BASE, num_validation_images=0))
 
 

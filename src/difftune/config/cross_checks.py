@@ -120,6 +120,9 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
         notes.append(f"flow_schedule_shift {cfg.flow_schedule_shift:g} not used: flow_schedule_auto_shift computes "
                      "the shift from each batch's resolution; remove flow_schedule_shift (or set "
                      "flow_schedule_auto_shift to false to use it)")
+    if cfg.validation_disable:
+        notes.append("validation_disable: nothing is sampled during training (validation_prompt, the prompt "
+                     "libraries and the base-model samples are switched off); remove it to get samples")
     notes += _literal_home(cfg)
     if cfg.validation_prompts() and "validation_negative_prompt" in cfg.model_fields_set and \
             cfg.validation_negative_prompt and cfg.guidance() <= 1:
@@ -160,6 +163,8 @@ def unsampled_notes(cfg: TrainConfig) -> list[str]:
         return []
     unused = [k + (" (validation_steps)" if k == "validation_step_interval" else "") for k in SAMPLE_KEYS
               if k in cfg.model_fields_set and getattr(cfg, k) not in (None, 0, "")]
+    if "disable_benchmark" in cfg.model_fields_set and not cfg.disable_benchmark:
+        unused.append("disable_benchmark false")  # SimpleTuner's config.json.example writes it
     if not unused:
         return []
     return [f"{', '.join(unused)} not used: no validation prompt is set, so the run samples nothing; set "

@@ -164,8 +164,6 @@ PENDING_TRAIN_KEYS |= {
     # data
     "aspect_bucket_alignment": ((16, None), "bucket sides are multiples of 16 (each family's VAE factor times "
                                 "patch size); set aspect_bucket_alignment to 16 or remove it"),
-    "aspect_bucket_rounding": ((None,), "rounding aspect ratios; images are grouped by their bucket size in "
-                               "pixels" + _REMOVE),
     "aspect_bucket_disable_rebuild": ((True, None), "drawing a new 'random' crop aspect every epoch; difftune "
                                       "draws it once per image (as with aspect_bucket_disable_rebuild: true)"
                                       + _REMOVE),
@@ -225,8 +223,6 @@ PENDING_TRAIN_KEYS |= {
     "seed_for_each_device": ((True, None), "the same seed on every process; noise is drawn for the global batch "
                              "from one seed and split between the processes" + _REMOVE),
     # validation and evaluation
-    "validation_disable": ((False,), "validation is off when no prompt is set: remove validation_prompt, "
-                           "user_prompt_library and validation_prompt_library"),
     "validation_seed_source": (("gpu", None), "drawing validation noise on the CPU; it is drawn on the "
                                "accelerator (SimpleTuner's 'gpu'): set it to 'gpu' or remove it"),
     # validation samples on process 0 (SimpleTuner's 'single-gpu'); the samples are the same either way

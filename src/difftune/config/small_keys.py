@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, field_validator, model_validator
 
 from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS
@@ -71,6 +71,17 @@ class SmallKeys(BaseModel):
         "data", ge=0, advanced=True,
     )
 
+    aspect_bucket_rounding: int | None = field(
+        None, "SimpleTuner's decimal places of the aspect ratios it groups images by (2 in its config.json.example). "
+        "Changes nothing here: each image's bucket is a size in pixels on the family's 16-pixel grid, chosen from "
+        "the image's own size. Accepted for SimpleTuner configs, with a note.", "data", ge=0, advanced=True,
+    )
+
+    @field_validator("aspect_bucket_rounding", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none", "null") else value
+
     @model_validator(mode="after")
     def _text_length_bound(self) -> Any:
         facts = FAMILY_FACTS.get(getattr(self, "model_family", ""))
@@ -88,6 +99,11 @@ PIPELINE_KNOBS = {"write_batch_size": 128, "max_workers": 32, "metadata_update_i
 
 def pipeline_notes(cfg: Any) -> list[str]:
     """A note per data-pipeline knob set to another value than SimpleTuner's default: it changes nothing here."""
-    return [f"{key} {getattr(cfg, key):g} changes nothing here (SimpleTuner's own data pipeline; difftune's results "
-            "do not depend on it); remove it" for key, default in PIPELINE_KNOBS.items()
-            if getattr(cfg, key) not in (None, default)]
+    notes = [f"{key} {getattr(cfg, key):g} changes nothing here (SimpleTuner's own data pipeline; difftune's results "
+             "do not depend on it); remove it" for key, default in PIPELINE_KNOBS.items()
+             if getattr(cfg, key) not in (None, default)]
+    if cfg.aspect_bucket_rounding is not None:  # in SimpleTuner's config.json.example and most configs from it
+        notes.append(f"aspect_bucket_rounding {cfg.aspect_bucket_rounding} not used: difftune buckets each image by "
+                     "its size in pixels on a 16-pixel grid, not by a rounded aspect ratio (the data report shows "
+                     "the buckets); remove it")
+    return notes

@@ -16,6 +16,11 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from difftune.config.fields import field
 
+# What validation_disable switches off (the prompt sources, and what samples them)
+VALIDATION_OFF = {"validation_prompt": None, "user_prompt_library": None, "validation_prompt_library": False,
+                  "validation_on_startup": False, "disable_benchmark": True, "num_validation_images": 1,
+                  "validation_epoch_interval": None}
+
 
 class ValidationTriggerKeys(BaseModel):
     disable_benchmark: bool = field(
@@ -54,6 +59,22 @@ class ValidationTriggerKeys(BaseModel):
         "that step. Empty or 0: off.", "output", ge=0,
     )
 
+    validation_disable: bool = field(
+        False, "SimpleTuner's switch: true samples nothing during training, whatever the config says (validation "
+        "prompts, prompt libraries, base-model samples and their schedules are switched off, with a note). The "
+        "evaluation loss of eval datasets still runs.", "validation", advanced=True,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _validation_off(cls, data: Any) -> Any:
+        """validation_disable: the prompt sources and what samples them before or between steps, off; everything
+        downstream then sees a run without prompts (the samples, the checks, the planner, the model card)."""
+        flag = data.get("validation_disable") if isinstance(data, dict) else None
+        if flag is True or flag == 1 or isinstance(flag, str) and flag.strip().lower() in ("true", "1", "yes"):
+            data = {**data, **VALIDATION_OFF}
+        return data
+
     @field_validator("num_validation_images", mode="before")
     @classmethod
     def _null_is_one(cls, v: object) -> object:
@@ -66,20 +87,20 @@ class ValidationTriggerKeys(BaseModel):
 
 
 def samples_base_model(cfg: Any) -> bool:
-    """Whether the run samples the base model before its first step."""
-    return cfg.validation_on_startup or not cfg.disable_benchmark
+    """Whether the run samples the base model before its first step (disable_benchmark: false samples nothing
+    without a prompt, as in SimpleTuner, whose config.json.example writes it)."""
+    return cfg.validation_on_startup or not cfg.disable_benchmark and bool(cfg.validation_prompts())
 
 
 def trigger_checks(cfg: Any) -> None:
-    """Raise ValueError for a setting that would do nothing (no prompt to sample, no evaluation to run)."""
+    """Raise ValueError for a setting that would do nothing (no prompt to sample, no evaluation to run).
+    disable_benchmark: false without a prompt is a note (cross_checks.unsampled_notes): SimpleTuner's example
+    config writes it, and a user who removes the prompt there switches validation off."""
     asked = [key for key, on in (("validation_on_startup", cfg.validation_on_startup),
-                                 ("disable_benchmark: false", not cfg.disable_benchmark),
                                  ("num_validation_images", cfg.num_validation_images > 1),
                                  ("validation_epoch_interval", bool(cfg.validation_epoch_interval))) if on]
     if asked and not cfg.validation_prompts():
-        key = asked[0].split(":")[0]
-        fix = "set disable_benchmark to true" if key == "disable_benchmark" else f"remove {key}"
         raise ValueError(f"{asked[0]} samples the validation prompts, but none is set: set validation_prompt (or "
-                         f"user_prompt_library, or validation_prompt_library), or {fix}")
+                         f"user_prompt_library, or validation_prompt_library), or remove {asked[0]}")
     # eval_epoch_interval without evaluation_type 'clip' may schedule the evaluation loss of eval datasets, which
     # this mixin cannot see: config/eval_keys.check_eval_datasets checks it against the dataset list
