@@ -174,12 +174,8 @@ PENDING_TRAIN_KEYS |= {
                                "skipped ones in the data report" + _REMOVE),
     "delete_problematic_images": ((False,), "deleting your images; difftune never deletes them and reports the "
                                   "unreadable ones in the data report" + _REMOVE),
-    "preserve_data_backend_cache": ((False,), "skipping the dataset scan; the metadata cache is reused while the "
-                                    "files are unchanged" + _REMOVE),
     "override_dataset_config": ((False,), "reusing caches made with other dataset settings; the caches are "
                                 "fingerprinted and rebuilt when a setting changes" + _REMOVE),
-    "skip_file_discovery": (("", None), "skipping discovery stages; the metadata cache is reused while the "
-                            "files are unchanged" + _REMOVE),
     "max_upscale_threshold": ((None,), "dropping images upscaled beyond a threshold; set minimum_image_size on the "
                               "dataset entries"),
     "cache_dir": ((None,), "a download folder for models; set HF_HOME (or HF_HUB_CACHE) in the environment"),

@@ -77,6 +77,17 @@ class SmallKeys(BaseModel):
         "the image's own size. Accepted for SimpleTuner configs, with a note.", "data", ge=0, advanced=True,
     )
 
+    preserve_data_backend_cache: bool | None = field(
+        None, "SimpleTuner's switch to skip rescanning the datasets. Changes nothing here: each start reuses the "
+        "datasets' scans (metadata.json) and caches while the files are unchanged and reads only what changed. "
+        "Accepted for SimpleTuner configs (config-level or on an entry), with a note.", "data", advanced=True,
+    )
+    skip_file_discovery: str | list[str] | None = field(
+        None, "SimpleTuner's list of discovery stages to skip (vae, aspect, text, metadata). Changes nothing here, as "
+        "preserve_data_backend_cache. Accepted for SimpleTuner configs (config-level or on an entry), with a note.",
+        "data", advanced=True,
+    )
+
     @field_validator("aspect_bucket_rounding", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
@@ -102,6 +113,11 @@ def pipeline_notes(cfg: Any) -> list[str]:
     notes = [f"{key} {getattr(cfg, key):g} changes nothing here (SimpleTuner's own data pipeline; difftune's results "
              "do not depend on it); remove it" for key, default in PIPELINE_KNOBS.items()
              if getattr(cfg, key) not in (None, default)]
+    for key in ("preserve_data_backend_cache", "skip_file_discovery"):  # as on a dataset entry (dataset_entry_keys)
+        if getattr(cfg, key) not in (None, False, "", []):
+            notes.append(f"{key} {getattr(cfg, key)!r} changes nothing here: each start reuses the datasets' scans "
+                         "(metadata.json) and their caches while the files are unchanged, and reads only what "
+                         "changed; remove it")
     if cfg.aspect_bucket_rounding is not None:  # in SimpleTuner's config.json.example and most configs from it
         notes.append(f"aspect_bucket_rounding {cfg.aspect_bucket_rounding} not used: difftune buckets each image by "
                      "its size in pixels on a 16-pixel grid, not by a rounded aspect ratio (the data report shows "
