@@ -274,3 +274,13 @@ def test_a_dataset_resolution_of_inf_or_nan_is_refused(tmp_path, dataset):
     for value in ("inf", "nan"):
         text = problems(write_config(tmp_path, dataset, dataset={"resolution": value}))
         assert "resolution" in text and "finite" in text
+
+
+def test_fp16_full_finetune_message_follows_what_made_the_weights_fp16(tmp_path, dataset):
+    """With base_model_default_dtype 'fp16' and mixed_precision 'no', the message said to keep mixed_precision
+    'fp16', which the config did not have."""
+    text = problems(write_config(tmp_path, dataset, model_type="full", mixed_precision="no",
+                                        base_model_default_dtype="fp16"))
+    assert "base_model_default_dtype 'fp16'" in text and "mixed_precision 'fp16'" not in text
+    assert "keep mixed_precision 'fp16' with base_model_default_dtype 'fp32'" in problems(
+        write_config(tmp_path, dataset, model_type="full", mixed_precision="fp16"))

@@ -43,6 +43,9 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
         cfg._lycoris_config_by_default = True
     if cfg.model_type == "full" and cfg.weight_dtype_name() == "fp16":
         # fp16 weights updated in place overflow and underflow (AdamW's epsilon is 0 in fp16): NaN at step 2.
+        if cfg.base_model_default_dtype == "fp16":  # set on its own: the mixed_precision may be anything
+            raise ValueError("a full fine-tune cannot update fp16 weights (base_model_default_dtype 'fp16'); set "
+                             "base_model_default_dtype to 'bf16' or 'fp32'")
         raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
                          "mixed_precision 'fp16' with base_model_default_dtype 'fp32' (classic fp16 autocast)")
     if cfg.model_type == "full" and cfg.base_model_precision != "no_change":
