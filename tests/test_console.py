@@ -18,6 +18,7 @@ def test_a_run_prints_no_library_noise_and_says_what_it_saved(tmp_path, dataset)
         assert noise not in done.stderr + done.stdout, noise
     assert f"LoRA saved to {tmp_path / 'output'}" in done.stdout
     assert f"validation samples in {tmp_path / 'output' / 'validation'}" in done.stdout
+    assert "validating 1/2 (32x32)" in done.stderr  # on the progress bar while it samples (a video: minutes)
 
 
 def test_a_kandinsky5_bf16_run_prints_no_torch_dispatch_warning(tmp_path, dataset):

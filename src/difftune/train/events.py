@@ -101,6 +101,12 @@ class Events:
                             dynamic_ncols=True, file=sys.stderr)
         return self.bar
 
+    def activity(self, text: str | None) -> None:
+        """What the run does between steps (a validation sample: minutes for a video), on the progress bar in place
+        of "training"; None puts "training" back. Console only: the samples' own events go to the log."""
+        if self.console and self.bar is not None:
+            self.bar.set_description_str(text or "training", refresh=True)
+
     def write(self, text: str) -> None:
         if not self.console:
             return

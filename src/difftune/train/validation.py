@@ -265,14 +265,18 @@ def _sample_requests(run: Run, model: Any, vae: Any, label: str | None, suffix: 
     out_dir.mkdir(parents=True, exist_ok=True)
     count = 1 if label is None else run.cfg.num_validation_images
     done = []
+    total = len(requests) * count
     try:
-        for request in requests:
-            for index in range(count):
-                one = request if index == 0 else replace(request, seed=request.seed + index)
-                result = run.family.sample(run.comps, model, one)
-                written = [] if label is None else _kept(run, out_dir, label, one, result, suffix, index, count)
-                done.append((one, result, written))
+        for number, (request, index) in enumerate((r, i) for r in requests for i in range(count)):
+            one = request if index == 0 else replace(request, seed=request.seed + index)
+            # a video sample can take minutes: the progress bar says what the run is doing meanwhile
+            run.events.activity(f"{'sampling' if label is None else 'validating'} {number + 1}/{total} "
+                                f"({sample_size(one)})")
+            result = run.family.sample(run.comps, model, one)
+            written = [] if label is None else _kept(run, out_dir, label, one, result, suffix, index, count)
+            done.append((one, result, written))
     finally:
+        run.events.activity(None)
         model.train()
         # the VAE stays on the accelerator when it encodes on the fly, or when CREPA decodes with it every step
         if not run.data.encode and run.crepa is None:
