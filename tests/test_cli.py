@@ -162,3 +162,11 @@ def test_only_process_0_says_what_the_run_did(tmp_path, dataset, monkeypatch, ca
     assert main(["train", "--config", str(path)]) == 130
     said = capsys.readouterr()
     assert "note: " in said.out and "interrupted; no checkpoint was written yet" in said.err
+
+
+def test_check_prints_the_config_notes_when_the_data_fails_too(tmp_path, capsys):
+    """A failing data scan hid the config's notes, which `train` prints (and which may explain the failure)."""
+    (tmp_path / "empty").mkdir()
+    config = write_config(tmp_path, tmp_path / "empty", aspect_bucket_rounding=2)
+    assert main(["check", "--config", str(config)]) != 0
+    assert "note: aspect_bucket_rounding 2 not used" in capsys.readouterr().out

@@ -69,12 +69,18 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
 
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
-    from difftune.train.plan import check_data
+    from difftune.train.plan import DataError, check_data
     from difftune.train.run_lock import check_writable
 
     check_writable(Path(run_cfg.train.output_dir))  # as train does before any model loads
 
-    print(check_data(run_cfg, args.all))  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)
+    try:
+        report = check_data(run_cfg, args.all)  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)
+    except DataError:
+        for note in run_cfg.notes():  # the config's notes still hold, and may explain the data error
+            print(f"note: {note}")
+        raise
+    print(report)
     for note in run_cfg.notes():
         print(f"note: {note}")
     print(f"{args.config}: OK ({run_cfg.train.model_family}, {run_cfg.train.flavour()}{', ' + run_cfg.train.model_source() if run_cfg.train.model_source() else ''})")
