@@ -153,6 +153,7 @@ def test_lycoris_warnings_become_warning_events(tmp_path, dataset, capfd):
     log = [json.loads(line) for line in (run.output_dir / "events.jsonl").read_text().splitlines()]
     (warning,) = [e["message"] for e in log if e["event"] == "warning"]
     assert "No modules matched the following target module classes: ['FeedForward']" in warning
+    assert "(this transformer's classes of that name: LuminaFeedForward)" in warning  # what to write instead
     assert str(config) in warning
     console = capfd.readouterr()
     assert (console.out + console.err).count("No modules matched") == 1  # said once: the run's warning

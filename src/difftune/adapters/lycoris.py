@@ -174,6 +174,18 @@ def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     return positional, config, dict(preset)
 
 
+def _with_class_hint(message: str, transformer: torch.nn.Module) -> str:
+    """A preset class that matched nothing ("No modules matched the following target module classes: ['FeedForward']",
+    from SimpleTuner's generic lycoris_config) with this transformer's classes of a similar name (LuminaFeedForward)."""
+    found = re.search(r"target module classes: \[(.*?)\]", message)
+    if found is None:
+        return message
+    wanted = [name.strip(" '\"") for name in found[1].split(",") if name.strip(" '\"")]
+    classes = sorted({type(m).__name__ for m in transformer.modules()})
+    near = [c for c in classes if any(w.lower() in c.lower() and w != c for w in wanted)]
+    return message + (f" (this transformer's classes of that name: {', '.join(near)})" if near else "")
+
+
 def attach_lycoris(transformer: torch.nn.Module, config: Mapping[str, Any], *, family: str | None = None,
                    bypass: bool = False) -> tuple[LycorisNetwork, list[torch.nn.Parameter]]:
     """Wrap `transformer`'s target modules with a LyCORIS network built from a lycoris_config; returns the network
@@ -188,7 +200,8 @@ def attach_lycoris(transformer: torch.nn.Module, config: Mapping[str, Any], *, f
     with preset_applied(resolve_preset(transformer, preset, family)), warnings_kept() as warned:
         network = create_lycoris(transformer, positional["multiplier"], positional["linear_dim"],
                                  positional["linear_alpha"], **kwargs)
-    network.difftune_warnings = list(dict.fromkeys(warned))  # once each: LoHa and LoKr print theirs per module
+    network.difftune_warnings = [_with_class_hint(w, transformer) for w in dict.fromkeys(warned)]  # once each: LoHa
+    # and LoKr print theirs per module
     if not network.loras:
         raise ValueError("the LyCORIS config matched no module of the transformer; check apply_preset")
     network.apply_to()
