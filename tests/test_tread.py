@@ -318,3 +318,22 @@ def test_reflexflow_loss_terms():
     direction_only = _reflex_cfg(beta1=1.0, beta2=0.0)
     torch.testing.assert_close(rollout.loss(direction_only, 2 * target, target, None, rolled),
                                objective.flow_loss(2 * target[[0, 2]], target[[0, 2]]) * 2 / 3)
+
+
+def test_a_route_past_the_last_block_fails_before_any_model_loads(tmp_path, dataset, lumina2_dir, capsys):
+    """`difftune check` said OK to a route past the transformer's last block, and `train` found it only once the
+    model had loaded. The model folder's config.json (here the tiny model's 2 layers) says how many there are."""
+    from difftune.cli import main
+    from difftune.train.tread import TreadError, check_before_load
+
+    route = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 5}]}
+    config = write_config(tmp_path, dataset, model_flavour=None, pretrained_model_name_or_path=str(lumina2_dir),
+                          tread_config=route)
+    cfg = load_config(config).train
+    with pytest.raises(TreadError, match=r"end_layer_idx 5 is out of range: the model has 2 blocks"):
+        check_before_load(cfg)
+    assert main(["check", "--config", str(config)]) != 0
+    assert "end_layer_idx 5 is out of range" in capsys.readouterr().err
+    fits = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -1}]}
+    check_before_load(load_config(write_config(tmp_path, dataset, model_flavour=None, tread_config=fits,
+                                               pretrained_model_name_or_path=str(lumina2_dir))).train)

@@ -73,6 +73,9 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.train.run_lock import check_writable
 
     check_writable(Path(run_cfg.train.output_dir))  # as train does before any model loads
+    from difftune.train.tread import check_before_load
+
+    check_before_load(run_cfg.train)  # a TREAD route past the transformer's last block, as train does
 
     try:
         report = check_data(run_cfg, args.all)  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)

@@ -256,6 +256,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
                               log_with=trackers.log_with(cfg), project_dir=str(trackers.tracker_folder(output_dir)))
     ranks = ranks_of(accelerator)
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
+    tread.check_before_load(cfg)  # so does a TREAD route past the transformer's last block
     if cfg.lora_type == "lycoris":  # so does a LyCORIS algo this device's autocast cannot serve
         from difftune.adapters.lycoris import check_device
 
