@@ -83,8 +83,8 @@ def preload(cfg: Any, main: bool) -> ClipScorer | None:
     try:
         return load_scorer(cfg)
     except (OSError, ValueError) as e:  # transformers: OSError for a missing or unreachable repository
-        raise ComponentError(f"evaluation_clip_model (SimpleTuner's pretrained_evaluation_model_name_or_path) "
-                             f"{cfg.evaluation_clip_model!r} cannot be loaded "
+        raise ComponentError(f"evaluation_clip_model {cfg.evaluation_clip_model!r} (SimpleTuner's "
+                             "pretrained_evaluation_model_name_or_path) cannot be loaded "
                              f"({str(e).splitlines()[0][:200]}); give a CLIP model folder or a reachable hub id, or "
                              "set evaluation_type none") from e
 
