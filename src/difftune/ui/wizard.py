@@ -27,6 +27,8 @@ from difftune.data.frames import resampled_count, vae_frames
 from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
+from difftune.ui.terminal import Cancelled, _input, _show, _yes
+from difftune.ui.wizard_memory import MemoryQuestions
 
 DEFAULT_CONFIG = "config/config.json"
 TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_type", "lora_rank")
@@ -46,45 +48,7 @@ COUNT_CAP = 10_000  # files counted in the folder check; a huge folder is not li
 PROBE_CAP = 32  # clips probed for their length (a demux each, no decoding): enough to offer num_frames
 
 
-class Cancelled(Exception):
-    pass
-
-
-def _input(prompt: str) -> str:
-    try:
-        return input(prompt)
-    except EOFError as e:
-        raise Cancelled from e
-
-
-def _yes(prompt: str) -> bool:
-    return _input(prompt).strip().lower() in ("", "y", "yes")
-
-
-def _show(value: Any) -> str:
-    return "empty" if value is None else json.dumps(value) if isinstance(value, list | dict) else str(value)
-
-
-def memory_settings(gigabytes: float, fields: set[str]) -> dict[str, Any]:
-    """Fixed memory settings by GPU size (0: no GPU), limited to keys the schema has: the offer without a
-    GPU, and the fallback when the memory planner cannot run (`Wizard.planned` decides otherwise).
-
-    LoRA on a ~2B transformer at 1024px: about 26 GB with bf16 weights, about 10 GB with gradient
-    checkpointing (activations recomputed); see BENCHMARKS.md (memory planner).
-    """
-    if gigabytes <= 0:
-        out = {"mixed_precision": "no", "gradient_checkpointing": False, "train_batch_size": 1}
-    elif gigabytes < 24:
-        out = {"mixed_precision": "bf16", "base_model_default_dtype": "bf16", "gradient_checkpointing": True,
-               "train_batch_size": 1}
-    elif gigabytes < 48:
-        out = {"mixed_precision": "bf16", "gradient_checkpointing": False, "train_batch_size": 1}
-    else:
-        out = {"mixed_precision": "bf16", "gradient_checkpointing": False, "train_batch_size": 4}
-    return {k: v for k, v in out.items() if k in fields}
-
-
-class Wizard:
+class Wizard(MemoryQuestions):
     def __init__(self, path: str | None, out=sys.stdout):
         self.out = out
         self.train_specs = {f["name"]: f for f in describe_model(TrainConfig)["fields"]}
@@ -423,98 +387,6 @@ class Wizard:
             entry["video"] = block
         else:
             entry.pop("video", None)
-
-    def memory(self) -> None:
-        self.say("\n--- memory")
-        while True:
-            answer = _input("GPU memory available, in GiB (0: no GPU) [24]: ").strip() or "24"
-            try:
-                gigabytes = float(answer)
-            except ValueError:
-                gigabytes = math.nan
-            if math.isfinite(gigabytes) and gigabytes >= 0:
-                break
-            self.say(f"  {answer}: give the GPU's memory as a number of GiB, such as 24, or 0 for no GPU")
-        memory_fields = [n for n, s in self.train_specs.items() if s["group"] == "memory"] + ["mixed_precision"]
-        offer = memory_settings(gigabytes, set(self.train_specs))
-        kept = self.levers_set() if gigabytes > 0 else {}
-        if kept:  # set for another GPU size, maybe: planned afresh, so a larger GPU does not keep their cost
-            self.say("The config has memory levers: " + ", ".join(f"{k} {_show(v)}" for k, v in kept.items())
-                     + "; planned without them (those the plan below does not need are removed if you accept)")
-        planned = self.planned(gigabytes, offer, drop=set(kept)) if gigabytes > 0 else None
-        if planned is None:
-            kept = {}  # the fixed suggestion: the config's levers stay
-        else:
-            offer = planned
-        if "optimizer" not in offer:
-            offer.update(self.lossless_optimizer(offer))
-        self.say("Settings that fit:" if offer else "No suggestion for this size.")
-        for key, value in offer.items():
-            self.say(f"  {key}: {_show(value)}  ({self.train_specs[key]['description']})")
-        if _input("Use these settings? [Y/n]: ").strip().lower() in ("", "y", "yes"):
-            for key in kept.keys() - offer.keys():
-                del self.config[key]
-            self.config.update(offer)
-            return
-        for name in memory_fields:
-            self.ask(self.train_specs[name], self.config, TrainConfig)
-
-    def lossless_optimizer(self, offer: dict[str, Any]) -> dict[str, Any]:
-        """The optimizer a full fine-tune of bf16/fp16 weights needs so that the trainer does not warn that it loses
-        small updates (the planner's rule, memory_plan/levers.py); {} when none is needed or the config is not
-        valid yet (the review says why)."""
-        from difftune.memory_plan.levers import lossless_optimizer
-
-        if self.config.get("model_type") != "full":
-            return {}
-        try:
-            return lossless_optimizer(TrainConfig.model_validate({**self.config, **offer}))
-        except ValueError:
-            return {}
-
-    def levers_set(self) -> dict[str, Any]:
-        """The planner's memory levers (memory_plan/levers.py) the config sets to other than their default: the
-        optimizer only as a full fine-tune's 8-bit lever (otherwise it is the user's choice, not a memory setting)."""
-        from difftune.memory_plan.levers import SPEED
-
-        lever_optimizer = "adamw8bit" if self.config.get("model_type") == "full" else None
-        return {k: v for k, v in self.config.items() if k in SPEED and k in self.train_specs
-                and v != self.train_specs[k]["default"] and (k != "optimizer" or v == lever_optimizer)}
-
-    def planned(self, gigabytes: float, base: dict[str, Any], drop: set[str] = frozenset()) -> dict[str, Any] | None:
-        """The memory planner's choice for this configuration (`difftune plan --gpu-memory`): `base` (bf16 on a
-        GPU) plus the cheapest levers that fit, each said with its saving. None when it cannot plan (the fixed
-        suggestion `memory_settings` stays). `drop`: config keys planned without."""
-        from difftune.memory_plan.levers import choose, reserve_for
-        from difftune.memory_plan.predict import GIB
-
-        with tempfile.TemporaryDirectory(prefix="difftune-configure-") as tmp:
-            settings = {k: v for k, v in base.items() if k in ("mixed_precision",)}
-            tmp_cfg, tmp_data = self.stage(Path(tmp), settings, drop)
-            try:
-                run_cfg = load_config(tmp_cfg)
-                from difftune.train.plan import discover_all
-
-                found = discover_all(run_cfg, write_metadata=False)
-                choice = choose(run_cfg.train, found, gigabytes, reserve=reserve_for(gigabytes))
-            except Exception as e:  # noqa: BLE001 - the wizard falls back to its fixed suggestion
-                said = str(e).replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data),
-                                                                                   str(self.datasets_path()))
-                self.say(f"  (the memory planner could not run: {said}; a fixed suggestion follows, and the review "
-                         "below says what to fix)")
-                return None
-        self.say(f"Predicted peak {'without them' if drop else 'as configured'}: {choice.before.peak / GIB:.1f} GiB "
-                 f"({choice.before.peak_phase}).")
-        if not choice.fits:
-            self.say(f"  {choice.message}")
-            return {**settings}
-        for step in choice.steps:
-            effect = f"saves {step.saving / GIB:.1f}" if step.saving >= 0 else f"costs {-step.saving / GIB:.1f}"
-            self.say(f"  {step.key} {_show(step.value)}: {effect} GiB ({step.why})")
-        if choice.steps and choice.after is not None:
-            self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB ({choice.reserve:g} of the {gigabytes:g} GiB "
-                     "kept free for the CUDA context and fragmentation)")
-        return {**settings, **choice.settings()}
 
     def stage(self, tmp: Path, settings: dict[str, Any], drop: set[str] = frozenset()) -> tuple[Path, Path]:
         """The files about to be written, in `tmp` (config, dataset list, and the lycoris_config the wizard makes),
