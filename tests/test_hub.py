@@ -256,3 +256,17 @@ def test_a_failed_final_upload_exits_4_with_the_command_to_retry(tmp_path, datas
     FakeHub(monkeypatch)  # the hub answers again: the same run uploads and exits 0
     assert main(["train", "--config", str(path), "--output_dir", str(tmp_path / "again")]) == 0
 
+
+
+def test_check_says_when_push_to_hub_has_no_login(tmp_path, dataset, monkeypatch, capsys):
+    """`difftune check` said OK to push_to_hub without any login, which `train` then refused. Offline: it looks for
+    a token where huggingface_hub keeps one (HF_TOKEN, the token file under HF_HOME), and asks the hub nothing."""
+    from difftune.cli import main
+
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)  # the process edge: no token on this machine
+    path = write_config(tmp_path, dataset, **HUB)
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "push_to_hub" in err and "no Hugging Face login" in err and "hf auth login" in err
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_not_checked_offline")
+    assert main(["check", "--config", str(path)]) == 0

@@ -76,6 +76,10 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.train.tread import check_before_load
 
     check_before_load(run_cfg.train)  # a TREAD route past the transformer's last block, as train does
+    from difftune.train.hub import HubAccessError, login_missing
+
+    if (problem := login_missing(run_cfg.train)) is not None:  # train asks the hub itself; check stays offline
+        raise HubAccessError(problem)
 
     try:
         report = check_data(run_cfg, args.all)  # discovery and training's bucket plan (WORLD_SIZE processes, else 1)

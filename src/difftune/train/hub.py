@@ -46,6 +46,16 @@ class HubAccessError(RuntimeError):
     """push_to_hub cannot write to hub_model_id: the command line prints it as `error: ...` (exit status 2)."""
 
 
+def login_missing(cfg: Any) -> str | None:
+    """`difftune check`'s side of check_access, offline: with push_to_hub, no Hugging Face token at all (the run
+    would stop before any model loads); None otherwise. Whether the token may write is only asked by train."""
+    from huggingface_hub import get_token
+
+    if not cfg.push_to_hub or get_token() is not None:
+        return None
+    return f"push_to_hub: hub_model_id {cfg.hub_model_id!r}: no Hugging Face login; {LOGIN_FIX}"
+
+
 def access_problem(cfg: Any, api: Any = None) -> str | None:
     """Why push_to_hub could not upload to hub_model_id, or None: the login (whoami), its write access (a read token,
     a namespace that is neither the user's nor one of their organisations'), then the repository, created when it
