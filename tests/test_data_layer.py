@@ -149,6 +149,30 @@ def test_metadata_cache_rescans_only_changes(tmp_path, dataset):
     assert str(removed.name) not in json.loads((tmp_path / "meta.json").read_text())["entries"]
 
 
+def test_a_metadata_save_killed_midway_leaves_what_the_cache_cleanup_removes(tmp_path, dataset, monkeypatch):
+    """The metadata file's temporary copy was a plain tmpXXXX.tmp, which no cleanup knew: a kill in that instant
+    left it in the latent cache folder for good. It is named by its writer now, as the cache's own are, and the
+    next start removes a dead writer's."""
+    import difftune.data.discovery as discovery
+
+    folder = tmp_path / "cache"
+    spec = DatasetSpec("d", dataset, RULE, CaptionRule("textfile"), metadata_file=folder / "metadata.json")
+
+    def killed(*a, **k):
+        raise SystemExit("killed while writing")
+
+    monkeypatch.setattr(discovery.json, "dump", killed)
+    with pytest.raises(SystemExit):
+        discover(spec)
+    (left,) = folder.glob("*.tmp")
+    dead = left.with_name(left.name.replace(f"-{os.getpid()}-", "-999999999-"))  # as if its writer were gone
+    left.rename(dead)
+    monkeypatch.undo()
+    (dataset / "000-new.png").write_bytes((dataset / sorted(p.name for p in dataset.glob("*.png"))[0]).read_bytes())
+    discover(spec)  # the next scan that saves
+    assert not dead.exists() and (folder / "metadata.json").is_file()
+
+
 def test_datasets_sharing_a_latent_cache_folder_keep_their_probed_sizes(tmp_path, dataset):
     """Two datasets with one cache_dir_vae: each scan pruned the other's entries from the one metadata.json, so
     every start probed every file of both again."""

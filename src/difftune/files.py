@@ -8,6 +8,8 @@ from, is not what anyone asked for; so whatever is renamed into place gets the o
 from __future__ import annotations
 
 import os
+import re
+import socket
 from pathlib import Path
 
 
@@ -34,3 +36,29 @@ def tree_as_created(folder: Path) -> None:
     for root, _, names in os.walk(folder):
         for name in names:
             as_created(Path(root) / name)
+
+
+def writer_prefix() -> str:
+    """Temporary files name their writer (host and process), so a later run can tell a killed writer's leftover
+    from a file another live process is still writing into the same folder (several processes cache at once):
+    data/cache.py's clean_leftovers removes the dead ones' from a cache folder."""
+    return f".part-{socket.gethostname()}-{os.getpid()}-"
+
+
+_PART = re.compile(r"^\.part-(?P<host>.+)-(?P<pid>\d+)-[^-]*\.tmp$")
+
+
+def clean_leftovers(folder: Path) -> None:
+    """Remove the temporary files of writers on this host that are gone (a run killed mid-write)."""
+    host = socket.gethostname()
+    for path in [*folder.glob("*.tmp"), *folder.glob("*/*.tmp")]:
+        found = _PART.match(path.name)
+        if found is None or found["host"] != host:
+            continue
+        try:
+            os.kill(int(found["pid"]), 0)
+            continue  # its writer is alive (or the pid was reused: left alone, the safe side)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (PermissionError, OverflowError, OSError):
+            continue

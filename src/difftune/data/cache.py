@@ -26,8 +26,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import socket
 import tempfile
 import zlib
 from collections.abc import Callable, Iterable
@@ -40,7 +38,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load, save
 
-from difftune.files import as_created
+from difftune.files import as_created, clean_leftovers, writer_prefix
 
 CHECKSUM = "difftune.crc32"  # metadata keys of an entry (safetensors metadata is str -> str)
 LAYOUT = "difftune.layout"
@@ -298,28 +296,7 @@ def intact(path: Path) -> bool:
 
 
 def _writer_prefix() -> str:
-    """Temporary files name their writer (host and process), so a later run can tell a killed writer's leftover
-    from a file another live process is still writing into the same cache (several processes cache at once)."""
-    return f".part-{socket.gethostname()}-{os.getpid()}-"
-
-
-_PART = re.compile(r"^\.part-(?P<host>.+)-(?P<pid>\d+)-[^-]*\.tmp$")
-
-
-def clean_leftovers(folder: Path) -> None:
-    """Remove the temporary files of writers on this host that are gone (a run killed mid-write)."""
-    host = socket.gethostname()
-    for path in [*folder.glob("*.tmp"), *folder.glob("*/*.tmp")]:
-        found = _PART.match(path.name)
-        if found is None or found["host"] != host:
-            continue
-        try:
-            os.kill(int(found["pid"]), 0)
-            continue  # its writer is alive (or the pid was reused: left alone, the safe side)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (PermissionError, OverflowError, OSError):
-            continue
+    return writer_prefix()  # difftune/files.py
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -43,7 +43,7 @@ from difftune.data.buckets import (
 from difftune.data.captions import CaptionRule, CaptionTable, caption
 from difftune.data.frames import TEMPORAL, FrameRule, plan_clip, resampled_count
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
-from difftune.files import as_created
+from difftune.files import as_created, clean_leftovers, writer_prefix
 
 SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
 
@@ -205,7 +205,9 @@ class MetadataCache:
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            clean_leftovers(self.path.parent)  # a save killed midway: its writer-named copy (files.py)
+            # named by its writer: a kill here leaves a file the next run's cache cleanup removes (data/cache.py)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=writer_prefix(), suffix=".tmp")
             as_created(fd)
             with os.fdopen(fd, "w") as f:
                 json.dump({"version": PROBE_VERSION, "entries": self.entries}, f)
