@@ -322,7 +322,8 @@ def offline_services(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     calls: list[tuple[str, dict[str, Any]]] = []
-    # push_to_hub logs in (whoami) before any model loads: a user with a write token
+    # push_to_hub logs in (whoami) before any model loads: a user with a write token (`check` looks for it offline)
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_a_logged_in_user")
     monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **k: {"name": "me", "auth": {"accessToken": {"role": "write"}}})
     monkeypatch.setattr(HfApi, "create_repo", lambda self, *a, **k: calls.append(("create_repo", k)))
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, *a, **k: calls.append(("upload_folder", k)))
