@@ -141,9 +141,17 @@ def end_processes() -> None:
     """Several processes: leave the process group once every one has finished. Left to the interpreter's exit,
     gloo's worker threads can outlive it and abort the process (SIGABRT, "terminate called without an active
     exception") after the run succeeded: torchrun then reports the run as failed."""
+    import time
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # A gloo worker thread drops each finished collective (the last barrier's), whose tensors it can only let go
+        # with the GIL. The process group's destructor, which runs with the GIL held when the DDP model is freed,
+        # joins that thread: if the main thread got here first, both waited forever, a finished run that never
+        # exited (py-spy: ~ProcessGroupGloo in std::thread::join, the worker in gil_scoped_acquire; seen in CI on a
+        # loaded machine). Waiting a moment without the GIL lets the worker finish first.
+        time.sleep(0.5)
         dist.destroy_process_group()
 
 
