@@ -35,6 +35,12 @@ SPEED_ONLY = {"preserve_data_backend_cache": (False, None), "skip_file_discovery
 SWITCHED_BLOCKS = {"caption_shuffle": "enable", "grounding": "enabled"}  # block -> its on/off key
 
 
+def scan_skip_note(key: str, value: Any) -> str:
+    """The note of a SPEED_ONLY key set on (an entry's, or config.json's: config/small_keys.py)."""
+    return (f"{key} {value!r} changes nothing here: each start reuses the datasets' scans (metadata.json) and their "
+            "caches while the files are unchanged, and reads only what changed; remove it")
+
+
 def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[str]) -> dict[str, Any]:
     """The entry with switched-off blocks dropped, a one-id conditioning_data list unwrapped, and an image dataset's
     ignore_epochs dropped with a note (it is in SimpleTuner's own examples, where it is a no-op too)."""
@@ -55,9 +61,7 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
     for key, off in SPEED_ONLY.items():  # SimpleTuner's multidatabackend.json.example carries both
         value = coerce(out.pop(key, None))
         if value not in off:
-            notes.append(f"{where}: {key} {value!r} changes nothing here: each start reuses the dataset's scan "
-                         "(metadata.json) and its caches while the files are unchanged, and reads only what changed; "
-                         "remove it")
+            notes.append(f"{where}: {scan_skip_note(key, value)}")
     for block, switch in SWITCHED_BLOCKS.items():
         value = out.get(block)
         if isinstance(value, dict) and coerce(value.get(switch, False)) in (False, None):

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, model_validator
 
+from difftune.config.dataset_entry_keys import SPEED_ONLY, scan_skip_note
 from difftune.config.fields import field
 from difftune.models.registry import FAMILY_FACTS
 
@@ -88,11 +89,6 @@ class SmallKeys(BaseModel):
         "data", advanced=True,
     )
 
-    @field_validator("aspect_bucket_rounding", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, value: Any) -> Any:
-        return None if isinstance(value, str) and value.strip().lower() in ("", "none", "null") else value
-
     @model_validator(mode="after")
     def _text_length_bound(self) -> Any:
         facts = FAMILY_FACTS.get(getattr(self, "model_family", ""))
@@ -113,11 +109,8 @@ def pipeline_notes(cfg: Any) -> list[str]:
     notes = [f"{key} {getattr(cfg, key):g} changes nothing here (SimpleTuner's own data pipeline; difftune's results "
              "do not depend on it); remove it" for key, default in PIPELINE_KNOBS.items()
              if getattr(cfg, key) not in (None, default)]
-    for key in ("preserve_data_backend_cache", "skip_file_discovery"):  # as on a dataset entry (dataset_entry_keys)
-        if getattr(cfg, key) not in (None, False, "", []):
-            notes.append(f"{key} {getattr(cfg, key)!r} changes nothing here: each start reuses the datasets' scans "
-                         "(metadata.json) and their caches while the files are unchanged, and reads only what "
-                         "changed; remove it")
+    notes += [scan_skip_note(key, getattr(cfg, key)) for key, off in SPEED_ONLY.items()  # as on a dataset entry
+              if getattr(cfg, key) not in (*off, [])]
     if cfg.aspect_bucket_rounding is not None:  # in SimpleTuner's config.json.example and most configs from it
         notes.append(f"aspect_bucket_rounding {cfg.aspect_bucket_rounding} not used: difftune buckets each image by "
                      "its size in pixels on a 16-pixel grid, not by a rounded aspect ratio (the data report shows "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, TypeAdapter, ValidationError, field_validator, model_validator
 
 from difftune.config.fields import field
 
@@ -70,10 +70,13 @@ class ValidationTriggerKeys(BaseModel):
     def _validation_off(cls, data: Any) -> Any:
         """validation_disable: the prompt sources and what samples them before or between steps, off; everything
         downstream then sees a run without prompts (the samples, the checks, the planner, the model card)."""
-        flag = data.get("validation_disable") if isinstance(data, dict) else None
-        if flag is True or flag == 1 or isinstance(flag, str) and flag.strip().lower() in ("true", "1", "yes"):
-            data = {**data, **VALIDATION_OFF}
-        return data
+        if not isinstance(data, dict) or data.get("validation_disable") in (None, False):
+            return data
+        try:  # read as the field reads it ("true", "on", 1, ...): a value the field takes for true is honoured
+            on = TypeAdapter(bool).validate_python(data["validation_disable"])
+        except ValidationError:
+            return data  # the field's own error says what is wrong
+        return {**data, **VALIDATION_OFF} if on else data
 
     @field_validator("num_validation_images", mode="before")
     @classmethod

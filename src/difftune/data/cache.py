@@ -238,7 +238,7 @@ class TensorCache:
         path = self.path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=writer_prefix(), suffix=".tmp")
         except OSError as e:
             raise CacheWriteError(self.folder, e) from e
         as_created(fd)
@@ -295,12 +295,8 @@ def intact(path: Path) -> bool:
         return False
 
 
-def _writer_prefix() -> str:
-    return writer_prefix()  # difftune/files.py
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_writer_prefix(), suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=writer_prefix(), suffix=".tmp")
     as_created(fd)  # mkstemp makes 0600: a shared cache must be readable by its other users (files.py)
     with os.fdopen(fd, "wb") as f:
         f.write(data)

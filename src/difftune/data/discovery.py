@@ -205,8 +205,7 @@ class MetadataCache:
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            clean_leftovers(self.path.parent)  # a save killed midway: its writer-named copy (files.py)
-            # named by its writer: a kill here leaves a file the next run's cache cleanup removes (data/cache.py)
+            clean_leftovers(self.path.parent)  # a save killed midway left its writer-named copy (files.py)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=writer_prefix(), suffix=".tmp")
             as_created(fd)
             with os.fdopen(fd, "w") as f:
@@ -442,7 +441,8 @@ def discover(spec: DatasetSpec) -> Discovery:
 def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: Discovery, masks=None) -> str | None:
     """Add one file's sample to `result`, or return why it is left out."""
     rule = spec.rule
-    rel = str(path.relative_to(spec.root))
+    rel_path = path.relative_to(spec.root)
+    rel = str(rel_path)
     conditioning = None
     if pairs is not None:
         conditioning, problem = _partner(pairs, path.relative_to(spec.root), "conditioning image",
@@ -485,7 +485,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         return problem
     down = downsample_first(width, height, rule)
     basis = down or (width, height)
-    name = path.relative_to(spec.root).as_posix()
+    name = rel_path.as_posix()
     bucket = bucket_for(*basis, rule, choice_for(f"{spec.dataset_id}/{name}", spec.seed))
     factor = upscale(*basis, bucket)
     if rule.minimum_image_size is None and factor >= MAX_UPSCALE:
