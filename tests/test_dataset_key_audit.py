@@ -48,7 +48,7 @@ PENDING = [
     ("timestep_sampling_offset", 0.0, -0.5, "image"), ("disable_validation", False, True, "image"),
     ("start_epoch", 1, 2, "image"), ("start_step", 0, 300, "image"), ("end_epoch", None, 3, "image"),
     ("end_step", None, 300, "image"), ("slider_strength", 0, 0.5, "image"),
-    ("grounding", None, {"enabled": True}, "image"), ("conditioning", None, [{"type": "canny"}], "image"),
+    ("grounding", None, {"enabled": True}, "image"),
     ("conditioning_config", None, {"type": "canny"}, "image"), ("image_embeds", None, "vae-embeds", "image"),
     ("conditioning_image_embeds", None, "clip-embeds", "image"),
     ("cache_dir_conditioning_image_embeds", None, "cache/clip", "image"),

@@ -62,3 +62,11 @@ def clean_leftovers(folder: Path) -> None:
             path.unlink(missing_ok=True)
         except (PermissionError, OverflowError, OSError):
             continue
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file (not folder) at `path` or at one of its parents, which would stop mkdir; None if none."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None

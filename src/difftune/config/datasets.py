@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
 
 from difftune.config.fields import UnsetSpellings, expand_home, field, text_list
+from difftune.config.generated_conditioning import GeneratedConditioning
 from difftune.config.source_aws_keys import AwsSource
 from difftune.config.source_csv_keys import CsvSource
 from difftune.config.source_huggingface_keys import HuggingfaceSource
@@ -501,6 +502,8 @@ class DatasetPlan(BaseModel):
     text_embeds: TextEmbedsDataset | None  # the default entry
     conditioning: dict[str, ConditioningDataset] = {}
     all_text_embeds: dict[str, TextEmbedsDataset] = {}
+    # conditioning id -> the generator making its images (config/generated_conditioning.py), for `conditioning`
+    generated: dict[str, GeneratedConditioning] = {}
     notes: list[str] = []  # what the loader chose for the user (the default text cache), printed by check
 
     def discovered(self) -> list[ImageDataset]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from difftune.config import conditioning_keys, dataset_entry_keys
+from difftune.config import conditioning_keys, dataset_entry_keys, generated_conditioning
 from difftune.config.compat import (
     DATASET_DEFAULT_KEYS,
     apply_key_aliases,
@@ -38,6 +38,7 @@ from difftune.config.datasets import (
     TextEmbedsDataset,
 )
 from difftune.config.eval_keys import check_eval_datasets
+from difftune.config.generated_conditioning import GeneratedConditioning
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.mask_keys import mask_checks
 from difftune.config.model_source_keys import check_model_sources
@@ -58,6 +59,7 @@ from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
 from difftune.config.small_keys import pipeline_notes
 from difftune.config.source_aws_keys import AWS_KEYS
+from difftune.files import file_in_the_way
 from difftune.models.registry import FAMILY_FACTS, family_names
 
 COMMAND_LINE = "command line"
@@ -192,14 +194,6 @@ def _where_of_named(where_of: Where, message: str, data: dict[str, Any]) -> str:
     return " and ".join(dict.fromkeys(where_of(key) for key in named)) or where_of("")
 
 
-def _is_file_in_the_way(path: Path) -> Path | None:
-    """The file (not folder) at `path` or at one of its parents, which would stop mkdir; None if none."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return None if candidate.is_dir() else candidate
-    return None
-
-
 def _entry_where(path: Path, entry: dict[str, Any], index: int) -> str:
     ident = entry.get("id")
     return f"{path}: dataset {ident if isinstance(ident, str) else index!r}"
@@ -223,6 +217,7 @@ def load_datasets(
     held_out: list[ImageDataset] = []  # dataset_type 'eval': cached, never trained on (train/eval_loss.py)
     embeds: list[TextEmbedsDataset] = []
     conditioning: dict[str, ConditioningDataset] = {}
+    generated: dict[str, GeneratedConditioning] = {}  # conditioning id -> what makes its images
     mirrored: dict[str, dict[str, Any]] = {}  # conditioning id -> size/crop settings (config/conditioning_keys.py)
     unused: dict[str, list[str]] = {}  # conditioning id -> caption/cache keys
     seen: set[str] = set()
@@ -266,6 +261,9 @@ def load_datasets(
             entry = {**entry, "text_encoder_batch_size": text_batch}
         if model is ConditioningDataset:  # SimpleTuner's image settings on it: checked against its images below
             entry, mirrored[str(entry.get("id"))], unused[str(entry.get("id"))] = conditioning_keys.split(entry)
+        generators: list[Any] = []
+        if model is ImageDataset:  # SimpleTuner's generated conditioning images (config/generated_conditioning.py)
+            entry, generators = generated_conditioning.take(entry, where, problems)
         entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
@@ -283,12 +281,14 @@ def load_datasets(
                 problems.append(f"{where}: instance_data_dir {str(folder)!r} is not a folder; fix the path")
         # (an image entry's cache_dir is datasets' download cache of type 'huggingface', not a latent cache)
         cache = item.cache_dir_vae if isinstance(item, ImageDataset) else getattr(item, "cache_dir", None)
-        if cache and (blocker := _is_file_in_the_way(Path(cache))) is not None:
+        if cache and (blocker := file_in_the_way(Path(cache))) is not None:
             key = "cache_dir_vae" if isinstance(item, ImageDataset) else "cache_dir"
             problems.append(f"{where}: {key}: {str(blocker)!r} is a file, so the cache folder {cache!r} cannot be "
                             "made; choose another folder")
         if isinstance(item, ImageDataset):
             (held_out if item.dataset_type == "eval" else images).append(item)
+            if generators:
+                generated_conditioning.add(item, generators[0], where, seen, generated, conditioning, problems, notes)
         elif isinstance(item, ConditioningDataset):
             conditioning[item.id] = item
         else:
@@ -327,11 +327,11 @@ def load_datasets(
         if not text_dir:
             notes.append(f"{path}: no text_embeds entry, so text embeddings are cached in {folder}; add an entry "
                          "with dataset_type 'text_embeds' and cache_dir (or set cache_dir_text) to choose the folder")
-        if (blocker := _is_file_in_the_way(Path(folder))) is not None:
+        if (blocker := file_in_the_way(Path(folder))) is not None:
             problems.append(f"{path}: the default text cache {folder!r} cannot be made ({str(blocker)!r} is a "
                             "file); add a text_embeds entry with another cache_dir")
     return DatasetPlan(images=images, evaluation=held_out, text_embeds=chosen, conditioning=conditioning,
-                       all_text_embeds=named_embeds, notes=notes)
+                       all_text_embeds=named_embeds, notes=notes, generated=generated)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
@@ -384,7 +384,7 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
             problems.append(f"{where_of(key)}: {key}: {source!r} is neither an existing folder nor a hub id "
                             "(owner/name, one slash); fix the path")
     check_model_sources(train, where_of, problems)  # config/model_source_keys.py
-    blocker = _is_file_in_the_way(Path(train.output_dir))
+    blocker = file_in_the_way(Path(train.output_dir))
     if blocker is not None:
         problems.append(f"{where_of('output_dir')}: output_dir: {str(blocker)!r} is a file, so the output folder "
                         f"{train.output_dir!r} cannot be made; choose another folder")

@@ -296,11 +296,11 @@ PENDING_DATASET_KEYS |= {
     "end_epoch": ((None,), _SCHEDULE), "end_step": ((None,), _SCHEDULE),
     "slider_strength": ((None, 0), "slider LoRA training (opposite concepts in turn)" + _REMOVE),
     "grounding": ((None,), "spatial grounding (bounding boxes of the entities in each image)" + _REMOVE),
-    "conditioning": ((None, []), "generating conditioning images (super-resolution, JPEG artifacts, depth, masks, "
-                     "edges); make the images yourself, add a dataset_type 'conditioning' entry for them and name "
-                     "it in conditioning_data"),
-    "conditioning_config": ((None,), "generating conditioning images; make the images yourself, add a dataset_type "
-                            "'conditioning' entry for them and name it in conditioning_data"),
+    "conditioning": ((None, []), "generated conditioning images are made from an image dataset's images: write "
+                     "the generator list on that image dataset's entry"),
+    "conditioning_config": ((None,), "SimpleTuner's record of a generated dataset's generator (it writes it "
+                            "itself); write the generator in the image dataset's conditioning list instead, such as "
+                            "\"conditioning\": [{\"type\": \"canny\"}]"),
     "image_embeds": ((None,), "a separate entry storing the latents (dataset_type 'image_embeds'); each dataset's "
                      "latents go to its cache_dir_vae: remove it and set cache_dir_vae"),
     "conditioning_image_embeds": ((None,), _CLIP_EMBEDS),

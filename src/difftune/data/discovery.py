@@ -360,6 +360,9 @@ class DatasetSpec:
     # image-to-video: the frame rule as the dataset sets it, when the flavour's floor (the first frame is the input
     # image: train/plan.py) raised `frames.min_frames`; to say which of the two leaves a clip out
     frames_as_set: FrameRule | None = None
+    # conditioning_root is generated (data/generated_conditioning.py) and has not been brought up to date: an image
+    # without its input image is taken as if it had one (the web UI's and the wizard's scans write no file)
+    conditioning_pending: bool = False
 
 
 def first_frame_problem(available: int, own: int, rule: FrameRule) -> str:
@@ -444,12 +447,15 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
     rel_path = path.relative_to(spec.root)
     rel = str(rel_path)
     conditioning = None
+    to_generate = False  # a generated input image not made yet (spec.conditioning_pending)
     if pairs is not None:
         conditioning, problem = _partner(pairs, path.relative_to(spec.root), "conditioning image",
                                          spec.conditioning_root)
-        if conditioning is None:
+        if conditioning is None and spec.conditioning_pending and rel_path.with_suffix("") not in pairs:
+            conditioning, to_generate = spec.conditioning_root / rel_path.with_suffix(".png"), True
+        elif conditioning is None:
             return problem
-        if (problem := filesystem_problem(conditioning)) is not None:
+        elif (problem := filesystem_problem(conditioning)) is not None:
             return f"its conditioning image {conditioning}: {problem}"
     mask = None
     if masks is not None:  # like the i2i pairs: an image without its mask is left out (SimpleTuner pairs strictly)
@@ -500,7 +506,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         if mask_size != (width, height):
             notes.append(f"its loss mask is {mask_size[0]}x{mask_size[1]}, the image {width}x{height}: the mask is "
                          "stretched to the image's size, then resized and cropped with it")
-    if conditioning is not None:
+    if conditioning is not None and not to_generate:
         try:
             input_size = probe_size(conditioning)
         except (BadImage, OSError) as e:

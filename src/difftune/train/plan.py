@@ -110,6 +110,24 @@ def fetch_sources(run_cfg: RunConfig, say: Callable[[str], None] = print) -> Non
             raise DataError(str(e)) from e
 
 
+def generate_conditioning(run_cfg: RunConfig, say: Callable[[str], None] = print) -> None:
+    """Make the generated conditioning images (a dataset's `conditioning` list) that are missing or out of date,
+    after fetch_sources: a downloaded dataset's images are the sources."""
+    generated = run_cfg.datasets.generated
+    if not generated:
+        return
+    from difftune.data.generated_conditioning import generate
+    from difftune.data.sources import SourceError
+
+    datasets = {ds.id: ds for ds in run_cfg.datasets.discovered()}
+    for gen in generated.values():
+        if gen.source_id in datasets:
+            try:
+                generate(gen, Path(datasets[gen.source_id].instance_data_dir), say)
+            except SourceError as e:
+                raise DataError(str(e)) from e
+
+
 def caption_filters(run_cfg: RunConfig, ds: ImageDataset) -> CaptionFilter | None:
     """caption_filter_list of the text_embeds entry caching the dataset's captions (read again here: the loader
     checked it, and the file may have changed since)."""
@@ -120,7 +138,9 @@ def caption_filters(run_cfg: RunConfig, ds: ImageDataset) -> CaptionFilter | Non
         raise DataError(f"dataset {ds.id!r}: text_embeds entry {entry.id!r}: caption_filter_list: {e}") from e
 
 
-def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True) -> DatasetSpec:
+def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True,
+                 generated: bool = True) -> DatasetSpec:
+    """`generated`: the generated conditioning images are up to date (generate_conditioning ran)."""
     pairs, masks = run_cfg.datasets.conditioning_dir(ds), run_cfg.datasets.mask_dir(ds)
     return DatasetSpec(
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
@@ -131,6 +151,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
         metadata_file=run_cfg.datasets.metadata_file(ds, run_cfg.train.model_family),
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
         mask_root=Path(masks) if masks else None, frames_as_set=frame_rule_as_set(run_cfg, ds),
+        conditioning_pending=not generated and ds.conditioning_data in run_cfg.datasets.generated,
     )
 
 
@@ -254,21 +275,28 @@ def check_data(run_cfg: RunConfig, every_line: bool = False) -> str:
 
 
 def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True,
-                 processes: int | None = None, given: str | None = None) -> list[Discovery]:
+                 processes: int | None = None, given: str | None = None, prepared: bool = False) -> list[Discovery]:
     """Every dataset's usable files, after checking that training would have a bucket to train on (`processes`:
     the run's; None: world_size(); `given`: what set it, for the message). `fetch`: download remote datasets first (process 0 of a run does it before
     the others discover; the web UI never downloads)."""
-    found = discover_datasets(run_cfg, write_metadata, fetch)
+    found = discover_datasets(run_cfg, write_metadata, fetch, prepared)
     planned(run_cfg, found, processes or world_size(), given)
     return found
 
 
-def discover_datasets(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True) -> list[Discovery]:
-    """Every dataset's usable files (no bucket plan); an error when a dataset has none."""
+def discover_datasets(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True,
+                      prepared: bool = False) -> list[Discovery]:
+    """Every dataset's usable files (no bucket plan); an error when a dataset has none. `fetch`: download the
+    remote datasets first, and with `write_metadata` make the generated conditioning images too (`check`);
+    `prepared`: the caller did both (a training run). Otherwise images whose generated input image is not made yet
+    are taken as if it were (the web UI and the wizard write nothing)."""
     if fetch:
         fetch_sources(run_cfg)
+    if fetch and write_metadata:
+        generate_conditioning(run_cfg)
+    generated = prepared or fetch and write_metadata
     found = [
-        limit(discover(dataset_spec(run_cfg, ds, rule, write_metadata)), ds.max_num_samples)
+        limit(discover(dataset_spec(run_cfg, ds, rule, write_metadata, generated)), ds.max_num_samples)
         for ds, rule in zip(run_cfg.datasets.discovered(), size_rules(run_cfg), strict=True)
     ]
     for d, ds in zip(found, run_cfg.datasets.discovered(), strict=True):

@@ -52,7 +52,14 @@ from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
 from difftune.train.optimizer_offload import host_step
 from difftune.train.optimizers import KAHAN, KAHAN_INSTEAD, build_optimizer
-from difftune.train.plan import DataError, discover_all, fetch_sources, plan_buckets, size_rules
+from difftune.train.plan import (
+    DataError,
+    discover_all,
+    fetch_sources,
+    generate_conditioning,
+    plan_buckets,
+    size_rules,
+)
 from difftune.train.throughput import Throughput
 from difftune.train.torch_options import apply_torch_options
 
@@ -193,11 +200,13 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     ranks = ranks or Ranks()
     cfg = run_cfg.train
     family = get_family(cfg.model_family)
-    if ranks.main:  # datasets of type huggingface, csv or aws are downloaded once, by one process
-        fetch_sources(run_cfg, lambda message: events.emit("info", message=message))
+    if ranks.main:  # datasets of type huggingface, csv or aws are downloaded once, by one process; then the
+        say = lambda message: events.emit("info", message=message)  # noqa: E731  generated conditioning images
+        fetch_sources(run_cfg, say)
+        generate_conditioning(run_cfg, say)
     ranks.barrier()
     # fails before any model loads where no bucket holds one global batch (the plan build_data makes again below)
-    found = discover_all(run_cfg, write_metadata=ranks.main, fetch=False, processes=ranks.count)
+    found = discover_all(run_cfg, write_metadata=ranks.main, fetch=False, processes=ranks.count, prepared=True)
     for path, reason in (item for d in found for item in d.skipped):
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
     events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} usable files "

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from difftune.config.datasets import REMOTE_TYPES, ImageDataset
+from difftune.config.datasets import REMOTE_TYPES, ConditioningDataset, ImageDataset
 from difftune.data.discovery import SOURCE_MANIFEST as MANIFEST  # noqa: F401 (the name the sources use)
 
 MODULES = {"huggingface": "huggingface", "csv": "csv_table", "aws": "s3"}
@@ -48,7 +48,7 @@ def fetch_all(datasets: Iterable[ImageDataset], say: Callable[[str], None] = pri
 
 # --- the download folder --------------------------------------------------------------------------------------
 
-def open_folder(ds: ImageDataset, folder: Path, identity: dict[str, Any], fix: str, *,
+def open_folder(ds: ImageDataset | ConditioningDataset, folder: Path, identity: dict[str, Any], fix: str, *,
                 other: Callable[[dict[str, Any]], str], strangers: str) -> dict[str, Any] | None:
     """The folder's manifest when it holds this source's download (every key of `identity` matches), after removing
     what a killed run left half written; None for a new or empty folder (hidden files aside). Refused, never
@@ -82,7 +82,7 @@ def first_visible(folder: Path) -> str | None:
     return next((p.name for p in folder.iterdir() if not p.name.startswith(".")), None)
 
 
-def save_manifest(ds: ImageDataset, folder: Path, manifest: dict[str, Any]) -> None:
+def save_manifest(ds: ImageDataset | ConditioningDataset, folder: Path, manifest: dict[str, Any]) -> None:
     """Write the folder's manifest (atomically), making the folder first."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -126,5 +126,5 @@ def clean_partial(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def _where(ds: ImageDataset, folder: Path) -> str:
+def _where(ds: ImageDataset | ConditioningDataset, folder: Path) -> str:
     return f"dataset {ds.id!r}: instance_data_dir {str(folder)!r}"

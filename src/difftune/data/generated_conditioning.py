@@ -1,0 +1,239 @@
+"""Making a generated conditioning dataset's images (config/generated_conditioning.py: what, from which dataset,
+into which folder), before discovery pairs them with their training images by name.
+
+The folder is one of difftune's source folders (data/sources): its manifest says which generated dataset it holds,
+with the generator's settings and, per source image, the size and modification time it was made from. So a second
+start generates nothing, a changed or added image is generated again, changed settings regenerate every image, a
+removed image's output is removed, and a killed run goes on where it stopped (each image is written under a
+temporary name, then renamed). A folder of files difftune did not generate is refused, never overwritten.
+
+Each output is `<the source's path below its dataset folder, suffix .png>`, the source's size, upright (EXIF applied)
+and RGB (transparency on white), as data/images.load_rgb reads every training image. Random draws (noise, JPEG
+qualities) come from a seed of the image's own: the dataset id, its path and the settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+from difftune.config.datasets import ConditioningDataset
+from difftune.config.generated_conditioning import GeneratedConditioning
+from difftune.data.discovery import walk
+from difftune.data.images import IMAGE_EXTENSIONS, BadImage, load_rgb
+from difftune.data.sources import SourceError, open_folder, partial, save_manifest
+
+ALGORITHM = 1  # raised when an output of the same settings would change: every folder is generated again
+SAVE_EVERY = 20.0  # seconds between manifest saves while generating (what a killed run keeps)
+
+
+def output_name(rel: Path) -> Path:
+    """The generated image of the source image at `rel` (below its dataset folder)."""
+    return rel.with_suffix(".png")
+
+
+def generate(gen: GeneratedConditioning, source_root: Path, say: Callable[[str], None] = print) -> None:
+    """Bring `gen.folder` up to date with the images of `source_root`; raises SourceError when the folder cannot
+    be used (another dataset's, files of the user's, cannot be written)."""
+    folder = Path(gen.folder)
+    owner = ConditioningDataset(id=gen.id, instance_data_dir=gen.folder)
+    fix = "give the generator another instance_data_dir (or remove its instance_data_dir for the default folder)"
+    found = open_folder(owner, folder, {"generated_conditioning": gen.id}, fix,
+                        other=lambda m: f"another dataset's files ({_what(m)})",
+                        strangers="difftune did not generate (generating would overwrite them)") or {}
+    same = (found.get("type"), found.get("settings"), found.get("algorithm")) == (gen.kind, gen.settings, ALGORITHM)
+    made: dict[str, list[int]] = dict(found.get("files") or {}) if same else {}
+    sources, clashes = _sources(source_root, folder)
+    for rel in [r for r in made if r not in sources]:  # its source image is gone
+        (folder / output_name(Path(rel))).unlink(missing_ok=True)
+        del made[rel]
+    todo = [rel for rel, stamp in sources.items()
+            if made.get(rel) != stamp or not (folder / output_name(Path(rel))).is_file()]
+    for rel in todo:
+        made.pop(rel, None)
+    manifest = {"generated_conditioning": gen.id, "source": gen.source_id, "type": gen.kind,
+                "settings": gen.settings, "algorithm": ALGORITHM, "files": made}
+    for names in clashes:
+        say(f"dataset {gen.id!r}: {', '.join(names)} in dataset {gen.source_id!r} would make one generated image "
+            f"({output_name(Path(names[0])).name}): none is generated, so they are left out; rename one")
+    if not todo:
+        if not found or not same:
+            save_manifest(owner, folder, manifest)
+        return
+    why = " (its settings changed since the folder was generated)" if found and not same else ""
+    say(f"dataset {gen.id!r}: generating {len(todo)} {gen.kind} image(s) from dataset {gen.source_id!r} into "
+        f"{folder}{why}")
+    save_manifest(owner, folder, manifest)  # first: a folder of outputs without it would be refused as the user's
+    skipped: list[str] = []
+    saved = start = time.monotonic()
+
+    def one(rel: str) -> tuple[str, str | None]:
+        return rel, make_one(gen, source_root / rel, folder / output_name(Path(rel)), rel)
+
+    pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="difftune-generate")
+    try:
+        for done, (rel, problem) in enumerate(pool.map(one, todo), 1):
+            if problem is None:
+                made[rel] = sources[rel]
+            else:
+                skipped.append(f"{rel}: {problem}")
+            if time.monotonic() - saved > SAVE_EVERY:
+                save_manifest(owner, folder, manifest)
+                saved = time.monotonic()
+                say(f"dataset {gen.id!r}: {done}/{len(todo)} generated")
+    finally:  # Ctrl-C or a failed write: the images not started are not made, those made are kept
+        pool.shutdown(wait=True, cancel_futures=True)
+        save_manifest(owner, folder, manifest)
+    tail = f"; {len(skipped)} unreadable, left out (the data report lists them): " + "; ".join(skipped[:3]) \
+        if skipped else ""
+    say(f"dataset {gen.id!r}: {len(todo) - len(skipped)} image(s) generated in {time.monotonic() - start:.1f} s"
+        f"{tail}")
+
+
+def make_one(gen: GeneratedConditioning, source: Path, target: Path, rel: str) -> str | None:
+    """Generate one image; why not (an unreadable source) or None. A write that fails raises SourceError."""
+    try:
+        image = load_rgb(source)
+    except (BadImage, OSError) as e:
+        return str(e)
+    out = transform(gen.kind, gen.settings, image, _rng(gen, rel))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with partial(target) as tmp:
+            out.save(tmp, format="PNG", compress_level=1)  # a cache: fast to write matters more than its size
+            os.replace(tmp, target)
+    except OSError as e:
+        raise SourceError(f"dataset {gen.id!r}: {target} cannot be written ({e}); free some space or give the "
+                          "generator another instance_data_dir") from e
+    return None
+
+
+def transform(kind: str, settings: dict[str, Any], image: Image.Image, rng: np.random.Generator) -> Image.Image:
+    """The conditioning image `kind` makes of an RGB image (the same size, RGB)."""
+    if kind == "canny":
+        return _canny(image, settings)
+    if kind == "superresolution":
+        return _low_quality(image, settings, rng)
+    if kind == "jpeg_artifacts":
+        return _jpeg_artifacts(image, settings, rng)
+    raise ValueError(f"unknown generator {kind!r}")
+
+
+def _canny(image: Image.Image, s: dict[str, Any]) -> Image.Image:
+    import cv2  # opencv-python-headless: the Canny implementation ControlNet's edge maps are made with
+
+    grey = cv2.cvtColor(np.asarray(image), cv2.COLOR_RGB2GRAY)
+    edges = cv2.Canny(grey, float(s["low_threshold"]), float(s["high_threshold"]))
+    return Image.fromarray(np.repeat(edges[:, :, None], 3, axis=2), "RGB")
+
+
+def _low_quality(image: Image.Image, s: dict[str, Any], rng: np.random.Generator) -> Image.Image:
+    size = image.size
+    factor = s["downscale_factor"]
+    if factor and factor > 1:
+        small = (max(1, round(size[0] / factor)), max(1, round(size[1] / factor)))
+        image = image.resize(small, Image.Resampling.BILINEAR).resize(size, Image.Resampling.BILINEAR)
+    radius = s["blur_radius"]
+    if radius > 0:
+        if s["blur_type"] == "box":
+            image = image.filter(ImageFilter.BoxBlur(radius))
+        elif s["blur_type"] == "both":
+            image = image.filter(ImageFilter.BoxBlur(0.7 * radius)).filter(ImageFilter.GaussianBlur(0.7 * radius))
+        else:
+            image = image.filter(ImageFilter.GaussianBlur(radius))
+    if s["add_noise"] and s["noise_level"] > 0:
+        image = _noisy(image, s["noise_level"], rng)
+    if s["jpeg_quality"]:
+        image = _jpeg(image, s["jpeg_quality"])
+    return image
+
+
+def _jpeg_artifacts(image: Image.Image, s: dict[str, Any], rng: np.random.Generator) -> Image.Image:
+    if s["pre_blur"] and s["pre_blur_radius"] > 0:
+        image = image.filter(ImageFilter.GaussianBlur(s["pre_blur_radius"]))
+    for i in range(s["compression_rounds"]):
+        if s["quality_mode"] == "range":
+            base = int(rng.integers(s["quality_range"][0], s["quality_range"][1] + 1))
+        elif s["quality_mode"] == "random":
+            base = int(rng.choice(s["quality_list"]))
+        else:
+            base = s["quality"]
+        quality = base if i == 0 else min(95, max(1, int(base * s["round_quality_decay"] ** i)))
+        image = _jpeg(image, quality, s["subsampling"], s["optimize"], s["progressive"])
+    if s["add_noise"] and s["noise_level"] > 0:
+        image = _noisy(image, s["noise_level"], rng)
+    if s["enhance_blocks"] and s["block_noise_level"] > 0:  # noise along the 8x8 block edges: harsher blocking
+        pixels = np.asarray(image, dtype=np.float32) / 255.0
+        edges = np.zeros(pixels.shape[:2], dtype=bool)
+        edges[::8, :] = True
+        edges[:, ::8] = True
+        pixels[edges] += s["block_noise_level"] * rng.standard_normal(pixels[edges].shape, dtype=np.float32)
+        image = _to_image(pixels)
+    return image
+
+
+def _noisy(image: Image.Image, level: float, rng: np.random.Generator) -> Image.Image:
+    pixels = np.asarray(image, dtype=np.float32) / 255.0
+    return _to_image(pixels + level * rng.standard_normal(pixels.shape, dtype=np.float32))  # float32: 2x faster
+
+
+def _to_image(pixels: np.ndarray) -> Image.Image:
+    return Image.fromarray(np.rint(np.clip(pixels, 0.0, 1.0) * 255.0).astype(np.uint8), "RGB")
+
+
+def _jpeg(image: Image.Image, quality: int, subsampling: str | None = None, optimize: bool = False,
+          progressive: bool = False) -> Image.Image:
+    """A JPEG round trip in memory."""
+    buffer = io.BytesIO()
+    options: dict[str, Any] = {"quality": int(quality), "optimize": optimize, "progressive": progressive}
+    if subsampling is not None:
+        options["subsampling"] = subsampling
+    image.save(buffer, format="JPEG", **options)
+    buffer.seek(0)
+    with Image.open(buffer) as decoded:
+        return decoded.convert("RGB")
+
+
+def _rng(gen: GeneratedConditioning, rel: str) -> np.random.Generator:
+    text = f"{gen.source_id}/{rel}|{gen.kind}|{json.dumps(gen.settings, sort_keys=True)}"
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()  # a non-UTF-8 file name too
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def _sources(root: Path, folder: Path) -> tuple[dict[str, list[int]], list[list[str]]]:
+    """The source images by path below `root` (with their size and modification time), and the groups of them
+    that would make one output (cat.jpg and cat.png), which are left out."""
+    skip = (folder,) if folder.resolve().is_relative_to(root.resolve()) else ()
+    found: dict[str, list[int]] = {}
+    by_output: dict[Path, list[str]] = {}
+    for path in walk(root, skip).files:
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            continue
+        rel = path.relative_to(root)
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # discovery reports it
+        found[rel.as_posix()] = [st.st_size, st.st_mtime_ns]
+        by_output.setdefault(output_name(rel), []).append(rel.as_posix())
+    clashes = [names for names in by_output.values() if len(names) > 1]
+    for names in clashes:
+        for rel in names:
+            del found[rel]
+    return found, clashes
+
+
+def _what(manifest: dict[str, Any]) -> str:
+    if "generated_conditioning" in manifest:
+        return f"generated for {manifest['generated_conditioning']!r}"
+    return "a downloaded dataset" if manifest else "unknown"

@@ -1,0 +1,242 @@
+"""Generated conditioning datasets (SimpleTuner's `"conditioning": [{"type": ...}]` on an image dataset): the config
+they make, the images (canny, superresolution, jpeg_artifacts), a folder kept up to date and never taken from the
+user, the web UI's scan before any image is made, and an image-to-image run training on them."""
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from conftest import config_problems, write_config
+from difftune.config import load_config
+from difftune.data.generated_conditioning import transform
+from difftune.train.loop import train
+from difftune.train.plan import DataError, check_data, discover_all
+from difftune.train.setup import build_run
+
+I2I = dict(model_family="kandinsky5-image", model_flavour="tiny-random-i2i", max_train_steps=1)
+
+
+def generator_config(tmp_path, dataset, *generators, **overrides):
+    return write_config(tmp_path, dataset, dataset={"conditioning": list(generators)}, **{**I2I, **overrides})
+
+
+def folder_of(run_cfg):
+    (gen,) = run_cfg.datasets.generated.values()
+    return gen.folder
+
+
+def test_the_entry_pairs_with_its_generated_dataset_with_simpletuner_defaults_and_spellings(tmp_path, dataset):
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "edges", "low_threshold": 80}))
+    (train_ds,) = run_cfg.datasets.images
+    assert train_ds.conditioning_data == "train_conditioning_edges"  # SimpleTuner's id: the type as written
+    gen = run_cfg.datasets.generated["train_conditioning_edges"]
+    assert (gen.kind, gen.source_id, gen.settings) == ("canny", "train", {"low_threshold": 80, "high_threshold": 100})
+    assert gen.folder == "cache/conditioning_data/train_conditioning_edges"
+    entry = run_cfg.datasets.conditioning["train_conditioning_edges"]
+    assert (entry.instance_data_dir, entry.source_dataset_id) == (gen.folder, "train")
+    jpeg = load_config(generator_config(tmp_path, dataset, {"type": "jpeg", "instance_data_dir": str(tmp_path / "j")}))
+    assert jpeg.datasets.generated["train_conditioning_jpeg"].settings["quality"] == 25
+    assert folder_of(jpeg) == str(tmp_path / "j")
+
+
+@pytest.mark.parametrize(("generators", "extra", "expected"), [
+    ([{"type": "depth"}], {}, "type 'depth': depth maps (a depth-estimation model) are not generated yet; make the "
+                              "images yourself"),
+    ([{"type": "cany"}], {}, "type 'cany' is unknown; use one of canny, jpeg_artifacts, superresolution"),
+    ([{"type": "canny"}, {"type": "jpeg"}], {}, "2 generators: a dataset pairs with one conditioning dataset"),
+    ([{"type": "canny"}], {"conditioning_data": "inputs"}, "conditioning and conditioning_data are both set"),
+    ([{"type": "canny", "params": {"low_threshold": 10}}], {}, "params: canny's settings are read from the "
+                                                               "generator entry itself"),
+    ([{"type": "canny", "low_threshold": 300}], {}, "low_threshold 300 is above high_threshold 100; swap them"),
+    ([{"type": "jpeg_artifacts", "quality": 0}], {}, "conditioning[0]: quality: 0: Input should be greater than or "
+                                                     "equal to 1"),
+    ([{"type": "superresolution", "blur": 2}], {}, "blur: unknown setting of superresolution (it takes blur_radius"),
+    ([{"type": "canny", "conditioning_type": "mask"}], {}, "conditioning_type 'mask': generated images are input "
+                                                           "images"),
+    ([{"type": "jpeg_artifacts", "quality_range": [60, 20]}], {}, "quality_range [60, 20]: two qualities from 1 to "
+                                                                 "100, the lower first"),
+])
+def test_generators_that_cannot_run_are_refused_with_the_fix(tmp_path, dataset, generators, extra, expected):
+    path = write_config(tmp_path, dataset, dataset={"conditioning": generators, **extra}, **I2I)
+    assert expected in config_problems(path)
+
+
+def test_a_video_dataset_and_a_text_to_image_flavour_are_refused(tmp_path, dataset):
+    video = write_config(tmp_path, dataset, model_family="kandinsky5-video", model_flavour="tiny-random-i2v",
+                         dataset={"dataset_type": "video", "conditioning": [{"type": "canny"}]})
+    assert "generated conditioning images are for image datasets" in config_problems(video)
+    t2i = generator_config(tmp_path, dataset, {"type": "canny"}, model_flavour="tiny-random")
+    assert "conditioning_data is only used by image-to-image flavours" in config_problems(t2i)
+
+
+def test_captions_on_a_single_generator_are_a_note_not_a_silent_change(tmp_path, dataset):
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "canny", "captions": "edges to photo"}))
+    (note,) = [n for n in run_cfg.notes() if "captions" in n]
+    assert "captions 'edges to photo' is not used: with one conditioning dataset each pair trains with its image's " \
+           "own caption" in note and "only_instance_prompt" in note
+
+
+def edge_image(path, size=(48, 40), box=(12, 10, 35, 29)):
+    image = Image.new("RGB", size, (0, 0, 0))
+    ImageDraw.Draw(image).rectangle(box, fill=(255, 255, 255))
+    image.save(path)
+    return image
+
+
+def test_canny_draws_the_edges_of_a_square_and_nothing_else(tmp_path):
+    image = edge_image(tmp_path / "square.png")
+    out = np.asarray(transform("canny", {"low_threshold": 50, "high_threshold": 100}, image, np.random.default_rng(0)))
+    assert out.shape == (40, 48, 3) and set(np.unique(out)) == {0, 255}
+    assert (out[..., 0] == out[..., 1]).all() and (out[..., 0] == out[..., 2]).all()  # grey as RGB
+    border = np.zeros((40, 48), dtype=bool)  # the square's outline (x 12..35, y 10..29), one pixel either side
+    border[9:31, 11:37] = True
+    border[12:28, 14:34] = False
+    edges = out[..., 0] > 0
+    assert not (edges & ~border).any()  # nothing but the outline
+    assert edges[9:12, 14:34].any(axis=0).all() and edges[28:31, 14:34].any(axis=0).all()  # top and bottom sides
+    assert edges[12:28, 11:14].any(axis=1).all() and edges[12:28, 34:37].any(axis=1).all()  # left and right
+
+
+def test_jpeg_artifacts_and_superresolution_are_what_their_settings_say(tmp_path):
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (32, 40, 3), dtype=np.uint8), "RGB")
+    fixed = transform("jpeg_artifacts", _jpeg_settings(quality=10), photo, np.random.default_rng(1))
+    buffer = io.BytesIO()
+    photo.save(buffer, format="JPEG", quality=10)
+    assert np.array_equal(np.asarray(fixed), np.asarray(Image.open(buffer).convert("RGB")))
+    blurred = transform("superresolution", _sr_settings(add_noise=False), photo, np.random.default_rng(1))
+    assert blurred.size == photo.size and np.asarray(blurred, float).std() < np.asarray(photo, float).std() / 2
+    noisy = [np.asarray(transform("superresolution", _sr_settings(), photo, np.random.default_rng(seed)))
+             for seed in (1, 1, 2)]
+    assert np.array_equal(noisy[0], noisy[1]) and not np.array_equal(noisy[0], noisy[2])
+
+
+def _jpeg_settings(**given):
+    from difftune.config.generated_conditioning import JpegArtifactsSettings
+
+    return JpegArtifactsSettings(**given).model_dump(mode="json")
+
+
+def _sr_settings(**given):
+    from difftune.config.generated_conditioning import SuperResolutionSettings
+
+    return SuperResolutionSettings(**given).model_dump(mode="json")
+
+
+def outputs(folder):
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.glob("*.png"))}
+
+
+def test_check_generates_once_then_only_what_changed_and_all_again_for_new_settings(tmp_path, dataset, capsys):
+    folder = tmp_path / "generated"
+    settings = {"type": "superresolution", "instance_data_dir": str(folder)}
+    run_cfg = load_config(generator_config(tmp_path, dataset, settings))
+    check_data(run_cfg)
+    first = outputs(folder)
+    assert sorted(first) == sorted(p.name for p in dataset.glob("*.png"))
+    for name in first:
+        with Image.open(folder / name) as made, Image.open(dataset / name) as source:
+            assert made.format == "PNG" and made.size == source.size
+    assert "generating 4 superresolution image(s) from dataset 'train'" in capsys.readouterr().out
+
+    check_data(run_cfg)
+    assert outputs(folder) == first and "generating" not in capsys.readouterr().out
+    changed, removed = sorted(dataset.glob("*.png"))[:2]
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(changed)
+    os.utime(changed, ns=(1, 1))  # another modification time, whatever the clock's resolution
+    removed.unlink()
+    removed.with_suffix(".txt").unlink()
+    check_data(run_cfg)
+    now = outputs(folder)
+    assert removed.name not in now and now[changed.name] != first[changed.name]
+    assert {k: v for k, v in now.items() if k != changed.name} == {k: v for k, v in first.items()
+                                                                    if k not in (changed.name, removed.name)}
+    assert "generating 1 superresolution image(s)" in capsys.readouterr().out
+
+    check_data(load_config(generator_config(tmp_path, dataset, {**settings, "blur_radius": 4})))
+    assert "generating 3 superresolution image(s) from dataset 'train' into " in capsys.readouterr().out
+    assert all(outputs(folder)[k] != now[k] for k in now)
+
+
+def test_a_folder_of_the_users_files_is_refused_and_left_as_it_is(tmp_path, dataset):
+    folder = tmp_path / "my-inputs"
+    folder.mkdir()
+    mine = sorted(dataset.glob("*.png"))[0]
+    (folder / mine.name).write_bytes(b"my own input image")
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "canny", "instance_data_dir": str(folder)}))
+    with pytest.raises(DataError, match="already holds files that difftune did not generate .generating would "
+                                        "overwrite them."):
+        check_data(run_cfg)
+    assert (folder / mine.name).read_bytes() == b"my own input image"
+
+
+def test_same_results_in_a_new_folder_and_an_unreadable_image_is_reported(tmp_path, dataset, capsys):
+    (dataset / "broken.png").write_bytes(b"not a png")
+    (dataset / "broken.txt").write_text("broken")
+    made = {}
+    for name in ("a", "b"):
+        settings = {"type": "jpeg_artifacts", "quality_mode": "range", "add_noise": True,
+                    "instance_data_dir": str(tmp_path / name)}
+        found = discover_all(load_config(generator_config(tmp_path, dataset, settings)))
+        made[name] = {p.name: p.read_bytes() for p in (tmp_path / name).glob("*.png")}
+        assert "broken.png" in {p.name for p, _ in found[0].skipped}
+    assert made["a"] == made["b"] and len(made["a"]) == 4  # a seed per image: the same draws anywhere
+    said = capsys.readouterr().out
+    assert "4 image(s) generated" in said and "1 unreadable, left out (the data report lists them): broken.png: " \
+        in said
+
+
+def test_an_interrupted_generation_goes_on_where_it_stopped(tmp_path, dataset, monkeypatch, capsys):
+    from difftune.data import generated_conditioning
+
+    folder = tmp_path / "gen"
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "canny", "instance_data_dir": str(folder)}))
+    real, calls = generated_conditioning.make_one, []
+
+    def interrupted(gen, source, target, rel):
+        calls.append(rel)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(gen, source, target, rel)
+
+    monkeypatch.setattr(generated_conditioning, "make_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        check_data(run_cfg)
+    kept = json.loads((folder / ".difftune-source.json").read_text())["files"]
+    assert 2 <= len(kept) <= 3 and all((folder / f"{Path(rel).stem}.png").is_file() for rel in kept)
+    monkeypatch.setattr(generated_conditioning, "make_one", real)
+    capsys.readouterr()
+    check_data(run_cfg)
+    assert f"generating {4 - len(kept)} canny image(s)" in capsys.readouterr().out
+    assert len(list(folder.glob("*.png"))) == 4 and not [p for p in folder.iterdir() if p.name.endswith(".part")]
+
+
+def test_the_web_ui_scan_writes_nothing_and_counts_the_images_to_be_generated(tmp_path, dataset):
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "canny",
+                                                                "instance_data_dir": str(tmp_path / "gen")}))
+    found = discover_all(run_cfg, write_metadata=False, fetch=False)
+    assert len(found[0].samples) == 4 and not found[0].skipped
+    assert not (tmp_path / "gen").exists()
+    assert {s.conditioning.name for s in found[0].samples} == {p.name for p in dataset.glob("*.png")}
+
+
+def test_an_image_to_image_run_trains_and_validates_on_the_generated_inputs(tmp_path, dataset):
+    folder = tmp_path / "edges"
+    path = generator_config(tmp_path, dataset, {"type": "canny", "instance_data_dir": str(folder)},
+                            validation_prompt="paint it", validation_resolution="64x64",
+                            validation_num_inference_steps=2)
+    run = build_run(load_config(path))
+    assert {item.sample.conditioning.parent for item in run.data.items} == {folder}
+    assert all(item.conditioning_file is not None for item in run.data.items)
+    assert run.validation[0].image.size == (64, 64)
+    assert np.asarray(run.validation[0].image).max() == 255 and set(np.unique(np.asarray(run.validation[0].image))) \
+        <= {0, 255}  # the canny map, not the training image
+    train(run)
+    events = [json.loads(line) for line in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    assert any("generating 4 canny image(s)" in e.get("message", "") for e in events)
+    assert list((run.output_dir / "validation").glob("final-*.png"))
