@@ -404,6 +404,35 @@ def test_image_to_image_flavour_asks_for_the_input_folder_and_trains(tmp_path, d
     assert train(run).exists() and run.state.step == 2
 
 
+def test_image_to_image_input_images_generated_from_the_training_images(tmp_path, dataset, monkeypatch):
+    """The wizard offers SimpleTuner's generated conditioning beside a folder of input images; an edited config
+    keeps its generator, and a text-to-image flavour offers to remove it."""
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["kandinsky5-image"], "model_flavour": ["tiny-random-i2i"],
+                                   "lora_rank": ["4"], "instance_data_dir": ["images"], "resolution": ["64"],
+                                   "input_images": ["7", "2"], "max_train_steps": ["2"]},
+                     {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "choose a number from 1 to 4" in transcript and not any("conditioning." in p for p in asked)
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert datasets[0]["conditioning"] == [{"type": "canny"}] and "conditioning_data" not in datasets[0]
+    assert [d["dataset_type"] for d in datasets] == ["image", "text_embeds"]
+    done = check(tmp_path, "config/config.json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(list((tmp_path / "cache" / "conditioning_data" / "images_conditioning_canny").glob("*.png"))) == 4
+
+    scripted(monkeypatch, {}, {"Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run("config/config.json")
+    assert code == 0 and 'input images: generated from the training images ([{"type": "canny"}])' in transcript
+    scripted(monkeypatch, {"model_flavour": ["tiny-random"]},
+             {"Remove conditioning": ["y"], "Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run("config/config.json")
+    assert code == 0, transcript
+    assert "generates input images for image-to-image flavours (conditioning)" in transcript
+    assert "conditioning" not in json.loads((tmp_path / "config" / "multidatabackend.json").read_text())[0]
+
+
 def test_review_refuses_an_output_dir_check_refuses(tmp_path, dataset, monkeypatch):
     """The wizard said "difftune check accepts this configuration" for output_dir /proc/nope, which check refuses."""
     monkeypatch.chdir(tmp_path)

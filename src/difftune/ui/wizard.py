@@ -46,6 +46,11 @@ VIDEO_RUN_QUESTIONS = ("validation_num_video_frames",)  # and the `video` block'
 LOCAL_CAPTIONS = ("textfile", "filename", "instanceprompt")
 COUNT_CAP = 10_000  # files counted in the folder check; a huge folder is not listed in full
 PROBE_CAP = 32  # clips probed for their length (a demux each, no decoding): enough to offer num_frames
+# the input images of an image-to-image flavour: a folder of the user's, or a generator (config/generated_conditioning)
+INPUT_IMAGES = [(None, "a folder of input images, each named like its training image"),
+                ("canny", "edge maps of the training images (canny): learns edges -> image"),
+                ("superresolution", "blurred, noisy copies (superresolution): learns to restore detail"),
+                ("jpeg_artifacts", "JPEG-damaged copies (jpeg_artifacts): learns to remove compression artifacts")]
 
 
 class Wizard(MemoryQuestions):
@@ -270,7 +275,7 @@ class Wizard(MemoryQuestions):
             entry["id"] = re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name) or "images"
         if FAMILY_FACTS[cfg["model_family"]].needs_conditioning(str(cfg.get("model_flavour"))):
             self.conditioning_question(entry)
-        elif entry.get("conditioning_data") is not None:  # pairs of an i2i flavour, now another flavour: refused
+        elif entry.get("conditioning_data") is not None or entry.get("conditioning"):  # i2i pairs: now refused
             self.drop_conditioning(entry)
         if not any(isinstance(e, dict) and e.get("dataset_type") == "text_embeds" for e in self.datasets):
             self.datasets.append({"id": "text-embeds", "type": "local", "dataset_type": "text_embeds",
@@ -325,7 +330,26 @@ class Wizard(MemoryQuestions):
     def conditioning_question(self, entry: dict[str, Any]) -> None:
         """Image-to-image flavours train on (input, target) pairs: the folder of input images becomes a
         `dataset_type: conditioning` entry that the trained dataset names in conditioning_data (the review could
-        never pass without it)."""
+        never pass without it), or they are generated from the training images (`conditioning`: a generator)."""
+        if entry.get("conditioning"):  # an edited config's generator: kept as it is
+            self.say(f"\n  input images: generated from the training images ({_show(entry['conditioning'])}); edit "
+                     "the dataset list to change the generator's settings")
+            return
+        self.say(f"\n  flavour {self.config['model_flavour']} trains on image pairs (input image -> training image)")
+        for i, (_, what) in enumerate(INPUT_IMAGES, 1):
+            self.say(f"  {i}) {what}")
+        while True:
+            answer = _input("input_images [1]: ").strip() or "1"
+            if answer.isdigit() and 0 < int(answer) <= len(INPUT_IMAGES):
+                break
+            self.say(f"  choose a number from 1 to {len(INPUT_IMAGES)}")
+        kind = INPUT_IMAGES[int(answer) - 1][0]
+        if kind is not None:
+            if entry.get("conditioning_data") is not None:
+                self.forget_conditioning(entry)
+            entry["conditioning"] = [{"type": kind}]
+            self.say(f"  made before training into cache/conditioning_data/{entry['id']}_conditioning_{kind}")
+            return
         wanted = entry.get("conditioning_data")
         inputs = next((e for e in self.datasets if isinstance(e, dict) and e.get("dataset_type") == "conditioning"
                        and (e.get("id") == wanted or wanted is None)), None)
@@ -341,12 +365,23 @@ class Wizard(MemoryQuestions):
     def drop_conditioning(self, entry: dict[str, Any]) -> None:
         """Offer to remove the trained dataset's conditioning_data (and the conditioning entry it names, when no other
         dataset names it): a flavour that does not train on pairs refuses it, and no question could change it."""
+        flavour = self.config.get("model_flavour")
+        if entry.get("conditioning"):
+            self.say(f"\n  flavour {flavour} trains on single images, but dataset {entry.get('id')!r} generates "
+                     "input images for image-to-image flavours (conditioning)")
+            if _yes("Remove conditioning? [Y/n]: "):
+                del entry["conditioning"]
+            return  # if not, the review says why it cannot pass
         name = entry["conditioning_data"]
-        self.say(f"\n  flavour {self.config.get('model_flavour')} trains on single images, but dataset "
+        self.say(f"\n  flavour {flavour} trains on single images, but dataset "
                  f"{entry.get('id')!r} has conditioning_data {name!r} (input images for image-to-image flavours)")
         if not _yes(f"Remove conditioning_data and the dataset {name!r}? [Y/n]: "):
             return  # the review says why it cannot pass
-        del entry["conditioning_data"]
+        self.forget_conditioning(entry)
+
+    def forget_conditioning(self, entry: dict[str, Any]) -> None:
+        """Remove the entry's conditioning_data, and the conditioning entry it names when no other dataset does."""
+        name = entry.pop("conditioning_data")
         if not any(isinstance(e, dict) and e.get("conditioning_data") == name for e in self.datasets):
             self.datasets[:] = [e for e in self.datasets if not (isinstance(e, dict) and e.get("id") == name
                                                                  and e.get("dataset_type") == "conditioning")]
