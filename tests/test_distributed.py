@@ -135,3 +135,16 @@ def test_two_processes_image_to_video(tmp_path):
     finish(launch(one, 0, processes=1))
     a, b = losses(tmp_path / "one" / "output"), losses(tmp_path / "two" / "output")
     assert len(a) == 3 and a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a)
+
+
+def test_a_refused_generated_folder_stops_every_process_with_the_one_message(tmp_path, images):
+    """Process 0 makes the generated input images while the others wait: its refusal reached them as gloo's
+    "Connection closed by peer" tracebacks, after which torchrun printed its failure table."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "000-x.png").write_bytes(b"the user's own")
+    config = write_config(tmp_path, images, model_family="kandinsky5-image", model_flavour="tiny-random-i2i",
+                          dataset={"conditioning": [{"type": "canny", "instance_data_dir": str(mine)}]})
+    out, _ = launch(config, 29697).communicate(timeout=300)
+    assert out.count("already holds files that difftune did not generate") == 2, out[-3000:]
+    assert "Connection closed by peer" not in out and (mine / "000-x.png").read_bytes() == b"the user's own"

@@ -66,12 +66,13 @@ def test_generators_that_cannot_run_are_refused_with_the_fix(tmp_path, dataset, 
     assert expected in config_problems(path)
 
 
-def test_a_video_dataset_and_a_text_to_image_flavour_are_refused(tmp_path, dataset):
+def test_a_video_dataset_and_a_family_without_image_to_image_are_refused(tmp_path, dataset):
     video = write_config(tmp_path, dataset, model_family="kandinsky5-video", model_flavour="tiny-random-i2v",
                          dataset={"dataset_type": "video", "conditioning": [{"type": "canny"}]})
     assert "generated conditioning images are for image datasets" in config_problems(video)
-    t2i = generator_config(tmp_path, dataset, {"type": "canny"}, model_flavour="tiny-random")
-    assert "conditioning_data is only used by image-to-image flavours" in config_problems(t2i)
+    lumina = write_config(tmp_path, dataset, dataset={"conditioning": [{"type": "canny"}]})
+    assert "conditioning (generated input images) is only used by image-to-image flavours (none for lumina2); " \
+           "remove conditioning" in config_problems(lumina)
 
 
 def test_captions_on_a_single_generator_are_a_note_not_a_silent_change(tmp_path, dataset):
@@ -187,8 +188,80 @@ def test_same_results_in_a_new_folder_and_an_unreadable_image_is_reported(tmp_pa
         assert "broken.png" in {p.name for p, _ in found[0].skipped}
     assert made["a"] == made["b"] and len(made["a"]) == 4  # a seed per image: the same draws anywhere
     said = capsys.readouterr().out
-    assert "4 image(s) generated" in said and "1 unreadable, left out (the data report lists them): broken.png: " \
-        in said
+    assert "4 image(s) generated" in said and "1 unreadable, left out: broken.png: " in said
+    again = discover_all(load_config(generator_config(tmp_path, dataset, settings)))
+    assert "generating" not in capsys.readouterr().out  # tried again only once the file changes
+    (why,) = [why for p, why in again[0].skipped if p.name == "broken.png"]
+    assert "not a readable image" in why  # its own reason, not "no input image"
+
+
+def test_changed_settings_drop_the_images_of_removed_sources_and_a_damaged_output_is_made_again(tmp_path, dataset):
+    folder = tmp_path / "gen"
+    settings = {"type": "canny", "instance_data_dir": str(folder)}
+    check_data(load_config(generator_config(tmp_path, dataset, settings)))
+    gone = sorted(dataset.glob("*.png"))[0]
+    gone.unlink()
+    gone.with_suffix(".txt").unlink()
+    check_data(load_config(generator_config(tmp_path, dataset, {**settings, "low_threshold": 20})))
+    assert not (folder / gone.name).exists() and len(list(folder.glob("*.png"))) == 3
+    damaged = sorted(folder.glob("*.png"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    found = discover_all(load_config(generator_config(tmp_path, dataset, {**settings, "low_threshold": 20})))
+    assert not found[0].skipped and Image.open(damaged).size == (64, 64)
+
+
+def test_a_generated_folder_inside_a_dataset_is_never_trained_on(tmp_path, dataset):
+    inside = {"type": "canny", "instance_data_dir": str(dataset / "edges")}
+    check_data(load_config(generator_config(tmp_path, dataset, inside)))
+    later = load_config(generator_config(tmp_path, dataset, {"type": "canny"},
+                                         **{"caption_strategy": "instanceprompt", "instance_prompt": "x"}))
+    found = discover_all(later, write_metadata=False, fetch=False)
+    assert len(found[0].samples) == 4  # not the 4 edge maps of the old folder as well
+    assert [why for p, why in found[0].notes if p == dataset / "edges"] == [
+        "generated input images (its .difftune-source.json says so): not read as images to train on"]
+
+
+def test_what_a_failed_generator_leaves_is_one_problem_named_at_its_key(tmp_path, dataset):
+    text = config_problems(generator_config(tmp_path, dataset, {"type": "canny", "params": {"low_threshold": 1}}))
+    assert "params" in text and "names no enabled dataset" not in text
+    text = config_problems(generator_config(tmp_path, dataset, {"type": "canny"}, model_flavour="tiny-random"))
+    assert "conditioning (generated input images) is only used by image-to-image flavours" in text
+    assert "remove conditioning or pick such a flavour" in text
+    assert load_config(generator_config(tmp_path, dataset, {"type": "Canny"})).datasets.generated[
+        "train_conditioning_Canny"].kind == "canny"
+
+
+def test_a_default_folder_that_cannot_be_used_says_to_delete_it(tmp_path, dataset, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "canny"}))
+    folder = tmp_path / folder_of(run_cfg)
+    folder.mkdir(parents=True)
+    (folder / ".difftune-source.json").write_text("{not json")
+    with pytest.raises(DataError, match="cannot be read .*; delete that folder .difftune makes it again.$"):
+        check_data(run_cfg)
+
+
+def test_the_web_ui_keeps_generated_images_inside_its_roots_and_scans_a_refused_folder(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from difftune.demo import make_dataset
+    from difftune.ui.server import create_app
+
+    root = tmp_path / "root"
+    make_dataset(root / "images", count=2)
+    (root / "mine").mkdir()
+    (root / "mine" / "000-x.png").write_bytes(b"the user's own")
+    monkeypatch.chdir(root)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    outside = tmp_path / "outside"
+    for folder, expected in [(outside, "outside the folders"), (root / "mine", "difftune did not generate")]:
+        generator_config(root, root / "images", {"type": "canny", "instance_data_dir": str(folder)})
+        body = {"path": str(root / "config" / "config.json"),
+                "config": json.loads((root / "config" / "config.json").read_text()),
+                "datasets": json.loads((root / "config" / "multidatabackend.json").read_text()), "scan": True}
+        problems = [p["message"] for p in client.post("/api/config/check", json=body).json()["problems"]]
+        assert any(expected in m for m in problems), problems
+    assert not outside.exists() and (root / "mine" / "000-x.png").read_bytes() == b"the user's own"
 
 
 def test_an_interrupted_generation_goes_on_where_it_stopped(tmp_path, dataset, monkeypatch, capsys):

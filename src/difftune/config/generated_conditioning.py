@@ -175,18 +175,19 @@ def build(source: Any, raw: Any, where: str, problems: list[str], notes: list[st
     if not isinstance(written, str) or not written:
         problems.append(f"{where}: type is missing; use one of {', '.join(sorted(set(KINDS.values())))}")
         return None
-    if written in NOT_YET:
-        problems.append(f"{where}: type {written!r}: {NOT_YET[written]}{_MAKE_THEM}")
+    name = written.strip().lower()  # "Canny" is canny (its id keeps the spelling)
+    if name in NOT_YET:
+        problems.append(f"{where}: type {written!r}: {NOT_YET[name]}{_MAKE_THEM}")
         return None
-    if written == "i2v_first_frame":
+    if name == "i2v_first_frame":
         problems.append(f"{where}: type 'i2v_first_frame': an image-to-video flavour takes each clip's first frame "
                         "by itself; remove this generator")
         return None
-    if written not in KINDS:
+    if name not in KINDS:
         problems.append(f"{where}: type {written!r} is unknown; use one of {', '.join(sorted(set(KINDS.values())))} "
                         f"(SimpleTuner's other spellings: {', '.join(k for k in KINDS if k not in KINDS.values())})")
         return None
-    kind = KINDS[written]
+    kind = KINDS[name]
     settings = {k: v for k, v in raw.items() if k not in COMMON}
     if raw.get("params"):  # SimpleTuner reads params only for its sdr generator: the settings here are ignored there
         problems.append(f"{where}: params: {kind}'s settings are read from the generator entry itself, as SimpleTuner "

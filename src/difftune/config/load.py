@@ -218,6 +218,7 @@ def load_datasets(
     embeds: list[TextEmbedsDataset] = []
     conditioning: dict[str, ConditioningDataset] = {}
     generated: dict[str, GeneratedConditioning] = {}  # conditioning id -> what makes its images
+    by_generator: set[str] = set()  # the conditioning_data values a generator set
     mirrored: dict[str, dict[str, Any]] = {}  # conditioning id -> size/crop settings (config/conditioning_keys.py)
     unused: dict[str, list[str]] = {}  # conditioning id -> caption/cache keys
     seen: set[str] = set()
@@ -264,6 +265,8 @@ def load_datasets(
         generators: list[Any] = []
         if model is ImageDataset:  # SimpleTuner's generated conditioning images (config/generated_conditioning.py)
             entry, generators = generated_conditioning.take(entry, where, problems)
+            if generators:  # a generator that fails is reported as such, not as a conditioning_data naming nothing
+                by_generator.add(str(entry.get("conditioning_data")))
         entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
@@ -298,7 +301,7 @@ def load_datasets(
         if ds.text_embeds is not None and ds.text_embeds not in named_embeds:
             problems.append(f"{path}: dataset {ds.id!r}: text_embeds {ds.text_embeds!r} names no enabled "
                             "text_embeds entry; add it or fix the name")
-        if ds.conditioning_data is not None and ds.conditioning_data not in conditioning:
+        if ds.conditioning_data is not None and ds.conditioning_data not in {*conditioning, *by_generator}:
             problems.append(
                 f"{path}: dataset {ds.id!r}: conditioning_data {ds.conditioning_data!r} names no enabled "
                 "dataset of dataset_type 'conditioning'; add one with that id or fix the name"
@@ -464,10 +467,12 @@ def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, proble
                    if masks else "")
             )
         elif not facts.needs_conditioning(flavour) and ds.conditioning_data is not None and not masks:
+            key = "conditioning (generated input images)" if ds.conditioning_data in plan.generated else \
+                "conditioning_data"
             problems.append(
-                f"{path}: dataset {ds.id!r}: conditioning_data is only used by image-to-image flavours "
+                f"{path}: dataset {ds.id!r}: {key} is only used by image-to-image flavours "
                 f"({', '.join(sorted(facts.conditioning_flavours)) or 'none for ' + train.model_family}); "
-                "remove it or pick such a flavour"
+                f"remove {key.split()[0]} or pick such a flavour"
             )
         entry = plan.conditioning.get(ds.conditioning_data) if ds.conditioning_data else None
         if entry is not None and Path(entry.instance_data_dir).resolve() == Path(ds.instance_data_dir).resolve():

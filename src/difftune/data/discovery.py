@@ -224,6 +224,7 @@ class Walk:
     files: list[Path]
     hidden: int = 0  # hidden files and folders passed over
     errors: list[tuple[Path, str]] = field(default_factory=list)  # folders that could not be listed
+    generated: list[Path] = field(default_factory=list)  # folders of generated input images passed over
 
 
 def walk(root: Path, skip: tuple[Path, ...] = ()) -> Walk:
@@ -242,6 +243,10 @@ def walk(root: Path, skip: tuple[Path, ...] = ()) -> Walk:
             dirnames[:] = []
             continue
         seen.add(real)
+        if dirpath != str(root) and SOURCE_MANIFEST in filenames and _generated_here(Path(dirpath)):
+            result.generated.append(Path(dirpath))  # its images were made from others: never training images
+            dirnames[:] = []
+            continue
         visible = sorted(d for d in dirnames if not d.startswith("."))
         # a downloaded dataset's manifest (data/sources) is not the user's file to be told about
         result.hidden += len(dirnames) - len(visible) + sum(1 for n in filenames if n.startswith(".") and n != SOURCE_MANIFEST)
@@ -249,6 +254,14 @@ def walk(root: Path, skip: tuple[Path, ...] = ()) -> Walk:
         result.files.extend(Path(dirpath) / name for name in filenames if not name.startswith("."))
     result.files.sort()
     return result
+
+
+def _generated_here(folder: Path) -> bool:
+    """Whether `folder` holds generated input images (its manifest says so: data/generated_conditioning.py)."""
+    try:
+        return "generated_conditioning" in json.loads((folder / SOURCE_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def count_files(root: Path, suffixes: set[str] | frozenset[str], cap: int) -> tuple[list[Path], bool]:
@@ -363,6 +376,7 @@ class DatasetSpec:
     # conditioning_root is generated (data/generated_conditioning.py) and has not been brought up to date: an image
     # without its input image is taken as if it had one (the web UI's and the wizard's scans write no file)
     conditioning_pending: bool = False
+    conditioning_generated: bool = False  # conditioning_root is made by data/generated_conditioning.py
 
 
 def first_frame_problem(available: int, own: int, rule: FrameRule) -> str:
@@ -417,6 +431,9 @@ def discover(spec: DatasetSpec) -> Discovery:
         result.notes.append((folder, "inside the dataset's folder: read as its input images or masks only, not "
                                      "as images to train on"))
     result.skipped += listing.errors
+    for folder in listing.generated:
+        result.notes.append((folder, "generated input images (its .difftune-source.json says so): not read as "
+                                     "images to train on"))
     if listing.hidden:
         result.notes.append((spec.root, f"{listing.hidden} hidden file(s) or folder(s) (name starting with '.') "
                                         "not used"))
@@ -448,11 +465,16 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
     rel = str(rel_path)
     conditioning = None
     to_generate = False  # a generated input image not made yet (spec.conditioning_pending)
+    not_generated = None  # a generated input image the generator could not make
     if pairs is not None:
         conditioning, problem = _partner(pairs, path.relative_to(spec.root), "conditioning image",
                                          spec.conditioning_root)
         if conditioning is None and spec.conditioning_pending and rel_path.with_suffix("") not in pairs:
             conditioning, to_generate = spec.conditioning_root / rel_path.with_suffix(".png"), True
+        elif conditioning is None and spec.conditioning_generated and rel_path.with_suffix("") not in pairs:
+            # said after the image's own problems: an unreadable image has no input image either
+            not_generated = (f"no input image was generated for it in {spec.conditioning_root} (the generation's "
+                             "message says why)")
         elif conditioning is None:
             return problem
         elif (problem := filesystem_problem(conditioning)) is not None:
@@ -484,6 +506,8 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         if size is None:
             return problem or "unreadable"
         width, height = size
+    if not_generated is not None:
+        return not_generated
     if width < 1 or height < 1:
         return f"{width}x{height}: no pixels"
     problem = too_small_problem(width, height, rule) or aspect_problem(width, height, rule)

@@ -28,10 +28,10 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from difftune.config.datasets import ConditioningDataset
-from difftune.config.generated_conditioning import GeneratedConditioning
+from difftune.config.generated_conditioning import GeneratedConditioning, default_folder
 from difftune.data.discovery import walk
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, load_rgb
-from difftune.data.sources import SourceError, open_folder, partial, save_manifest
+from difftune.data.sources import SourceError, open_folder, partial, read_folder, save_manifest
 
 ALGORITHM = 1  # raised when an output of the same settings would change: every folder is generated again
 SAVE_EVERY = 20.0  # seconds between manifest saves while generating (what a killed run keeps)
@@ -42,66 +42,99 @@ def output_name(rel: Path) -> Path:
     return rel.with_suffix(".png")
 
 
+def _open(gen: GeneratedConditioning, write: bool) -> dict[str, Any]:
+    """The folder's manifest ({} for a new folder), refusing one that is another's or holds the user's files.
+    `write`: also remove what a killed run left half written."""
+    fix = ("delete that folder (difftune makes it again)" if gen.folder == default_folder(gen.id) else
+           "give the generator another instance_data_dir, or remove its instance_data_dir for the default folder")
+    opened = open_folder if write else read_folder
+    return opened(manifest_owner(gen), Path(gen.folder),
+                  {"generated_conditioning": gen.id}, fix, other=lambda m: f"another dataset's files ({_what(m)})",
+                  strangers="difftune did not generate (generating would overwrite them)") or {}
+
+
+def check_folder(gen: GeneratedConditioning) -> None:
+    """Raise SourceError where generate would refuse the folder, writing nothing (the web UI's scan)."""
+    _open(gen, write=False)
+
+
 def generate(gen: GeneratedConditioning, source_root: Path, say: Callable[[str], None] = print) -> None:
     """Bring `gen.folder` up to date with the images of `source_root`; raises SourceError when the folder cannot
-    be used (another dataset's, files of the user's, cannot be written)."""
+    be used (another dataset's, files of the user's, cannot be written). The manifest's `files` hold, per source
+    image, the stamps (size, modification time) of the source and of its output: either changed, it is made again;
+    `unreadable` holds the sources that could not be read, with why, tried again once they change."""
     folder = Path(gen.folder)
-    owner = ConditioningDataset(id=gen.id, instance_data_dir=gen.folder)
-    fix = "give the generator another instance_data_dir (or remove its instance_data_dir for the default folder)"
-    found = open_folder(owner, folder, {"generated_conditioning": gen.id}, fix,
-                        other=lambda m: f"another dataset's files ({_what(m)})",
-                        strangers="difftune did not generate (generating would overwrite them)") or {}
+    found = _open(gen, write=True)
     same = (found.get("type"), found.get("settings"), found.get("algorithm")) == (gen.kind, gen.settings, ALGORITHM)
-    made: dict[str, list[int]] = dict(found.get("files") or {}) if same else {}
     sources, clashes = _sources(source_root, folder)
-    for rel in [r for r in made if r not in sources]:  # its source image is gone
+    for rel in [r for r in found.get("files") or {} if r not in sources]:  # its source image is gone
         (folder / output_name(Path(rel))).unlink(missing_ok=True)
-        del made[rel]
-    todo = [rel for rel, stamp in sources.items()
-            if made.get(rel) != stamp or not (folder / output_name(Path(rel))).is_file()]
-    for rel in todo:
-        made.pop(rel, None)
+    made: dict[str, list[int]] = {}
+    unreadable: dict[str, list[Any]] = {}
+    todo = []
+    for rel, stamp in sources.items():
+        before = (found.get("files") or {}).get(rel) if same else None
+        failed = (found.get("unreadable") or {}).get(rel) if same else None
+        if before is not None and before[:2] == stamp and before[2:] == _stamp(folder / output_name(Path(rel))):
+            made[rel] = before
+        elif failed is not None and failed[:2] == stamp:
+            unreadable[rel] = failed
+        else:
+            todo.append(rel)
     manifest = {"generated_conditioning": gen.id, "source": gen.source_id, "type": gen.kind,
-                "settings": gen.settings, "algorithm": ALGORITHM, "files": made}
+                "settings": gen.settings, "algorithm": ALGORITHM, "files": made, "unreadable": unreadable}
     for names in clashes:
         say(f"dataset {gen.id!r}: {', '.join(names)} in dataset {gen.source_id!r} would make one generated image "
             f"({output_name(Path(names[0])).name}): none is generated, so they are left out; rename one")
     if not todo:
-        if not found or not same:
-            save_manifest(owner, folder, manifest)
+        if manifest != found:
+            save_manifest(manifest_owner(gen), folder, manifest)
         return
     why = " (its settings changed since the folder was generated)" if found and not same else ""
     say(f"dataset {gen.id!r}: generating {len(todo)} {gen.kind} image(s) from dataset {gen.source_id!r} into "
         f"{folder}{why}")
-    save_manifest(owner, folder, manifest)  # first: a folder of outputs without it would be refused as the user's
+    save_manifest(manifest_owner(gen), folder, manifest)  # first: outputs without it would be refused as the user's
     skipped: list[str] = []
     saved = start = time.monotonic()
 
-    def one(rel: str) -> tuple[str, str | None]:
+    def one(rel: str) -> tuple[str, list[int] | str]:
         return rel, make_one(gen, source_root / rel, folder / output_name(Path(rel)), rel)
 
     pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="difftune-generate")
     try:
-        for done, (rel, problem) in enumerate(pool.map(one, todo), 1):
-            if problem is None:
-                made[rel] = sources[rel]
+        for done, (rel, result) in enumerate(pool.map(one, todo), 1):
+            if isinstance(result, str):
+                unreadable[rel] = [*sources[rel], result]
+                skipped.append(f"{rel}: {result}")
             else:
-                skipped.append(f"{rel}: {problem}")
+                made[rel] = [*sources[rel], *result]
             if time.monotonic() - saved > SAVE_EVERY:
-                save_manifest(owner, folder, manifest)
+                save_manifest(manifest_owner(gen), folder, manifest)
                 saved = time.monotonic()
                 say(f"dataset {gen.id!r}: {done}/{len(todo)} generated")
     finally:  # Ctrl-C or a failed write: the images not started are not made, those made are kept
         pool.shutdown(wait=True, cancel_futures=True)
-        save_manifest(owner, folder, manifest)
-    tail = f"; {len(skipped)} unreadable, left out (the data report lists them): " + "; ".join(skipped[:3]) \
-        if skipped else ""
+        save_manifest(manifest_owner(gen), folder, manifest)
+    tail = f"; {len(skipped)} unreadable, left out: " + "; ".join(skipped[:3]) if skipped else ""
     say(f"dataset {gen.id!r}: {len(todo) - len(skipped)} image(s) generated in {time.monotonic() - start:.1f} s"
         f"{tail}")
 
 
-def make_one(gen: GeneratedConditioning, source: Path, target: Path, rel: str) -> str | None:
-    """Generate one image; why not (an unreadable source) or None. A write that fails raises SourceError."""
+def manifest_owner(gen: GeneratedConditioning) -> ConditioningDataset:
+    return ConditioningDataset(id=gen.id, instance_data_dir=gen.folder)
+
+
+def _stamp(path: Path) -> list[int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def make_one(gen: GeneratedConditioning, source: Path, target: Path, rel: str) -> list[int] | str:
+    """Generate one image: the output's stamp, or why not (an unreadable source). A failed write raises
+    SourceError."""
     try:
         image = load_rgb(source)
     except (BadImage, OSError) as e:
@@ -112,10 +145,11 @@ def make_one(gen: GeneratedConditioning, source: Path, target: Path, rel: str) -
         with partial(target) as tmp:
             out.save(tmp, format="PNG", compress_level=1)  # a cache: fast to write matters more than its size
             os.replace(tmp, target)
+        stamp = _stamp(target)
     except OSError as e:
         raise SourceError(f"dataset {gen.id!r}: {target} cannot be written ({e}); free some space or give the "
                           "generator another instance_data_dir") from e
-    return None
+    return stamp or [0, 0]
 
 
 def transform(kind: str, settings: dict[str, Any], image: Image.Image, rng: np.random.Generator) -> Image.Image:

@@ -128,6 +128,20 @@ def generate_conditioning(run_cfg: RunConfig, say: Callable[[str], None] = print
                 raise DataError(str(e)) from e
 
 
+def check_generated_folders(run_cfg: RunConfig) -> None:
+    """DataError where generate_conditioning would refuse a folder, writing nothing."""
+    if not run_cfg.datasets.generated:
+        return
+    from difftune.data.generated_conditioning import check_folder
+    from difftune.data.sources import SourceError
+
+    for gen in run_cfg.datasets.generated.values():
+        try:
+            check_folder(gen)
+        except SourceError as e:
+            raise DataError(str(e)) from e
+
+
 def caption_filters(run_cfg: RunConfig, ds: ImageDataset) -> CaptionFilter | None:
     """caption_filter_list of the text_embeds entry caching the dataset's captions (read again here: the loader
     checked it, and the file may have changed since)."""
@@ -152,6 +166,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
         mask_root=Path(masks) if masks else None, frames_as_set=frame_rule_as_set(run_cfg, ds),
         conditioning_pending=not generated and ds.conditioning_data in run_cfg.datasets.generated,
+        conditioning_generated=ds.conditioning_data in run_cfg.datasets.generated,
     )
 
 
@@ -295,6 +310,8 @@ def discover_datasets(run_cfg: RunConfig, write_metadata: bool = True, fetch: bo
     if fetch and write_metadata:
         generate_conditioning(run_cfg)
     generated = prepared or fetch and write_metadata
+    if not generated:  # a folder generating would refuse (the user's files, another's): said now too
+        check_generated_folders(run_cfg)
     found = [
         limit(discover(dataset_spec(run_cfg, ds, rule, write_metadata, generated)), ds.max_num_samples)
         for ds, rule in zip(run_cfg.datasets.discovered(), size_rules(run_cfg), strict=True)

@@ -200,11 +200,17 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     ranks = ranks or Ranks()
     cfg = run_cfg.train
     family = get_family(cfg.model_family)
+    failed = None
     if ranks.main:  # datasets of type huggingface, csv or aws are downloaded once, by one process; then the
         say = lambda message: events.emit("info", message=message)  # noqa: E731  generated conditioning images
-        fetch_sources(run_cfg, say)
-        generate_conditioning(run_cfg, say)
-    ranks.barrier()
+        try:
+            fetch_sources(run_cfg, say)
+            generate_conditioning(run_cfg, say)
+        except DataError as e:
+            failed = str(e)
+    # the others wait for process 0, and stop with its error rather than with the collective it never joins
+    if (failed := ranks.broadcast(failed)) is not None:
+        raise DataError(failed)
     # fails before any model loads where no bucket holds one global batch (the plan build_data makes again below)
     found = discover_all(run_cfg, write_metadata=ranks.main, fetch=False, processes=ranks.count, prepared=True)
     for path, reason in (item for d in found for item in d.skipped):

@@ -54,6 +54,15 @@ def open_folder(ds: ImageDataset | ConditioningDataset, folder: Path, identity: 
     what a killed run left half written; None for a new or empty folder (hidden files aside). Refused, never
     emptied: a path that is a file, an unreadable manifest, another source's download ("<where> holds
     {other(manifest)}") and files without a manifest ("<where> already holds files that {strangers}")."""
+    found = read_folder(ds, folder, identity, fix, other=other, strangers=strangers)
+    if found is not None:
+        clean_partial(folder)
+    return found
+
+
+def read_folder(ds: ImageDataset | ConditioningDataset, folder: Path, identity: dict[str, Any], fix: str, *,
+                other: Callable[[dict[str, Any]], str], strangers: str) -> dict[str, Any] | None:
+    """open_folder without writing anything (for a scan that only looks: the web UI's)."""
     where = _where(ds, folder)
     if folder.exists() and not folder.is_dir():
         raise SourceError(f"{where} is a file, not a folder; {fix}")
@@ -67,7 +76,6 @@ def open_folder(ds: ImageDataset | ConditioningDataset, folder: Path, identity: 
             raise SourceError(f"{where}: its {MANIFEST} cannot be read ({e}); {fix}") from e
         if any(found.get(key) != value for key, value in identity.items()):
             raise SourceError(f"{where} holds {other(found)}; {fix}")
-        clean_partial(folder)
         return found
     first = first_visible(folder)
     if first is not None:
