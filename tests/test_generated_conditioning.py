@@ -44,6 +44,21 @@ def test_the_entry_pairs_with_its_generated_dataset_with_simpletuner_defaults_an
     assert folder_of(jpeg) == str(tmp_path / "j")
 
 
+@pytest.mark.parametrize("value", ["canny", ["canny"], [{"type": "canny"}, "x"]])
+def test_a_conditioning_value_of_another_shape_is_one_problem(tmp_path, dataset, value):
+    text = config_problems(write_config(tmp_path, dataset, dataset={"conditioning": value}, **I2I))
+    assert text.count("\n") == 0 and "conditioning: " in text and "must be a list of generator entries" in text
+
+
+def test_the_web_ui_form_has_the_key_as_json(tmp_path, dataset):
+    from difftune.ui import dataset_fields
+
+    (spec,) = [f for f in dataset_fields()["image"]["fields"] if f["name"] == "conditioning"]
+    assert spec["kind"] == "json" and "canny" in spec["description"]
+    run_cfg = load_config(generator_config(tmp_path, dataset, {"type": "canny"}))
+    assert run_cfg.datasets.images[0].conditioning == [{"type": "canny"}]  # kept as written
+
+
 @pytest.mark.parametrize(("generators", "extra", "expected"), [
     ([{"type": "depth"}], {}, "type 'depth': depth maps (a depth-estimation model) are not generated yet; make the "
                               "images yourself"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
 
@@ -252,6 +252,14 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     conditioning_data: str | None = field(
         None, "Id of a 'conditioning' dataset whose images pair with these by file name (image-to-image).",
         "data",
+    )
+    conditioning: list[dict[str, Any]] | dict[str, Any] | None = field(
+        None, "Input images generated from these images, for an image-to-image flavour (SimpleTuner's generated "
+        "conditioning), instead of conditioning_data: one generator, such as [{\"type\": \"canny\"}]. Types: canny "
+        "(low_threshold, high_threshold), superresolution (blur_radius, noise_level, downscale_factor, ...), "
+        "jpeg_artifacts (quality, quality_mode, ...); made before training into "
+        "cache/conditioning_data/<id>_conditioning_<type> (or the generator's instance_data_dir).", "data",
+        advanced=True,
     )
     is_regularisation_data: bool = field(
         False, "Regularisation (prior preservation) data, e.g. generic photos of the subject's class: with a LoRA "

@@ -134,23 +134,19 @@ def default_folder(ident: str) -> str:
 
 
 def take(entry: dict[str, Any], where: str, problems: list[str]) -> tuple[dict[str, Any], list[Any]]:
-    """The image entry without its `conditioning` list, and the list. With one generator, the entry's
-    conditioning_data names the dataset it generates (the id is checked with the entry's own id)."""
-    if "conditioning" not in entry:
+    """The image entry and its `conditioning` list (a single generator as a list of one). With one generator, the
+    entry's conditioning_data names the dataset it generates (the id is checked with the entry's own id). The
+    entries of the list are checked by `build`; a value of another shape is refused here (and cleared, so that
+    the field's validation does not refuse it a second time)."""
+    if entry.get("conditioning") is None:
         return entry, []
     out = dict(entry)
-    raw = out.pop("conditioning")
-    generators = [raw] if isinstance(raw, dict) else raw if isinstance(raw, list) else None
-    if generators is None:
-        problems.append(f"{where}: conditioning: {raw!r} must be a list of generator entries such as "
-                        "[{\"type\": \"canny\"}]")
+    raw = out["conditioning"]
+    generators = [raw] if isinstance(raw, dict) else raw if isinstance(raw, list) and all(
+        isinstance(g, dict) for g in raw) else None
+    if generators == []:
         return out, []
-    if not generators:
-        return out, []
-    if len(generators) > 1:
-        problems.append(f"{where}: conditioning: {len(generators)} generators: a dataset pairs with one conditioning "
-                        "dataset (SimpleTuner's several, drawn at random or stitched, are not implemented yet); keep one")
-        return out, []
+    ident = out.get("id") if isinstance(out.get("id"), str) else None
     if out.get("dataset_type") == "video" or out.get("video") is not None:
         problems.append(f"{where}: conditioning: generated conditioning images are for image datasets; an "
                         "image-to-video flavour takes each clip's first frame by itself: remove conditioning")
@@ -159,18 +155,25 @@ def take(entry: dict[str, Any], where: str, problems: list[str]) -> tuple[dict[s
         problems.append(f"{where}: conditioning and conditioning_data are both set: the generated images are this "
                         "dataset's conditioning dataset; remove one")
         return out, []
-    kind = generators[0].get("type") if isinstance(generators[0], dict) else None
-    if isinstance(kind, str) and isinstance(out.get("id"), str):
-        out["conditioning_data"] = f"{out['id']}_conditioning_{kind}"
+    kind = generators[0].get("type") if generators else None
+    # the id the generated dataset gets (build checks the type); a stand-in where it has none, so that an
+    # image-to-image flavour's "needs conditioning_data" does not follow the problem said here
+    out["conditioning_data"] = f"{ident}_conditioning_{kind}" if isinstance(kind, str) else f"{ident}_conditioning"
+    if generators is None:
+        out["conditioning"] = None  # said here: not again by the field's validation
+        problems.append(f"{where}: conditioning: {raw!r} must be a list of generator entries such as "
+                        "[{\"type\": \"canny\"}]")
+        return out, []
+    if len(generators) > 1:
+        problems.append(f"{where}: conditioning: {len(generators)} generators: a dataset pairs with one conditioning "
+                        "dataset (SimpleTuner's several, drawn at random or stitched, are not implemented yet); keep one")
+        return out, []
     return out, generators
 
 
-def build(source: Any, raw: Any, where: str, problems: list[str], notes: list[str]) -> GeneratedConditioning | None:
+def build(source: Any, raw: dict[str, Any], where: str, problems: list[str], notes: list[str]) -> GeneratedConditioning | None:
     """The generated dataset of a validated image dataset entry `source` from its generator entry `raw` (take)."""
     where = f"{where}: conditioning[0]"
-    if not isinstance(raw, dict):
-        problems.append(f"{where}: {raw!r} must be an object such as {{\"type\": \"canny\"}}")
-        return None
     written = raw.get("type")
     if not isinstance(written, str) or not written:
         problems.append(f"{where}: type is missing; use one of {', '.join(sorted(set(KINDS.values())))}")
@@ -229,7 +232,7 @@ def build(source: Any, raw: Any, where: str, problems: list[str], notes: list[st
                                  settings=checked.model_dump(mode="json"))
 
 
-def add(source: Any, raw: Any, where: str, seen: set[str], generated: dict[str, GeneratedConditioning],
+def add(source: Any, raw: dict[str, Any], where: str, seen: set[str], generated: dict[str, GeneratedConditioning],
         conditioning: dict[str, Any], problems: list[str], notes: list[str]) -> None:
     """Build the generated dataset of `source` (validated, enabled) and enter it in the plan's `generated` and
     `conditioning` (as the conditioning entry its images make), its id in `seen`."""

@@ -264,9 +264,10 @@ def load_datasets(
             entry, mirrored[str(entry.get("id"))], unused[str(entry.get("id"))] = conditioning_keys.split(entry)
         generators: list[Any] = []
         if model is ImageDataset:  # SimpleTuner's generated conditioning images (config/generated_conditioning.py)
+            before = entry.get("conditioning_data")
             entry, generators = generated_conditioning.take(entry, where, problems)
-            if generators:  # a generator that fails is reported as such, not as a conditioning_data naming nothing
-                by_generator.add(str(entry.get("conditioning_data")))
+            if entry.get("conditioning_data") != before:  # a failed generator is said as such, not as a
+                by_generator.add(str(entry["conditioning_data"]))  # conditioning_data naming nothing
         entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
