@@ -62,7 +62,8 @@ def test_the_web_ui_form_has_the_key_as_json(tmp_path, dataset):
 @pytest.mark.parametrize(("generators", "extra", "expected"), [
     ([{"type": "depth"}], {}, "type 'depth': depth maps (a depth-estimation model) are not generated yet; make the "
                               "images yourself"),
-    ([{"type": "cany"}], {}, "type 'cany' is unknown; use one of canny, jpeg_artifacts, superresolution"),
+    ([{"type": "masks", "min_masks": 3, "max_masks": 2}], {}, "min_masks 3 is above max_masks 2; swap them"),
+    ([{"type": "cany"}], {}, "type 'cany' is unknown; use one of canny, jpeg_artifacts, random_masks, superresolution"),
     ([{"type": "canny"}, {"type": "jpeg"}], {}, "2 generators: a dataset pairs with one conditioning dataset"),
     ([{"type": "canny"}], {"conditioning_data": "inputs"}, "conditioning and conditioning_data are both set"),
     ([{"type": "canny", "params": {"low_threshold": 10}}], {}, "params: canny's settings are read from the "
@@ -130,6 +131,34 @@ def test_jpeg_artifacts_and_superresolution_are_what_their_settings_say(tmp_path
     noisy = [np.asarray(transform("superresolution", _sr_settings(), photo, np.random.default_rng(seed)))
              for seed in (1, 1, 2)]
     assert np.array_equal(noisy[0], noisy[1]) and not np.array_equal(noisy[0], noisy[2])
+
+
+def test_random_masks_paint_the_masked_area_white_and_keep_the_rest(tmp_path):
+    from difftune.config.generated_conditioning import RandomMasksSettings
+
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 250, (48, 64, 3), dtype=np.uint8), "RGB")
+    hard = dict(edge_blur=False, edge_feather=False, min_coverage=0.2, max_coverage=0.2)
+    mask = np.asarray(transform("random_masks", RandomMasksSettings(**hard).model_dump(mode="json"), photo,
+                                np.random.default_rng(3)))
+    assert set(np.unique(mask)) == {0, 255} and (mask[..., 0] == mask[..., 2]).all()
+    assert mask[..., 0].mean() / 255 > 0.05  # shapes drawn until the coverage (checked between them)
+    painted = np.asarray(transform("random_masks", RandomMasksSettings(**hard, output_mode="masked_image")
+                                   .model_dump(mode="json"), photo, np.random.default_rng(3)))
+    masked = mask[..., 0] == 255
+    assert (painted[masked] == 255).all() and (painted[~masked] == np.asarray(photo)[~masked]).all()
+    soft = np.asarray(transform("random_masks", RandomMasksSettings(min_coverage=0.2, max_coverage=0.2)
+                                .model_dump(mode="json"), photo, np.random.default_rng(3)))[..., 0]
+    assert len(np.unique(soft)) > 10 and (soft[masked] > 200).all()  # blurred and feathered around the shapes
+    assert "mask_type_weights [1.0]: one weight" in config_problems(
+        write_config(tmp_path, photo_dataset(tmp_path), **I2I,
+                     dataset={"conditioning": [{"type": "inpainting", "mask_type_weights": [1]}]}))
+
+
+def photo_dataset(tmp_path):
+    from difftune.demo import make_dataset
+
+    make_dataset(tmp_path / "photos", count=1)
+    return tmp_path / "photos"
 
 
 def _jpeg_settings(**given):

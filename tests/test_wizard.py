@@ -414,7 +414,7 @@ def test_image_to_image_input_images_generated_from_the_training_images(tmp_path
                      {"Write these files": ["y"]})
     code, transcript = wizard_run(None)
     assert code == 0, transcript
-    assert "choose a number from 1 to 4" in transcript and not any("conditioning." in p for p in asked)
+    assert "choose a number from 1 to 5" in transcript and not any("conditioning." in p for p in asked)
     datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
     assert datasets[0]["conditioning"] == [{"type": "canny"}] and "conditioning_data" not in datasets[0]
     assert [d["dataset_type"] for d in datasets] == ["image", "text_embeds"]

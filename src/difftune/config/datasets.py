@@ -257,7 +257,8 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
         None, "Input images generated from these images, for an image-to-image flavour (SimpleTuner's generated "
         "conditioning), instead of conditioning_data: one generator, such as [{\"type\": \"canny\"}]. Types: canny "
         "(low_threshold, high_threshold), superresolution (blur_radius, noise_level, downscale_factor, ...), "
-        "jpeg_artifacts (quality, quality_mode, ...); made before training into "
+        "jpeg_artifacts (quality, quality_mode, ...), random_masks (output_mode 'mask' or 'masked_image', "
+        "min_coverage, max_coverage, ...); made before training into "
         "cache/conditioning_data/<id>_conditioning_<type> (or the generator's instance_data_dir).", "data",
         advanced=True,
     )

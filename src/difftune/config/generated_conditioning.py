@@ -2,7 +2,8 @@
 
 Instead of a folder of input images made by hand, an image-to-image run can have them made from the training
 images: edge maps (`canny`), degraded copies (`superresolution`: blurred, noised, optionally downscaled; and
-`jpeg_artifacts`: compressed at a low quality). The entry then pairs with a conditioning dataset of id
+`jpeg_artifacts`: compressed at a low quality), random masks or the image with them painted white
+(`random_masks`, for inpainting). The entry then pairs with a conditioning dataset of id
 `<dataset id>_conditioning_<type>` (SimpleTuner's id) whose images are generated into its folder
 (`instance_data_dir` on the generator entry, default `cache/conditioning_data/<that id>`) before discovery, by
 data/generated_conditioning.py.
@@ -17,7 +18,8 @@ What differs from SimpleTuner, on purpose:
 SimpleTuner's keys on a generator entry that do not change a single-conditioning run are accepted with a note:
 `captions` (SimpleTuner uses them only when it draws one of several conditioning datasets at random; with one, the
 pair trains with the image's own caption), `caption_strategy` and `instance_prompt` (the conditioning dataset's own
-captions, which nothing trains on). Generators that need models or make masks are refused with what to do instead.
+captions, which nothing trains on). Generators that need models (depth, segmentation, optical flow) and the HDR
+ones are refused with what to do instead.
 
 Import-light: no torch, no image libraries.
 """
@@ -33,11 +35,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # SimpleTuner's spellings of each generator type -> the one here
 KINDS = {"canny": "canny", "edges": "canny",
          "superresolution": "superresolution", "super_resolution": "superresolution", "lowres": "superresolution",
-         "jpeg_artifacts": "jpeg_artifacts", "jpeg": "jpeg_artifacts", "compression": "jpeg_artifacts"}
+         "jpeg_artifacts": "jpeg_artifacts", "jpeg": "jpeg_artifacts", "compression": "jpeg_artifacts",
+         "random_masks": "random_masks", "masks": "random_masks", "inpainting": "random_masks"}
 _MAKE_THEM = ("; make the images yourself, put them in a folder named like the training images, add a "
               "dataset_type 'conditioning' entry for it and name that entry in conditioning_data")
 NOT_YET = {
-    **dict.fromkeys(("random_masks", "masks", "inpainting"), "random inpainting masks are not generated yet"),
     **dict.fromkeys(("depth", "depth_map", "depth_midas"), "depth maps (a depth-estimation model) are not generated "
                                                            "yet"),
     **dict.fromkeys(("segmentation", "semantic_segmentation"), "segmentation maps (a segmentation model) are not "
@@ -115,8 +117,57 @@ class JpegArtifactsSettings(_Settings):
         return self
 
 
+MaskType = Literal["rectangle", "circle", "brush", "irregular"]
+
+
+class RandomMasksSettings(_Settings):
+    """Random inpainting masks: between min_masks and max_masks shapes of mask_types (drawn by
+    mask_type_weights) until a coverage drawn from [min_coverage, max_coverage] is reached (checked between
+    shapes, so the last may pass it). Sizes are fractions of the image's side (rectangles), of its shorter side
+    (circle radii, brush lengths), brush widths in pixels. edge_blur blurs the mask; edge_feather adds a linear
+    fall-off over 10 pixels outside the shapes. output_mode 'mask' gives the mask (white: masked) as the input
+    image, 'masked_image' the training image with the masked area painted white (an inpainting edit)."""
+
+    mask_types: list[MaskType] = Field(["rectangle", "circle", "brush", "irregular"], min_length=1)
+    mask_type_weights: list[float] | None = None
+    min_coverage: float = Field(0.1, ge=0, le=1)
+    max_coverage: float = Field(0.5, ge=0, le=1)
+    min_masks: int = Field(1, ge=1, le=100)
+    max_masks: int = Field(5, ge=1, le=100)
+    rect_min_size: float = Field(0.1, gt=0, le=1)
+    rect_max_size: float = Field(0.4, gt=0, le=1)
+    circle_min_radius: float = Field(0.05, gt=0, le=0.5)
+    circle_max_radius: float = Field(0.2, gt=0, le=0.5)
+    brush_min_width: int = Field(5, ge=1)
+    brush_max_width: int = Field(40, ge=1)
+    brush_min_length: float = Field(0.1, gt=0, le=2)
+    brush_max_length: float = Field(0.5, gt=0, le=2)
+    irregular_min_points: int = Field(5, ge=3, le=200)
+    irregular_max_points: int = Field(20, ge=3, le=200)
+    edge_blur: bool = True
+    edge_blur_radius: float = Field(2.0, ge=0)
+    edge_feather: bool = True
+    output_mode: Literal["mask", "masked_image"] = "mask"
+    mask_value: int = Field(255, ge=1, le=255)
+    invert_mask: bool = False
+
+    @model_validator(mode="after")
+    def _ranges(self) -> RandomMasksSettings:
+        for low, high in [("min_coverage", "max_coverage"), ("min_masks", "max_masks"),
+                          ("rect_min_size", "rect_max_size"), ("circle_min_radius", "circle_max_radius"),
+                          ("brush_min_width", "brush_max_width"), ("brush_min_length", "brush_max_length"),
+                          ("irregular_min_points", "irregular_max_points")]:
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"{low} {getattr(self, low):g} is above {high} {getattr(self, high):g}; swap them")
+        weights = self.mask_type_weights
+        if weights is not None and (len(weights) != len(self.mask_types) or min(weights) < 0 or sum(weights) <= 0):
+            raise ValueError(f"mask_type_weights {weights}: one weight (0 or more, not all 0) per entry of mask_types "
+                             f"{self.mask_types}")
+        return self
+
+
 SETTINGS: dict[str, type[_Settings]] = {"canny": CannySettings, "superresolution": SuperResolutionSettings,
-                                         "jpeg_artifacts": JpegArtifactsSettings}
+                                         "jpeg_artifacts": JpegArtifactsSettings, "random_masks": RandomMasksSettings}
 
 
 class GeneratedConditioning(BaseModel):
@@ -124,7 +175,7 @@ class GeneratedConditioning(BaseModel):
 
     id: str  # <source id>_conditioning_<type as written>
     source_id: str
-    kind: Literal["canny", "superresolution", "jpeg_artifacts"]
+    kind: Literal["canny", "superresolution", "jpeg_artifacts", "random_masks"]
     settings: dict[str, Any]  # every setting of the kind, defaults filled in (the folder's record of them)
     folder: str
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageFilter
+from PIL import Image, ImageDraw, ImageFilter
 
 from difftune.config.datasets import ConditioningDataset
 from difftune.config.generated_conditioning import GeneratedConditioning, default_folder
@@ -160,6 +160,8 @@ def transform(kind: str, settings: dict[str, Any], image: Image.Image, rng: np.r
         return _low_quality(image, settings, rng)
     if kind == "jpeg_artifacts":
         return _jpeg_artifacts(image, settings, rng)
+    if kind == "random_masks":
+        return _random_masks(image, settings, rng)
     raise ValueError(f"unknown generator {kind!r}")
 
 
@@ -214,6 +216,84 @@ def _jpeg_artifacts(image: Image.Image, s: dict[str, Any], rng: np.random.Genera
         pixels[edges] += s["block_noise_level"] * rng.standard_normal(pixels[edges].shape, dtype=np.float32)
         image = _to_image(pixels)
     return image
+
+
+FEATHER = 10  # pixels of edge_feather's fall-off outside the shapes
+
+
+def _random_masks(image: Image.Image, s: dict[str, Any], rng: np.random.Generator) -> Image.Image:
+    w, h = image.size
+    mask = Image.new("L", (w, h), 0)
+    draw = ImageDraw.Draw(mask)
+    weights = np.asarray(s["mask_type_weights"], dtype=np.float64) if s["mask_type_weights"] else None
+    target = rng.uniform(s["min_coverage"], s["max_coverage"])
+    for _ in range(int(rng.integers(s["min_masks"], s["max_masks"] + 1))):
+        if np.count_nonzero(np.asarray(mask)) >= target * w * h:
+            break
+        shape = str(rng.choice(s["mask_types"], p=None if weights is None else weights / weights.sum()))
+        _SHAPES[shape](draw, w, h, s, rng)
+    if s["edge_blur"] and s["edge_blur_radius"] > 0:
+        mask = mask.filter(ImageFilter.GaussianBlur(s["edge_blur_radius"]))
+    amount = np.asarray(mask, dtype=np.float32) / 255.0
+    if s["edge_feather"]:
+        import cv2
+
+        outside = (amount <= 0.5).astype(np.uint8)
+        if not outside.all():  # each outside pixel's distance to the nearest shape
+            distance = cv2.distanceTransform(outside, cv2.DIST_L2, 5)
+            amount = np.maximum(amount, np.clip(1.0 - distance / FEATHER, 0.0, 1.0) * (s["mask_value"] / 255.0))
+    if s["invert_mask"]:
+        amount = 1.0 - amount
+    if s["output_mode"] == "mask":
+        return _to_image(np.repeat(amount[:, :, None], 3, axis=2))
+    pixels = np.asarray(image, dtype=np.float32) / 255.0  # masked_image: the masked area painted white
+    return _to_image(pixels * (1.0 - amount[:, :, None]) + amount[:, :, None])
+
+
+def _draw_rectangle(draw: ImageDraw.ImageDraw, w: int, h: int, s: dict[str, Any], rng: np.random.Generator) -> None:
+    rw = max(1, int(w * rng.uniform(s["rect_min_size"], s["rect_max_size"])))
+    rh = max(1, int(h * rng.uniform(s["rect_min_size"], s["rect_max_size"])))
+    x, y = int(rng.integers(0, max(0, w - rw) + 1)), int(rng.integers(0, max(0, h - rh) + 1))
+    draw.rectangle([x, y, x + rw - 1, y + rh - 1], fill=s["mask_value"])
+
+
+def _draw_circle(draw: ImageDraw.ImageDraw, w: int, h: int, s: dict[str, Any], rng: np.random.Generator) -> None:
+    r = max(1, int(min(w, h) * rng.uniform(s["circle_min_radius"], s["circle_max_radius"])))
+    cx, cy = int(rng.integers(r, max(r, w - r) + 1)), int(rng.integers(r, max(r, h - r) + 1))
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=s["mask_value"])
+
+
+def _draw_brush(draw: ImageDraw.ImageDraw, w: int, h: int, s: dict[str, Any], rng: np.random.Generator) -> None:
+    """A random walk of straight strokes with round joints, within the image."""
+    width = min(int(rng.integers(s["brush_min_width"], s["brush_max_width"] + 1)), max(1, min(w, h) // 2))
+    length = min(w, h) * rng.uniform(s["brush_min_length"], s["brush_max_length"])
+    steps = max(1, round(length / 20))
+    lo_x, hi_x, lo_y, hi_y = width / 2, max(width / 2, w - width / 2), width / 2, max(width / 2, h - width / 2)
+    points = [(rng.uniform(lo_x, hi_x), rng.uniform(lo_y, hi_y))]
+    for _ in range(steps):
+        angle = rng.uniform(0.0, 2.0 * np.pi)
+        x, y = points[-1]
+        points.append((min(hi_x, max(lo_x, x + length / steps * np.cos(angle))),
+                       min(hi_y, max(lo_y, y + length / steps * np.sin(angle)))))
+    draw.line(points, fill=s["mask_value"], width=width, joint="curve")
+    for x, y in points:
+        draw.ellipse([x - width / 2, y - width / 2, x + width / 2, y + width / 2], fill=s["mask_value"])
+
+
+def _draw_irregular(draw: ImageDraw.ImageDraw, w: int, h: int, s: dict[str, Any], rng: np.random.Generator) -> None:
+    """A polygon around a point of the image's middle half, its corners at jittered angles and random radii."""
+    n = int(rng.integers(s["irregular_min_points"], s["irregular_max_points"] + 1))
+    cx, cy = rng.uniform(w / 4, 3 * w / 4), rng.uniform(h / 4, 3 * h / 4)
+    points = []
+    for i in range(n):
+        angle = 2.0 * np.pi * i / n + rng.uniform(-0.3, 0.3)
+        radius = rng.uniform(0.1, 0.3) * min(w, h)
+        points.append((min(w - 1.0, max(0.0, cx + radius * np.cos(angle))),
+                       min(h - 1.0, max(0.0, cy + radius * np.sin(angle)))))
+    draw.polygon(points, fill=s["mask_value"])
+
+
+_SHAPES = {"rectangle": _draw_rectangle, "circle": _draw_circle, "brush": _draw_brush, "irregular": _draw_irregular}
 
 
 def _noisy(image: Image.Image, level: float, rng: np.random.Generator) -> Image.Image:

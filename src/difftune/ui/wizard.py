@@ -47,10 +47,14 @@ LOCAL_CAPTIONS = ("textfile", "filename", "instanceprompt")
 COUNT_CAP = 10_000  # files counted in the folder check; a huge folder is not listed in full
 PROBE_CAP = 32  # clips probed for their length (a demux each, no decoding): enough to offer num_frames
 # the input images of an image-to-image flavour: a folder of the user's, or a generator (config/generated_conditioning)
-INPUT_IMAGES = [(None, "a folder of input images, each named like its training image"),
-                ("canny", "edge maps of the training images (canny): learns edges -> image"),
-                ("superresolution", "blurred, noisy copies (superresolution): learns to restore detail"),
-                ("jpeg_artifacts", "JPEG-damaged copies (jpeg_artifacts): learns to remove compression artifacts")]
+INPUT_IMAGES: list[tuple[dict[str, Any] | None, str]] = [
+    (None, "a folder of input images, each named like its training image"),
+    ({"type": "canny"}, "edge maps of the training images (canny): learns edges -> image"),
+    ({"type": "superresolution"}, "blurred, noisy copies (superresolution): learns to restore detail"),
+    ({"type": "jpeg_artifacts"}, "JPEG-damaged copies (jpeg_artifacts): learns to remove compression artifacts"),
+    ({"type": "random_masks", "output_mode": "masked_image"},
+     "the training images with random areas painted white (random_masks): learns inpainting"),
+]
 
 
 class Wizard(MemoryQuestions):
@@ -343,12 +347,13 @@ class Wizard(MemoryQuestions):
             if answer.isdigit() and 0 < int(answer) <= len(INPUT_IMAGES):
                 break
             self.say(f"  choose a number from 1 to {len(INPUT_IMAGES)}")
-        kind = INPUT_IMAGES[int(answer) - 1][0]
-        if kind is not None:
+        generator = INPUT_IMAGES[int(answer) - 1][0]
+        if generator is not None:
             if entry.get("conditioning_data") is not None:
                 self.forget_conditioning(entry)
-            entry["conditioning"] = [{"type": kind}]
-            self.say(f"  made before training into cache/conditioning_data/{entry['id']}_conditioning_{kind}")
+            entry["conditioning"] = [dict(generator)]
+            self.say(f"  made before training into cache/conditioning_data/{entry['id']}_conditioning_"
+                     f"{generator['type']}")
             return
         wanted = entry.get("conditioning_data")
         inputs = next((e for e in self.datasets if isinstance(e, dict) and e.get("dataset_type") == "conditioning"
