@@ -608,8 +608,15 @@ def test_crashes_and_kills_are_reported_as_failed(lumina2_dir, root, tmp_path, n
     killed = write_config(root / "killed", root / "images", max_train_steps=5000)
     broken_id = client.post("/api/runs", json={"path": str(broken)}).json()["id"]
     killed_id = client.post("/api/runs", json={"path": str(killed)}).json()["id"]
-    run = wait_for(client, broken_id, lambda r: r["status"] == "failed")
-    assert run["log_tail"] and any("empty-model" in line and "model_index.json" in line for line in run["log_tail"])
+    # an error event is "failed" at once; the trainer prints the error to its log a moment later (a CI run read the
+    # log in between), so the wait is for both
+    wait_for(client, broken_id, lambda r: r["status"] == "failed")
+    for _ in range(60):
+        run = client.get(f"/api/runs/{broken_id}").json()
+        if any("empty-model" in line and "model_index.json" in line for line in run["log_tail"]):
+            break
+        time.sleep(0.5)
+    assert any("empty-model" in line and "model_index.json" in line for line in run["log_tail"]), run
     run = wait_for(client, killed_id, lambda r: r["status"] == "running" and r["step"] > 0)
     start = next(json.loads(line) for line in (root / "killed" / "output" / "events.jsonl").read_text().splitlines()
                  if json.loads(line)["event"] == "start")
