@@ -294,7 +294,7 @@ SIMPLETUNER_PENDING = [
     ("fsdp_activation_checkpointing", False, True), ("seed_for_each_device", True, False),
     ("validation_seed_source", "gpu", "cpu"),
     ("validation_multigpu", "batch-parallel", "all"), ("validation_torch_compile", False, True),
-    ("validation_stitch_input_location", None, "left"), ("validation_guidance_skip_layers", None, [7, 8]),
+    ("validation_guidance_skip_layers", None, [7, 8]),
     ("validation_noise_scheduler", None, "unipc"),
     ("validation_method", "simpletuner-local", "external-script"),
     ("validation_adapter_path", None, "me/lora"), ("validation_adapter_config", None, "adapters.json"),

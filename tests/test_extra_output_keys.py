@@ -91,6 +91,57 @@ def test_lycoris_strength_acts_on_samples_only(tmp_path, dataset):
     assert all(run.adapter.network.multiplier == 1.0 for run in runs.values())
 
 
+# --- validation_stitch_input_location
+
+
+def test_image_to_image_samples_are_stitched_beside_their_input(tmp_path, dataset):
+    """SimpleTuner's web UI writes 'left' for every model; it was refused. The sample stays as it is; the stitched
+    copy has the input on the side asked for, scaled to the sample's height (a square input beside a 64x48 sample)."""
+    run = build_run(load_config(write_config(
+        tmp_path, dataset, model_family="kandinsky5-image", model_flavour="tiny-random-i2i", max_train_steps=1,
+        dataset={"conditioning": [{"type": "canny", "instance_data_dir": str(tmp_path / "edges")}]},
+        **SAMPLES | {"validation_resolution": "64x48"}, validation_stitch_input_location="Left")))
+    train(run)
+    folder = run.output_dir / "validation"
+    sample = pixels(folder / "final-step-000001-64x48.png")
+    both = pixels(folder / "final-step-000001-64x48-with-input.png")
+    given = run.validation[0].image.convert("RGB")
+    assert given.size == (64, 64) and sample.shape == (48, 64, 3) and both.shape == (48, 112, 3)
+    assert (both[:, :48] == np.asarray(given.resize((48, 48)))).all()  # the canny input
+    assert (both[:, 48:] == sample).all()
+    sampled = [Path(e["path"]).name for e in events(run.output_dir) if e["event"] == "sample"]
+    assert sampled == ["final-step-000001-64x48.png"]  # trackers and the web UI get the sample alone
+
+
+def test_an_image_to_video_contact_sheet_gets_its_input_on_the_right(tmp_path, dataset):
+    from families import make_clips
+
+    clips = make_clips(tmp_path / "clips", count=1, frames=9)
+    run = build_run(load_config(write_config(
+        tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random-i2v", max_train_steps=1,
+        dataset={"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}},
+        validation_prompt="a square", validation_resolution="32x32", validation_num_video_frames=17,
+        validation_num_inference_steps=1, validation_stitch_input_location="right")))
+    train(run)
+    folder = run.output_dir / "validation"
+    sheet = pixels(folder / "final-step-000001-32x32@17.png")
+    both = pixels(folder / "final-step-000001-32x32@17-with-input.png")
+    assert both.shape == (sheet.shape[0], sheet.shape[1] + 32, 3)
+    assert (both[:, :sheet.shape[1]] == sheet).all()
+    assert (both[:32, sheet.shape[1]:] == np.asarray(run.validation[0].image.convert("RGB"))).all()
+    assert (both[32:, sheet.shape[1]:] == 255).all()  # beside the first row only; white below
+
+
+def test_stitching_without_an_input_image_or_a_prompt_is_a_note(tmp_path, dataset):
+    t2i = load_config(write_config(tmp_path / "t2i", dataset, **SAMPLES, validation_stitch_input_location="left"))
+    assert [n for n in t2i.notes() if n.startswith("validation_stitch_input_location not used: flavour")]
+    quiet = load_config(write_config(tmp_path / "quiet", dataset, validation_stitch_input_location="left"))
+    assert [n for n in quiet.notes() if "validation_stitch_input_location" in n and "no validation prompt" in n]
+    assert load_config(write_config(tmp_path / "empty", dataset, validation_stitch_input_location="")).train \
+        .validation_stitch_input_location is None
+    assert "validation_stitch_input_location" in problems(tmp_path / "up", dataset, validation_stitch_input_location="up")
+
+
 # --- rolling checkpoints
 
 

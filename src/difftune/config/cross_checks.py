@@ -132,6 +132,11 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
         notes.append(f"validation_negative_prompt not used: the pipelines apply it only with guidance above 1 "
                      f"(validation_guidance {cfg.guidance():g}); raise validation_guidance, or remove the negative "
                      "prompt")
+    # SimpleTuner's web UI writes 'left' whatever the model: a note where there is no input image to stitch
+    if cfg.validation_stitch_input_location and cfg.validation_prompts() and \
+            not FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()):
+        notes.append(f"validation_stitch_input_location not used: flavour {cfg.flavour()!r} samples without an input "
+                     "image; remove it (it applies to image-to-image and image-to-video flavours)")
     idle = [i for i, r in enumerate(getattr(cfg.tread_config, "routes", None) or []) if r.selection_ratio == 0]
     if idle:
         notes.append(f"tread_config route{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} (counting from "
@@ -156,7 +161,8 @@ def _literal_home(cfg: TrainConfig) -> list[str]:
 # keys that shape validation samples: set without a prompt they do nothing (the other validation keys are errors
 # then: config/validation_triggers.py)
 SAMPLE_KEYS = ("validation_step_interval", "validation_resolution", "validation_guidance", "validation_seed",
-               "validation_negative_prompt", "validation_num_inference_steps", "validation_num_video_frames")
+               "validation_negative_prompt", "validation_num_inference_steps", "validation_num_video_frames",
+               "validation_stitch_input_location")
 
 
 def unsampled_notes(cfg: TrainConfig) -> list[str]:

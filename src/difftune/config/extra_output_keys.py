@@ -1,4 +1,5 @@
-"""SimpleTuner's smaller validation and output keys: `validation_randomize`, `validation_lycoris_strength`, the rolling
+"""SimpleTuner's smaller validation and output keys: `validation_randomize`, `validation_lycoris_strength`,
+`validation_stitch_input_location`, the rolling
 checkpoints (`checkpointing_rolling_steps`, `checkpoints_rolling_total_limit`) and the user scripts run after each
 checkpoint and upload (`post_checkpoint_script`, `post_upload_script`). The fields are mixed into TrainConfig; their
 cross-key checks are this mixin's validator. Import-light: no torch.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import shlex
 import string
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator, model_validator
 
@@ -37,6 +38,13 @@ class ExtraOutputKeys(BaseModel):
         "full strength); training keeps its own (lycoris_config's multiplier), bit for bit. Empty: the training "
         "multiplier (SimpleTuner's default is 1.0, which is the same unless lycoris_config sets another).",
         "validation", ge=0, advanced=True,
+    )
+    validation_stitch_input_location: Literal["left", "right"] | None = field(
+        None, "Image-to-image and image-to-video flavours: also write each sample beside its input image, as "
+        "<name>-with-input.png (the input image on the left or the right, scaled to the sample's height; a video's "
+        "contact sheet gets it beside its first row). The sample itself and what trackers and the web UI show stay as they "
+        "are, as with the -vs-base comparisons. Empty: none (SimpleTuner's web UI writes 'left').", "validation",
+        advanced=True,
     )
     checkpointing_rolling_steps: int = field(
         0, "Also write a checkpoint every N optimizer steps into a second series, checkpoint-NNNNNNN-rolling, pruned "
@@ -81,6 +89,14 @@ class ExtraOutputKeys(BaseModel):
     @classmethod
     def _extra_randomize_null(cls, value: Any) -> Any:
         return False if value is None else value
+
+    @field_validator("validation_stitch_input_location", mode="before")
+    @classmethod
+    def _extra_stitch_spelling(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip().lower()
+            return value or None
+        return value
 
     @field_validator(*SCRIPT_KEYS)
     @classmethod

@@ -225,8 +225,6 @@ PENDING_TRAIN_KEYS |= {
     "validation_multigpu": (("batch-parallel", "single-gpu", None), "validation_multigpu takes 'batch-parallel' or 'single-gpu'"),
     "validation_torch_compile": ((False,), "compiling the validation pipeline; compile: true compiles the "
                                  "transformer for training and validation alike"),
-    "validation_stitch_input_location": ((None,), "stitching the input image beside image-to-image samples; "
-                                         "each sample is saved alone" + _REMOVE),
     "validation_guidance_skip_layers": ((None,), "skip-layer guidance" + _REMOVE),
     "validation_noise_scheduler": ((None,), "another validation scheduler; samples use the pipeline's own "
                                    "flow-matching scheduler" + _REMOVE),

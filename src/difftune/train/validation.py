@@ -6,8 +6,10 @@ says when (`step-000100`, `final-step-000400`, `manual-step-…`, `base-model`),
 `num_validation_images` samples of one prompt (seeds validation_seed, +1, …). `base-model` holds the base
 model's samples, taken before the first step with the adapter switched off (`disable_benchmark: false`,
 `validation_on_startup`); with `disable_benchmark: false` each later PNG also gets `<name>-vs-base.png`, the base
-model's sample of the same prompt, size and seed on its left (SimpleTuner's stitched benchmark). Those
-comparison files are written beside the samples only: trackers see the base samples as step 0 of each tag.
+model's sample of the same prompt, size and seed on its left (SimpleTuner's stitched benchmark), and with
+`validation_stitch_input_location` an image-to-image or image-to-video sample gets `<name>-with-input.png`, its input
+image on that side. Those comparison files are written beside the samples only: trackers see the base samples as
+step 0 of each tag.
 
 `validation_randomize` gives each validation fresh random seeds (the same for its live and EMA samples; each
 "sample" event says its seed) and writes no `-vs-base` comparisons; `validation_lycoris_strength` is a LyCORIS
@@ -198,17 +200,33 @@ def _save_png(image: Any, path: Path) -> None:
     os.replace(partial, path)  # a kill mid-write never leaves a truncated image under the real name
 
 
-def side_by_side(base: Path, image: Any) -> Any:
-    """The base model's sample (a PNG file) left of `image`, on a white canvas as tall as the taller."""
+def side_by_side(left: Any, right: Any) -> Any:
+    """Two images side by side, top-aligned on a white canvas as tall as the taller."""
     from PIL import Image
 
-    with Image.open(base) as left:
-        left = left.convert("RGB")
-    right = image.convert("RGB")
+    left, right = left.convert("RGB"), right.convert("RGB")
     both = Image.new("RGB", (left.width + right.width, max(left.height, right.height)), "white")
     both.paste(left, (0, 0))
     both.paste(right, (left.width, 0))
     return both
+
+
+def _with_base(base: Path, image: Any) -> Any:
+    """The base model's sample (a PNG file) left of `image`."""
+    from PIL import Image
+
+    with Image.open(base) as left:
+        return side_by_side(left, image)
+
+
+def with_input(request: SampleRequest, image: Any, side: str) -> Any:
+    """The request's input image, scaled to the sample's height (its own aspect kept: what the user gave), on the `side`
+    of `image` (a sample, or a video's contact sheet, whose first row then starts or ends with the input its first
+    frame was made from)."""
+    given = request.image
+    if given.height != request.height:
+        given = given.resize((max(1, round(given.width * request.height / given.height)), request.height))
+    return side_by_side(given, image) if side == "left" else side_by_side(image, given)
 
 
 def _kept(run: Run, folder: Path, label: str, request: SampleRequest, result: Any, suffix: str, index: int,
@@ -252,7 +270,9 @@ def _write(run: Run, folder: Path, label: str, request: SampleRequest, result: A
     base = folder / file_name(BASE_LABEL, request, "", index, count)
     # validation_randomize: the base sample had another seed, a comparison would mislead
     if label != BASE_LABEL and not run.cfg.disable_benchmark and not run.cfg.validation_randomize and base.is_file():
-        _save_png(side_by_side(base, result), path.with_name(f"{path.stem}-vs-base.png"))
+        _save_png(_with_base(base, result), path.with_name(f"{path.stem}-vs-base.png"))
+    if (side := run.cfg.validation_stitch_input_location) and request.image is not None:
+        _save_png(with_input(request, result, side), path.with_name(f"{path.stem}-with-input.png"))
     return written
 
 
