@@ -1,5 +1,5 @@
 """lr_end, lr_power and lr_num_cycles (config/schedule_keys.py, train/lr_schedule.py): the config accepts them for
-the schedules that use them and refuses them, naming both keys, for the others; the curves equal hand-computed
+the schedules that use them and refuses them, naming both keys, for the others (SimpleTuner's defaults: a note); the curves equal hand-computed
 values (warm-up, end value, cycles, power 2); without them every schedule is diffusers' own; a resumed run
 continues the same curve."""
 
@@ -55,11 +55,18 @@ def test_keys_validate_with_the_schedules_that_use_them(tmp_path, dataset):
     # a key the chosen schedule would ignore is refused, naming both keys and the fix
     for keys, named in [({"lr_end": 1e-6}, "lr_end"), ({"lr_scheduler": "linear", "lr_end": 1e-6}, "lr_end"),
                         ({"lr_scheduler": "cosine", "lr_power": 2}, "lr_power"),
-                        ({"lr_scheduler": "constant_with_warmup", "lr_power": 0.8}, "lr_power"),
+                        ({"lr_scheduler": "constant_with_warmup", "lr_power": 0.5}, "lr_power"),
                         ({"lr_scheduler": "cosine", "lr_num_cycles": 3}, "lr_num_cycles"),
                         ({"lr_scheduler": "polynomial", "lr_num_cycles": 2}, "lr_num_cycles")]:
         text = problems(tmp_path, dataset, **keys)
         assert named in text and "lr_scheduler" in text and repr(keys.get("lr_scheduler", "constant")) in text
+    # SimpleTuner's defaults, which its configure tool writes whatever the schedule, are one note
+    notes = load_config(write_config(tmp_path, dataset, lr_scheduler="constant_with_warmup", lr_end="4e-07",
+                                     lr_power=0.8, learning_rate=1e-7)).notes()
+    assert [n for n in notes if n.startswith("lr_end 4e-07 and lr_power 0.8 not used: lr_scheduler "
+                                             "'constant_with_warmup'")]
+    assert not [n for n in load_config(write_config(tmp_path, dataset, lr_scheduler="polynomial", lr_end=4e-7,
+                                                    lr_power=0.8)).notes() if "not used" in n and "lr_" in n]
     assert "must be below learning_rate" in problems(tmp_path, dataset, lr_scheduler="cosine", lr_end=1e-3)
     assert "lr_end" in problems(tmp_path, dataset, lr_scheduler="polynomial", learning_rate=1e-8)
     for bad in ({"lr_scheduler": "polynomial", "lr_power": 0}, {"lr_scheduler": "cosine_with_restarts",

@@ -14,8 +14,9 @@ from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.lora_keys import DEFAULT_LYCORIS_CONFIG, lora_notes
 from difftune.config.offload_keys import offload_checks
 from difftune.config.optimizer_keys import optimizer_notes
-from difftune.config.reporting_keys import reporting_checks
+from difftune.config.reporting_keys import TRACKERS, reporting_checks
 from difftune.config.rollout_keys import rollout_checks
+from difftune.config.schedule_keys import schedule_notes
 from difftune.config.speed_keys import speed_checks
 from difftune.config.values import read_json_file
 from difftune.models.registry import FAMILY_FACTS
@@ -114,7 +115,7 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
 def cross_notes(cfg: TrainConfig) -> list[str]:
     """Keys set to a value their combination with another key leaves unused. SimpleTuner's configs carry such
     values (it ignores them too), so they are notes printed before the run, not errors."""
-    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg)
+    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg) + schedule_notes(cfg)
     # Any value the file sets, 1.0 included: the Kandinsky 5 guides say to copy config.json.example (auto shift on)
     # and set flow_schedule_shift 1.0, which would otherwise train at ~3.2 at 1024² without a word. 0 is
     # SimpleTuner's spelling of "no fixed shift" beside auto shift.
@@ -132,6 +133,9 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
         notes.append(f"validation_negative_prompt not used: the pipelines apply it only with guidance above 1 "
                      f"(validation_guidance {cfg.guidance():g}); raise validation_guidance, or remove the negative "
                      "prompt")
+    if cfg.logging_dir and "tensorboard" not in TRACKERS[cfg.report_to]:  # SimpleTuner's configure tool writes 'logs'
+        notes.append(f"logging_dir {cfg.logging_dir!r} not used: it is TensorBoard's folder, and report_to "
+                     f"{cfg.report_to!r} does not start TensorBoard; remove it, or set report_to 'tensorboard'")
     # SimpleTuner's web UI writes 'left' whatever the model: a note where there is no input image to stitch
     if cfg.validation_stitch_input_location and cfg.validation_prompts() and \
             not FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()):

@@ -49,6 +49,10 @@ class DatasetDefaultKeys(BaseModel):
         None, _about("crop_aspect"), "data", advanced=True
     )
     crop_aspect_buckets: list[float] | None = field(None, _about("crop_aspect_buckets"), "data", advanced=True)
+    disable_multiline_split: bool | None = field(
+        None, _about("disable_multiline_split", "true: a caption file is one caption, its line breaks kept; "
+                     "false: each non-empty line is a caption of its own"), "data", advanced=True,
+    )
     aws_max_pool_connections: int | None = field(
         None, "Default aws_max_pool_connections of every dataset of type 'aws' that does not set its own (its "
         "connections to the store at once; 128 when neither is set).", "data", ge=1, advanced=True,

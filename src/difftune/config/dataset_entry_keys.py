@@ -165,9 +165,16 @@ def check_video(train: Any, plan: Any, path: Path, problems: list[str]) -> None:
                               "trains every clip image-to-video (SimpleTuner forces is_i2v for it too); remove is_i2v")
 
 
-def check_clear_each_epoch(plan: Any, path: Path, problems: list[str]) -> None:
-    """vae_cache_clear_each_epoch against the dataset's input images (image-to-image): their crop follows the
-    target's, and the text encoder, which sees the input image, runs once before training (data/latents.text_key)."""
+def check_each_epoch(train: Any, plan: Any, path: Path, problems: list[str]) -> None:
+    """Draws made again each epoch. vae_cache_clear_each_epoch against the dataset's input images (image-to-image):
+    their crop follows the target's, and the text encoder, which sees the input image, runs once before training
+    (data/latents.text_key). SimpleTuner's aspect_bucket_disable_rebuild false (its default): a new random crop aspect
+    each epoch, which difftune does not draw; it changes nothing without a crop_aspect 'random' dataset."""
+    randoms = [ds.id for ds in plan.images if ds.crop and ds.crop_aspect == "random"]
+    if train.aspect_bucket_disable_rebuild is False and randoms:
+        problems.append(f"{path}: dataset {randoms[0]!r}: aspect_bucket_disable_rebuild false (a new random crop "
+                        "aspect every epoch) is not implemented yet: difftune draws each image's random aspect once, "
+                        "as with aspect_bucket_disable_rebuild true; set it to true or remove it")
     for ds in plan.images:
         if ds.vae_cache_clear_each_epoch and plan.conditioning_dir(ds) is not None:
             problems.append(f"{path}: dataset {ds.id!r}: vae_cache_clear_each_epoch draws a new crop each epoch, but "

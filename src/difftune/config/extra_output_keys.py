@@ -1,10 +1,11 @@
 """SimpleTuner's smaller validation and output keys: `validation_randomize`, `validation_lycoris_strength`,
-`validation_stitch_input_location`, the rolling
+`validation_stitch_input_location`, `validation_seed_source`, `logging_dir`, `model_card_safe_for_work`, the rolling
 checkpoints (`checkpointing_rolling_steps`, `checkpoints_rolling_total_limit`) and the user scripts run after each
 checkpoint and upload (`post_checkpoint_script`, `post_upload_script`). The fields are mixed into TrainConfig; their
 cross-key checks are this mixin's validator. Import-light: no torch.
 
-Where they act: train/validation.py (seeds, strength), train/triggers.py and train/checkpoint.py (the rolling
+Where they act: train/validation.py (seeds, strength, stitching), models/base.py (the seed source),
+train/trackers.py (logging_dir), train/model_card.py (safe for work), train/triggers.py and train/checkpoint.py (the rolling
 series), train/scripts.py (the scripts). SimpleTuner's meanings; the descriptions say where difftune differs.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 import string
+from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, field_validator, model_validator
@@ -39,12 +41,28 @@ class ExtraOutputKeys(BaseModel):
         "multiplier (SimpleTuner's default is 1.0, which is the same unless lycoris_config sets another).",
         "validation", ge=0, advanced=True,
     )
+    validation_seed_source: Literal["gpu", "cpu"] = field(
+        "gpu", "Where validation noise is drawn from its seed: 'gpu' on the accelerator the model samples on (the "
+        "default), 'cpu' from a CPU generator, then moved there, so that a seed gives the same sample on any GPU "
+        "model and driver, and on a machine without one (SimpleTuner's meaning and names; its default is 'cpu'). "
+        "The model card's diffusers code draws it the same way.", "validation", advanced=True,
+    )
     validation_stitch_input_location: Literal["left", "right"] | None = field(
         None, "Image-to-image and image-to-video flavours: also write each sample beside its input image, as "
         "<name>-with-input.png (the input image on the left or the right, scaled to the sample's height; a video's "
         "contact sheet gets it beside its first row). The sample itself and what trackers and the web UI show stay as they "
         "are, as with the -vs-base comparisons. Empty: none (SimpleTuner's web UI writes 'left').", "validation",
         advanced=True,
+    )
+    logging_dir: str | None = field(
+        None, "With report_to 'tensorboard' or 'all': the folder of TensorBoard's logs, under output_dir (a relative "
+        "path, as SimpleTuner's 'logs'); they go to <output_dir>/<logging_dir>/<tracker_project_name>. Empty: "
+        "'tensorboard'.", "output", advanced=True,
+    )
+    model_card_safe_for_work: bool = field(
+        True, "With push_to_hub: false puts a warning that the model may make content not safe for work at the top "
+        "of the model card, and the hub's not-for-all-audiences tag in its metadata (SimpleTuner's meaning; its "
+        "default is false, difftune's true: no warning).", "output", advanced=True,
     )
     checkpointing_rolling_steps: int = field(
         0, "Also write a checkpoint every N optimizer steps into a second series, checkpoint-NNNNNNN-rolling, pruned "
@@ -90,13 +108,30 @@ class ExtraOutputKeys(BaseModel):
     def _extra_randomize_null(cls, value: Any) -> Any:
         return False if value is None else value
 
-    @field_validator("validation_stitch_input_location", mode="before")
+    @field_validator("validation_stitch_input_location", "validation_seed_source", mode="before")
     @classmethod
-    def _extra_stitch_spelling(cls, value: Any) -> Any:
+    def _extra_choice_spelling(cls, value: Any, info: Any) -> Any:
+        """Case and spaces as typed; empty (or null for the seed source) is the default."""
         if isinstance(value, str):
-            value = value.strip().lower()
-            return value or None
-        return value
+            value = value.strip().lower() or None
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("logging_dir")
+    @classmethod
+    def _extra_logging_dir(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        path = PurePath(value.strip())
+        # inside output_dir only: the web UI confines output_dir to its roots, and a run's logs stay with the run
+        if path.is_absolute() or value.strip().startswith("~") or ".." in path.parts:
+            raise ValueError(f"{value!r}: TensorBoard's logs go under output_dir; give a folder name there, such as "
+                             "'logs' (move the whole run with output_dir)")
+        return path.as_posix()
+
+    @field_validator("model_card_safe_for_work", mode="before")
+    @classmethod
+    def _extra_card_null(cls, value: Any) -> Any:
+        return True if value is None else value
 
     @field_validator(*SCRIPT_KEYS)
     @classmethod

@@ -534,7 +534,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     if train is not None and plan is not None:
         check_media(train, plan, Path(train.data_backend_config), problems)
         dataset_entry_keys.check_video(train, plan, Path(train.data_backend_config), problems)  # video.is_i2v
-        dataset_entry_keys.check_clear_each_epoch(plan, Path(train.data_backend_config), problems)
+        dataset_entry_keys.check_each_epoch(train, plan, Path(train.data_backend_config), problems)
         check_i2v_validation(train, plan, where_of("validation_num_video_frames"), problems)
         check_conditioning(train, plan, Path(train.data_backend_config), problems)
         mask_checks(train, plan, Path(train.data_backend_config), where_of, problems)  # config/mask_keys.py

@@ -54,6 +54,14 @@ PREFIX_DEPENDS_ON: dict[str, str] = {}
 # null/false where that means off) and refused otherwise with what to do instead.
 
 
+class StartsWith(str):
+    """An off value that is any text starting with this one (a long default text, as SimpleTuner writes it)."""
+
+
+# the start of SimpleTuner's default sana_complex_human_instruction, which its configure tool writes for every model
+SANA_INSTRUCTION = "Given a user prompt, generate an"  # then 'Enhanced prompt' or "Enhanced prompt" (both seen)
+
+
 def _elsewhere(what: str, models: str) -> str:
     return (f"{what}, which SimpleTuner applies to {models} only; Lumina2 and Kandinsky 5 have nothing for it "
             "to act on: remove it")
@@ -120,7 +128,8 @@ PENDING_TRAIN_KEYS |= {
     "refiner_training": ((False,), _elsewhere("refiner (mixture-of-experts) training", "SDXL")),
     "sdxl_refiner_uses_full_range": ((False,), _elsewhere("the refiner's timestep range", "SDXL")),
     "data_aesthetic_score": ((7.0, None), _elsewhere("the aesthetic-score conditioning", "the SDXL refiner")),
-    "sana_complex_human_instruction": ((None, ""), _elsewhere("the prompt-enhancing instruction", "Sana")),
+    "sana_complex_human_instruction": ((None, "", StartsWith(SANA_INSTRUCTION)),
+                                       _elsewhere("the prompt-enhancing instruction", "Sana")),
     "text_encoder_3_precision": (("no_change", None), "a third text encoder; Lumina2 has one and Kandinsky 5 two"
                                  + _REMOVE),
     "text_encoder_4_precision": (("no_change", None), "a fourth text encoder; Lumina2 has one and Kandinsky 5 two"
@@ -162,11 +171,6 @@ PENDING_TRAIN_KEYS |= {
     "ema_cpu_only": ((False, True, None), "ema_cpu_only takes true or false"),
     "ema_foreach_disable": ((False,), "EMA updates without torch._foreach kernels" + _REMOVE),
     # data
-    "aspect_bucket_alignment": ((16, None), "bucket sides are multiples of 16 (each family's VAE factor times "
-                                "patch size); set aspect_bucket_alignment to 16 or remove it"),
-    "aspect_bucket_disable_rebuild": ((True, None), "drawing a new 'random' crop aspect every epoch; difftune "
-                                      "draws it once per image (as with aspect_bucket_disable_rebuild: true)"
-                                      + _REMOVE),
     "conditioning_multidataset_sampling": (("random", None), "several conditioning datasets per dataset; each "
                                            "dataset names one (conditioning_data)" + _REMOVE),
     "ignore_missing_files": ((False,), "keeping files that left the disk in the buckets" + _REMOVE),
@@ -219,8 +223,6 @@ PENDING_TRAIN_KEYS |= {
     "seed_for_each_device": ((True, None), "the same seed on every process; noise is drawn for the global batch "
                              "from one seed and split between the processes" + _REMOVE),
     # validation and evaluation
-    "validation_seed_source": (("gpu", None), "drawing validation noise on the CPU; it is drawn on the "
-                               "accelerator (SimpleTuner's 'gpu'): set it to 'gpu' or remove it"),
     # validation samples on process 0 (SimpleTuner's 'single-gpu'); the samples are the same either way
     "validation_multigpu": (("batch-parallel", "single-gpu", None), "validation_multigpu takes 'batch-parallel' or 'single-gpu'"),
     "validation_torch_compile": ((False,), "compiling the validation pipeline; compile: true compiles the "
@@ -235,15 +237,11 @@ PENDING_TRAIN_KEYS |= {
     # checkpoints, trackers, publishing
     # checkpoints are always written into a temporary folder and renamed into place
     "checkpointing_use_tempdir": ((False, True, None), "checkpointing_use_tempdir takes true or false"),
-    "logging_dir": ((None,), "a TensorBoard folder of your choice; the logs go under output_dir/tensorboard"
-                    + _REMOVE),
     "tracker_image_layout": (("gallery", None), "the 'table' layout of validation images" + _REMOVE),
     "custom_tracker": ((None,), "custom tracker modules; use report_to 'wandb' or 'tensorboard'"),
     "publishing_config": ((None,), "publishing to other stores than the Hugging Face hub" + _REMOVE),
     # uploads always run in the background (the run waits for the last one); the result is the same
     "push_to_hub_background": ((False, True, None), "push_to_hub_background takes true or false"),
-    "model_card_safe_for_work": ((True, None), "the NSFW warning of SimpleTuner's model cards; difftune's card "
-                                 "has none (as with model_card_safe_for_work: true): set it to true or remove it"),
     "enable_watermark": ((False,), "watermarked validation images" + _REMOVE),
     "debug_aspect_buckets": ((False,), "SimpleTuner's debug printing; the data report lists the buckets"
                              + _REMOVE),
@@ -354,6 +352,39 @@ DEPENDS_ON |= {key: switch for switch, keys in {
     "layersync_enabled": ["layersync_student_block", "layersync_teacher_block", "layersync_lambda"],
 }.items() for key in keys}
 
+# Found in configs saved by SimpleTuner's configure tool, which writes every default of its field registry whatever the
+# model (an audit of its registry: Wan, ACE-Step and UNet fields, and its newer loss fields). At those defaults they
+# change nothing.
+PENDING_TRAIN_KEYS |= {
+    "wan_force_2_1_time_embedding": ((False, None), _elsewhere("Wan 2.1's time embedding", "Wan")),
+    "enable_chunked_feed_forward": ((False, None), _elsewhere("chunked feed-forward layers", "Wan")),
+    "lyrics_embedder_train": ((False, None), _elsewhere("training the lyrics embedder", "ACE-Step (audio)")),
+    "validation_lyrics": ((None, ""), _elsewhere("lyrics of validation audio", "ACE-Step (audio)")),
+    "validation_audio_duration": ((30.0, None), _elsewhere("the length of validation audio", "ACE-Step (audio)")),
+    "audio_channels": ((1, None), _elsewhere("audio datasets' channels", "audio models (ACE-Step)")),
+    "audio_duration_interval": ((3.0, None), _elsewhere("audio datasets' length buckets", "audio models (ACE-Step)")),
+    "audio_truncation_mode": (("beginning", None), _elsewhere("audio datasets' truncation", "audio models (ACE-Step)")),
+    "audio_max_duration_seconds": ((None,), _elsewhere("audio datasets' length limits", "audio models (ACE-Step)")),
+    "audio_min_duration_seconds": ((None,), _elsewhere("audio datasets' length limits", "audio models (ACE-Step)")),
+    "urepa_enabled": ((False, None), _elsewhere("U-REPA (representation alignment of a UNet)", "UNet models (SD, "
+                                                "SDXL, Kolors)") + " (difftune's alignment loss is CREPA: crepa_enabled)"),
+    "fused_qkv_projections": ((False, None), "fused attention projections (attention_mechanism picks the kernel; "
+                              "fused_qkv_projections is SimpleTuner's field name of fuse_qkv_projections)" + _REMOVE),
+    "twinflow_enabled": ((False, None), "TwinFlow (few-step generation trained with self-adversarial flows); set "
+                         "twinflow_enabled to false"),
+    "crepa_use_tae": ((False, None), "decoding CREPA's frames with a tiny autoencoder (TAE); CREPA decodes with the "
+                      "model's own VAE" + _REMOVE),
+    "crepa_normalize_neighbour_sum": ((False, None), "normalising CREPA's sum over neighbouring frames; CREPA "
+                                      "weighs each neighbour as crepa_normalize_by_frames says" + _REMOVE),
+    "crepa_encoder_frames_batch_size": ((-1, None), "encoding CREPA's frames in batches of N; the encoder takes "
+                                        "every frame of a batch at once (-1)" + _REMOVE),
+}
+DEPENDS_ON |= {"feed_forward_chunk_size": "enable_chunked_feed_forward", "lyrics_embedder_lr": "lyrics_embedder_train",
+               "lyrics_embedder_optimizer": "lyrics_embedder_train",
+               "lyrics_embedder_lr_scheduler": "lyrics_embedder_train"}
+PREFIX_DEPENDS_ON |= {"urepa_": "urepa_enabled", "twinflow_": "twinflow_enabled"}
+
+
 # (key, value) -> message, for keys difftune has, whose other values work
 PENDING_VALUES: dict[tuple[str, str], str] = {
     ("base_model_precision", "int4-torchao"): (
@@ -447,6 +478,8 @@ def coerce(value: Any) -> Any:
 
 def _is_off(neutral: tuple[Any, ...], value: Any) -> bool:
     if isinstance(value, str) and not value.strip() and None in neutral:  # "" is "not set" (the README's rule)
+        return True
+    if isinstance(value, str) and any(isinstance(n, StartsWith) and value.lstrip().startswith(n) for n in neutral):
         return True
     for candidate in (value, coerce(value)):
         if any(type(candidate) is type(n) and candidate == n for n in neutral):

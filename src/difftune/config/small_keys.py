@@ -1,4 +1,6 @@
 """SimpleTuner's smaller config keys: `tokenizer_max_length` (the prompt length the text encoder sees),
+`aspect_bucket_alignment` (the bucket grid; train/plan.size_rules) and `aspect_bucket_disable_rebuild` (one random
+crop aspect per image: config/load.py refuses false beside a dataset with crop_aspect 'random'),
 `model_card_note` (a note on the model card), the config-level `text_encoder_batch_size` (the default of every
 text_embeds entry), `allow_dataset_oversubscription` (small datasets' repeats raised to one optimizer step), and
 SimpleTuner's data-pipeline knobs that change no result (`PIPELINE_KNOBS`: accepted at any value, with a note).
@@ -78,6 +80,17 @@ class SmallKeys(BaseModel):
         "the image's own size. Accepted for SimpleTuner configs, with a note.", "data", ge=0, advanced=True,
     )
 
+    aspect_bucket_alignment: int | None = field(
+        None, "Bucket sides are multiples of this many pixels: a multiple of the family's grid (16 for Lumina2 and "
+        "Kandinsky 5: the VAE's factor times the patch size), such as 32 or 64 for fewer, coarser buckets (more is "
+        "cropped to reach them). Empty: 16. (SimpleTuner's default is 64.)", "data", gt=0, advanced=True,
+    )
+    aspect_bucket_disable_rebuild: bool | None = field(
+        None, "SimpleTuner's switch between a new random crop aspect each epoch (false) and one per image (true) for "
+        "datasets with crop_aspect 'random'. difftune draws one per image (true); false is accepted where no "
+        "dataset has crop_aspect 'random', and refused where one has (not implemented yet).", "data",
+        advanced=True,
+    )
     preserve_data_backend_cache: bool | None = field(
         None, "SimpleTuner's switch to skip rescanning the datasets. Changes nothing here: each start reuses the "
         "datasets' scans (metadata.json) and caches while the files are unchanged and reads only what changed. "
@@ -92,6 +105,12 @@ class SmallKeys(BaseModel):
     @model_validator(mode="after")
     def _text_length_bound(self) -> Any:
         facts = FAMILY_FACTS.get(getattr(self, "model_family", ""))
+        step = self.aspect_bucket_alignment
+        if facts is not None and step is not None and step % facts.pixel_multiple:
+            raise ValueError(f"aspect_bucket_alignment {step}: bucket sides must be multiples of {facts.pixel_multiple} "
+                             f"for {facts.name} (the VAE's factor times the patch size); use a multiple of "
+                             f"{facts.pixel_multiple} ({facts.pixel_multiple}, {2 * facts.pixel_multiple}, "
+                             f"{4 * facts.pixel_multiple}), or remove it")
         n = self.tokenizer_max_length
         if facts is not None and n is not None and n > facts.max_text_length:
             raise ValueError(f"tokenizer_max_length {n} is more than {facts.name}'s pipeline takes (at most "

@@ -66,6 +66,14 @@ class SampleRequest:
     frames: int = 0  # video families: frames of the validation video (4k+1)
     fps: float = 0.0  # video families: frame rate the video is written at
     prompt: str = ""  # the prompt's text (CLIP evaluation scores the sample against it); "" for unconditional
+    noise_on_cpu: bool = False  # validation_seed_source 'cpu': the noise is drawn by a CPU generator
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator of the sample's noise: on `device`, or on the CPU (validation_seed_source 'cpu';
+        diffusers draws the latents there and moves them)."""
+        import torch
+
+        return torch.Generator(device="cpu" if self.noise_on_cpu else device).manual_seed(self.seed)
 
 
 class Family(Protocol):

@@ -323,7 +323,7 @@ class Kandinsky5ImageFamily:
         if comps.text_length is not None:  # the prompts come as embeddings; the pipeline checks the length
             kwargs["max_sequence_length"] = comps.text_length
         kwargs |= {"height": request.height, "width": request.width, "num_inference_steps": request.steps,
-                   "guidance_scale": request.guidance, "generator": torch.Generator(device=device).manual_seed(request.seed)}
+                   "guidance_scale": request.guidance, "generator": request.generator(device)}
         return pipe, kwargs
 
     def _embeds(self, prefix: str, text: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:

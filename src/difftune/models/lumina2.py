@@ -188,7 +188,7 @@ class Lumina2Family:
                 "negative_prompt_embeds": neg["prompt_embeds"].to(device, dtype),
                 "negative_prompt_attention_mask": neg["attention_mask"].to(device),
             }
-        generator = torch.Generator(device=device).manual_seed(request.seed)
+        generator = request.generator(device)
         with torch.no_grad():
             return pipe(
                 prompt_embeds=cond["prompt_embeds"].to(device, dtype),

@@ -124,7 +124,8 @@ def encode_validation(
 
     return [
         SampleRequest(embeds[prompt], negative, w, h, cfg.validation_num_inference_steps,
-                      cfg.guidance(), seed, first_frame(w, h), name, frames, fps, prompt)
+                      cfg.guidance(), seed, first_frame(w, h), name, frames, fps, prompt,
+                      noise_on_cpu=cfg.validation_seed_source == "cpu")
         for name, prompt in prompts
         for w, h in cfg.validation_sizes()
     ]

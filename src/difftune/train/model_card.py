@@ -86,9 +86,10 @@ def _generate(run_cfg: RunConfig) -> str:
     if cfg.validation_negative_prompt:  # the samples shown were made with it: the code reproduces them
         args.append(f"negative_prompt={cfg.validation_negative_prompt!r}")
     args += [f"num_inference_steps={cfg.validation_num_inference_steps}", f"guidance_scale={cfg.guidance():g}"]
-    if not cfg.validation_randomize:  # the first sample's seed: its noise drawn on the device, as validation draws it
+    if not cfg.validation_randomize:  # the first sample's seed: its noise drawn where validation draws it
         seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
-        args.append(f'generator=torch.Generator("cuda").manual_seed({seed})')
+        device = "cpu" if cfg.validation_seed_source == "cpu" else "cuda"
+        args.append(f'generator=torch.Generator("{device}").manual_seed({seed})')
     head = 'image = load_image("input.png")  # the input image\n' if takes_image else ""
     if video:
         return (head + f"frames = pipe({', '.join(args)}).frames[0]\n"
@@ -174,12 +175,16 @@ def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
     task = ("image-to-" if takes_image else "text-to-") + ("video" if "video" in cfg.model_family else "image")
     tags = ["difftune", cfg.model_family, task,
             "lora" if cfg.model_type == "lora" else "full-finetune", "diffusers"]
+    if not cfg.model_card_safe_for_work:
+        tags.append("not-for-all-audiences")  # the hub shows a content warning before the repository
     hub_base = trained_on if _HUB_ID.fullmatch(trained_on) and not Path(trained_on).expanduser().exists() else ""
     front = ["---", f"base_model: {hub_base}" if hub_base else "", "library_name: diffusers", "tags:",
              *[f"- {t}" for t in tags]]
     if triggers:
         front.append(f"instance_prompt: {triggers[0]!r}")
     lines = [line for line in front if line] + ["---", "", f"# {repo}", ""]
+    if not cfg.model_card_safe_for_work:
+        lines += ["> **Warning:** this model may generate content that is not safe for work (NSFW).", ""]
     if cfg.model_card_note and cfg.model_card_note.strip():  # the user's own words first, as written
         lines += [cfg.model_card_note.strip(), ""]
     on = f"transformer `{trained_on}` with pipeline `{base}`" if trained_on != base else f"base `{base}`"

@@ -57,7 +57,8 @@ def size_rule(ds: ImageDataset, pixel_multiple: int) -> SizeRule:
 
 
 def size_rules(run_cfg: RunConfig) -> list[SizeRule]:
-    multiple = FAMILY_FACTS[run_cfg.train.model_family].pixel_multiple
+    # aspect_bucket_alignment: a coarser grid, a multiple of the family's (config/small_keys.py)
+    multiple = run_cfg.train.aspect_bucket_alignment or FAMILY_FACTS[run_cfg.train.model_family].pixel_multiple
     return [size_rule(ds, multiple) for ds in run_cfg.datasets.discovered()]  # eval datasets too
 
 

@@ -268,7 +268,8 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     # (the web UI's tests, a notebook) must be able to choose its own. The distributed state is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available(),
-                              log_with=trackers.log_with(cfg), project_dir=str(trackers.tracker_folder(output_dir)))
+                              log_with=trackers.log_with(cfg),
+                              project_dir=str(trackers.tracker_folder(output_dir, cfg.logging_dir)))
     ranks = ranks_of(accelerator)
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
     tread.check_before_load(cfg)  # so does a TREAD route past the transformer's last block

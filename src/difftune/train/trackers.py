@@ -25,9 +25,9 @@ def log_with(cfg: TrainConfig) -> list[str] | None:
     return list(TRACKERS[cfg.report_to]) or None
 
 
-def tracker_folder(output_dir: Path) -> Path:
+def tracker_folder(output_dir: Path, logging_dir: str | None = None) -> Path:
     """Accelerator(project_dir=...): TensorBoard writes under <this>/<tracker_project_name>."""
-    return output_dir / "tensorboard"
+    return output_dir / (logging_dir or "tensorboard")
 
 
 def flat_config(cfg: TrainConfig) -> dict[str, bool | int | float | str]:
