@@ -93,10 +93,12 @@ def test_vae_from_elsewhere_changes_the_latent_cache_only(lumina2_dir, parts):
 
 def test_a_vae_of_other_latent_channels_is_refused_at_load(lumina2_dir, tmp_path):
     """SimpleTuner configs carry an SDXL VAE (4 latent channels) in pretrained_vae_model_name_or_path: a VAE whose
-    latents the transformer cannot take is an error naming the key when it loads, not a shape error after caching."""
+    latents the transformer cannot take is an error naming the key when it loads, not a shape error after caching;
+    from its config.json, before its weights are read (the folder below has none: downloading them was for nothing)."""
     config = AutoencoderKL.load_config(lumina2_dir, subfolder="vae")
-    AutoencoderKL.from_config({**config, "latent_channels": config["latent_channels"] * 2}).save_pretrained(
-        tmp_path / "sdxl_like")
+    (tmp_path / "sdxl_like").mkdir()
+    (tmp_path / "sdxl_like" / "config.json").write_text(json.dumps({**config, "latent_channels":
+                                                                    config["latent_channels"] * 2}))
     with pytest.raises(SourceError, match=r"pretrained_vae_model_name_or_path: .*sdxl_like makes latents of "
                                           rf"{config['latent_channels'] * 2} channels.*makes {config['latent_channels']}"):
         LUMINA.load(ModelSource(str(lumina2_dir), vae=str(tmp_path / "sdxl_like")), torch.float32)

@@ -169,21 +169,23 @@ def load_vae_from(cls: Any, where: ModelSource, dtype: Any) -> Any:
     # looking for a hub repository's vae/ can fail too (no such repository, no network): named like a load
     source, kwargs = loading(str(where.vae or where.model), key, where, lambda: vae_location(where))
     what = f"{source} ({kwargs.get('subfolder', 'the folder itself')})"
-    vae = loading(what, key, where, lambda: cls.from_pretrained(source, torch_dtype=dtype, **kwargs))
-    if where.vae is not None:
-        _check_latent_channels(cls, where, vae)
-    return vae
+    if where.vae is not None:  # from its config.json alone, before its weights download
+        _check_latent_channels(cls, where, source, {k: v for k, v in kwargs.items() if k != "variant"})
+    return loading(what, key, where, lambda: cls.from_pretrained(source, torch_dtype=dtype, **kwargs))
 
 
-def _check_latent_channels(cls: Any, where: ModelSource, vae: Any) -> None:
+def _check_latent_channels(cls: Any, where: ModelSource, source: str, kwargs: dict[str, Any]) -> None:
     """A VAE from elsewhere must make the latents the model's own VAE makes: SimpleTuner configs carry an SDXL VAE
-    (4 channels) in pretrained_vae_model_name_or_path, which a 16-channel transformer would only refuse at its first
-    step, after every latent was cached. Nothing to compare with (no vae/ config reachable): the load stands."""
+    (4 channels) in pretrained_vae_model_name_or_path (its configure tool writes one for every model), which a
+    16-channel transformer would only refuse at its first step, after every latent was cached. Read from both
+    config.json files, so the foreign VAE's weights are not downloaded for nothing. A config that cannot be read: the
+    load that follows names what is missing; nothing to compare with (no vae/ of the model): the load stands."""
     try:
+        theirs = cls.load_config(source, **kwargs)
         own = cls.load_config(where.model, subfolder="vae", **hub_kwargs(where, where.model, weights=False))
     except (OSError, ValueError):
         return
-    want, got = own.get("latent_channels"), vae.config.get("latent_channels")
+    want, got = own.get("latent_channels"), theirs.get("latent_channels")
     if want is not None and got is not None and want != got:
         raise SourceError(f"pretrained_vae_model_name_or_path: {where.vae} makes latents of {got} channels, but the "
                           f"model's own VAE ({where.model}, vae/) makes {want}, which its transformer takes; remove "
