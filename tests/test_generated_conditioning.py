@@ -35,7 +35,7 @@ def test_the_entry_pairs_with_its_generated_dataset_with_simpletuner_defaults_an
     (train_ds,) = run_cfg.datasets.images
     assert train_ds.conditioning_data == "train_conditioning_edges"  # SimpleTuner's id: the type as written
     gen = run_cfg.datasets.generated["train_conditioning_edges"]
-    assert (gen.kind, gen.source_id, gen.settings) == ("canny", "train", {"low_threshold": 80, "high_threshold": 100})
+    assert (gen.kind, gen.source_id, gen.settings) == ("canny", "train", {"low_threshold": 80, "high_threshold": 200})
     assert gen.folder == "cache/conditioning_data/train_conditioning_edges"
     entry = run_cfg.datasets.conditioning["train_conditioning_edges"]
     assert (entry.instance_data_dir, entry.source_dataset_id) == (gen.folder, "train")
@@ -68,7 +68,7 @@ def test_the_web_ui_form_has_the_key_as_json(tmp_path, dataset):
     ([{"type": "canny"}], {"conditioning_data": "inputs"}, "conditioning and conditioning_data are both set"),
     ([{"type": "canny", "params": {"low_threshold": 10}}], {}, "params: canny's settings are read from the "
                                                                "generator entry itself"),
-    ([{"type": "canny", "low_threshold": 300}], {}, "low_threshold 300 is above high_threshold 100; swap them"),
+    ([{"type": "canny", "low_threshold": 300}], {}, "low_threshold 300 is above high_threshold 200; swap them"),
     ([{"type": "jpeg_artifacts", "quality": 0}], {}, "conditioning[0]: quality: 0: Input should be greater than or "
                                                      "equal to 1"),
     ([{"type": "superresolution", "blur": 2}], {}, "blur: unknown setting of superresolution (it takes blur_radius"),

@@ -2,7 +2,9 @@
 registry whatever the model: the defaults that did something else here were refused (36 problems over two `check`
 runs on each family). Each is now implemented (logging_dir, validation_seed_source, aspect_bucket_alignment,
 model_card_safe_for_work, a config-level disable_multiline_split), a note where it does nothing (lr_end and lr_power
-beside a constant schedule), or accepted at its off value (other models' keys)."""
+beside a constant schedule), or accepted at its off value (other models' keys). And the dataset list its web UI's
+dataset builder and wizard write: `{output_dir}` and `{id}` in every cache folder, the builder's leftover keys at
+their empty values, and a generator's params at their defaults, its id and 'controlnet' type."""
 
 import json
 from pathlib import Path
@@ -148,3 +150,81 @@ def test_the_configure_defaults_reach_check_on_the_command_line(tmp_path, datase
     assert f"{path}: OK" in out.out
     assert "lr_end 4e-07 and lr_power 0.8 not used" in out.out + out.err
     assert json.loads(Path(path).read_text())["aspect_bucket_alignment"] == 64
+
+
+# --- the dataset list as SimpleTuner's web UI writes it (its dataset builder and wizard)
+
+def builder_entry(kind: str, folder, **more) -> dict:
+    """An entry of SimpleTuner's web UI dataset builder: every key of its form, saved as it is."""
+    return {"conditioning": [], "conditioning_data": [], "crop_aspect": "square", "crop_style": "random",
+            "disabled": False, "hash_filenames": True, "preserve_data_backend_cache": False, "probability": 1,
+            "repeats": 0, "resolution_type": "pixel", "type": "local", "id": f"{kind}-1700000000000",
+            "dataset_type": kind, "audio": {}, "audio_caption_fields": [], "lyrics_column": "", "video": {},
+            "cache_dir_vae": "{output_dir}/cache/vae/{model_family}/{id}", "instance_data_dir": str(folder),
+            "resolution": 64, "caption_strategy": "textfile"} | more
+
+
+def builder_list(root: Path, *entries: dict) -> Path:
+    text_embeds = {"conditioning": [], "conditioning_data": [], "crop_aspect": "square", "crop_style": "random",
+                   "disabled": False, "hash_filenames": True, "preserve_data_backend_cache": False, "probability": 1,
+                   "repeats": 0, "resolution_type": "pixel", "type": "local", "id": "text-embeds",
+                   "dataset_type": "text_embeds", "audio_caption_fields": [], "default": True,
+                   "cache_dir": "{output_dir}/cache/text/{model_family}", "write_batch_size": 128}
+    path = root / "multidatabackend.json"
+    path.write_text(json.dumps([*entries, text_embeds]))
+    return path
+
+
+def test_the_web_ui_builders_dataset_list_loads_with_its_placeholders_filled(tmp_path, dataset):
+    """Every cache folder it writes has {output_dir} and {id} (SimpleTuner fills both), every entry an empty
+    conditioning_data list and empty audio keys, and the text_embeds entry its image defaults: each was refused."""
+    backend = builder_list(tmp_path, builder_entry("image", dataset))
+    run = load_config(write_config(tmp_path, dataset, data_backend_config=str(backend),
+                                   output_dir=str(tmp_path / "out")))
+    (entry,) = run.datasets.images
+    assert entry.cache_dir_vae == f"{tmp_path / 'out'}/cache/vae/lumina2/image-1700000000000"
+    assert entry.conditioning_data is None
+    assert run.datasets.text_embeds.cache_dir == f"{tmp_path / 'out'}/cache/text/lumina2"
+    # another value of those keys is still what it was: a problem
+    backend = builder_list(tmp_path, builder_entry("image", dataset, lyrics_column="lyrics", video={"num_frames": 9}))
+    text = problems(write_config(tmp_path, dataset, data_backend_config=str(backend)))
+    assert "lyrics_column" in text and "video" in text
+    entries = json.loads(backend.read_text())
+    entries[-1]["crop_style"] = "center"  # not the builder's value: a misplaced key, named as before
+    backend.write_text(json.dumps(entries))
+    assert "crop_style" in problems(write_config(tmp_path, dataset, data_backend_config=str(backend)))
+
+
+def test_an_unknown_placeholder_and_an_entry_without_an_id_are_named(tmp_path, dataset):
+    backend = builder_list(tmp_path, builder_entry("image", dataset, cache_dir_vae="{output_dir}/{run}/vae"))
+    assert "has the placeholder {run}, which difftune does not fill" in problems(
+        write_config(tmp_path, dataset, data_backend_config=str(backend)))
+    nameless = builder_entry("image", dataset)
+    del nameless["id"]
+    backend = builder_list(tmp_path, nameless)
+    assert "has the placeholder {id}, but the entry has no id to fill it with" in problems(
+        write_config(tmp_path, dataset, data_backend_config=str(backend)))
+
+
+def test_the_web_ui_builders_image_to_image_pair_and_wizard_generator(tmp_path, dataset):
+    from families import make_pairs
+
+    make_pairs(dataset, tmp_path / "inputs")
+    pair = builder_list(tmp_path, builder_entry("image", dataset, conditioning_data=["cond-1"]),
+                        builder_entry("conditioning", tmp_path / "inputs", id="cond-1",
+                                      conditioning_type="reference_strict", default=False))
+    i2i = dict(model_family="kandinsky5-image", model_flavour="tiny-random-i2i")
+    run = load_config(write_config(tmp_path, dataset, data_backend_config=str(pair), **i2i))
+    assert run.datasets.images[0].conditioning_data == "cond-1"
+    # the wizard's generator: its params at SimpleTuner's defaults and the builder's id, as SimpleTuner's own
+    # i2i example writes conditioning_type 'controlnet': notes
+    generator = {"type": "canny", "id": "x-conditioning-0", "conditioning_type": "controlnet",
+                 "params": {"low_threshold": 100, "high_threshold": 200},
+                 "instance_data_dir": str(tmp_path / "edges")}
+    run = load_config(write_config(tmp_path / "gen", dataset, dataset={"conditioning": [generator]}, **i2i))
+    notes = "\n".join(run.notes())
+    for words in ("params {'low_threshold': 100, 'high_threshold': 200} is not used",
+                  "id 'x-conditioning-0' is not used", "conditioning_type 'controlnet' is read as 'reference_strict'"):
+        assert words in notes
+    assert run.datasets.generated["train_conditioning_canny"].settings == {"low_threshold": 100,
+                                                                            "high_threshold": 200}

@@ -381,3 +381,16 @@ def test_the_token_query_is_taken_on_the_first_page_only(root, tmp_path):
     c.cookies.clear()
     assert c.get("/api/schema", headers={"X-Difftune-Token": "s3cret-token"}).status_code == 200
     assert c.get("/api/schema").status_code == 401
+
+
+def test_output_dir_and_id_placeholders_in_a_dataset_entry_are_confined_as_filled(client, root, outside):
+    """SimpleTuner's web UI writes {output_dir}/cache/vae/{model_family}/{id}: inside the roots when output_dir is
+    (the check passes), outside when output_dir is (refused at the entry's key, nothing made there)."""
+    body = body_of(root)
+    body["datasets"][0]["cache_dir_vae"] = "{output_dir}/cache/vae/{model_family}/{id}"
+    answer = client.post("/api/config/check", json=body).json()
+    assert ("datasets", 0, "cache_dir_vae") not in problem_keys(answer), answer["problems"]
+    body["config"]["output_dir"] = str(outside / "out")
+    answer = client.post("/api/config/check", json=body).json()
+    assert {("config", None, "output_dir"), ("datasets", 0, "cache_dir_vae")} <= problem_keys(answer)
+    assert not (outside / "out").exists()

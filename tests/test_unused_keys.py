@@ -66,12 +66,19 @@ def test_adam_epsilon_with_lion_gets_a_note(tmp_path, dataset, optimizer):
      "crop_aspect_buckets not used: crop_aspect 'square'"),
     (dict(crop=False, crop_aspect="closest", crop_aspect_buckets=[1.0, 0.75]), {},
      "crop_aspect and crop_aspect_buckets not used: crop is false"),
-    ({}, dict(crop=False, crop_style="random", crop_aspect="square"), "crop_aspect not used: crop is false"),
+    ({}, dict(crop=False, crop_style="random", crop_aspect="preserve"), "crop_aspect not used: crop is false"),
 ])
 def test_crop_keys_the_crop_leaves_unused_get_a_note(tmp_path, dataset, entry, config, expected):
     text = notes(write_config(tmp_path, dataset, dataset=entry, **config))
     assert expected in text and "dataset 'train'" in text.split(expected)[0].splitlines()[-1]
     assert "crop_style" not in text  # it still places the trim to the bucket without crop
+
+
+def test_simpletuners_crop_defaults_without_crop_get_no_note(tmp_path, dataset):
+    """Its tools and examples write crop_aspect 'square' (and crop_aspect_buckets []) on every entry: a note on
+    nearly every SimpleTuner dataset list said nothing the user chose."""
+    entry = dict(crop=False, crop_aspect="square", crop_aspect_buckets=[], crop_style="random")
+    assert "not used" not in notes(write_config(tmp_path, dataset, dataset=entry))
 
 
 def test_used_crop_keys_get_no_note(tmp_path, dataset):

@@ -4,7 +4,9 @@
 - key aliases (`validation_steps` -> `validation_step_interval`, `checkpointing_steps` ->
   `checkpoint_step_interval`); both spellings with different values is a problem;
 - the `{model_family}` placeholder in any string value (cache folders, output_dir, ...), replaced by the
-  family's name at load time. Another `{word}` in a path is a problem (it would name a folder `{word}`);
+  family's name at load time, and in dataset entries `{output_dir}` (the config's) and `{id}` (the entry's), which
+  SimpleTuner's web UI writes into every cache folder. Another `{word}` in a path is a problem (it would name a
+  folder `{word}`);
 - config-level dataset settings (`resolution`, `crop`, `caption_strategy`, ...: config/dataset_default_keys.py)
   are defaults for every image or video dataset that does not set its own;
 - "did you mean" suggests a known key only when it is the same words, misspelt.
@@ -43,6 +45,7 @@ KEY_ALIASES: dict[str, str] = {
     "framerate": "frame_rate",
 }
 PLACEHOLDERS = ("model_family",)
+ENTRY_PLACEHOLDERS = ("output_dir", "id")  # in dataset entries only, as SimpleTuner fills them
 
 
 def written_spellings(*raws: dict[str, Any]) -> dict[str, str]:
@@ -88,25 +91,38 @@ def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str],
     return out
 
 
-def substitute(value: Any, family: str | None, key: str, where: str, problems: list[str]) -> Any:
-    """`{model_family}` -> the family, in strings (and lists of strings); unknown placeholders in paths reported."""
+def substitute(value: Any, family: str | None, key: str, where: str, problems: list[str],
+               entry: dict[str, str | None] | None = None) -> Any:
+    """`{model_family}` -> the family, in strings (and lists of strings); unknown placeholders in paths reported.
+    `entry`: a dataset entry's `{output_dir}` and `{id}` (None: that one is not known, the text is kept)."""
     if isinstance(value, list):
-        return [substitute(v, family, key, where, problems) for v in value]
+        return [substitute(v, family, key, where, problems, entry) for v in value]
     if not isinstance(value, str) or key in TEXT_KEYS or "{" not in value:
         return value
-    unknown = [name for name in _PLACEHOLDER.findall(value) if name not in PLACEHOLDERS]
+    known = PLACEHOLDERS + (ENTRY_PLACEHOLDERS if entry is not None else ())
+    unknown = [name for name in _PLACEHOLDER.findall(value) if name not in known]
     if unknown:
         problems.append(f"{where}: {key}: {value!r} has the placeholder {{{unknown[0]}}}, which difftune does not "
                         f"fill (it would become a folder literally named so); known: "
-                        + ", ".join("{" + p + "}" for p in PLACEHOLDERS))
+                        + ", ".join("{" + p + "}" for p in known))
         return value
-    if family is None:
+    blank = [name for name, filled in (entry or {}).items() if filled is None and "{" + name + "}" in value]
+    if blank:  # an entry without a (text) id
+        problems.append(f"{where}: {key}: {value!r} has the placeholder {{{blank[0]}}}, but the entry has no {blank[0]} "
+                        "to fill it with; give the entry an id, or write the folder out")
         return value
-    return value.replace("{model_family}", family)
+    for name, filled in [("model_family", family), *(entry or {}).items()]:
+        if filled is not None:
+            value = value.replace("{" + name + "}", filled)
+    return value
 
 
-def substitute_all(raw: dict[str, Any], family: str | None, where_of: Any, problems: list[str]) -> dict[str, Any]:
-    return {k: substitute(v, family, k, where_of(k), problems) for k, v in raw.items()}
+def substitute_all(raw: dict[str, Any], family: str | None, where_of: Any, problems: list[str],
+                   output_dir: str | None = None, entry: bool = False) -> dict[str, Any]:
+    """substitute in each value; `entry`: a dataset entry, whose `{output_dir}` and `{id}` are filled too."""
+    ident = raw.get("id") if isinstance(raw.get("id"), str) else None
+    values = {"output_dir": output_dir, "id": ident} if entry else None
+    return {k: substitute(v, family, k, where_of(k), problems, values) for k, v in raw.items()}
 
 
 def dataset_defaults(raw: dict[str, Any]) -> dict[str, Any]:

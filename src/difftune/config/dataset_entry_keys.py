@@ -10,7 +10,12 @@ The keys difftune does not implement are in config/pending.py (PENDING_DATASET_K
   dropped, with a note when on: each start reuses the dataset's scan and caches anyway;
 - `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
   switched on they are refused by config/pending.py;
-- `conditioning_data` as a list of one id is that id; several ids are refused (a dataset pairs with one);
+- `conditioning_data` as a list of one id is that id, an empty list none; several ids are refused (a dataset pairs
+  with one);
+- what SimpleTuner's web UI dataset builder leaves on every entry (`BUILDER_LEFTOVERS`: empty audio keys, an empty
+  video block on an image entry, its image defaults on a text_embeds or conditioning entry, which SimpleTuner ignores
+  there) is dropped at exactly those values; another value is refused as before. `cache_dir_text`, which its
+  dataset wizard writes on image entries, is dropped with a note (the text_embeds entry's cache_dir is the folder);
 - a text_embeds entry with both `text_encoder_batch_size` and `write_batch_size`: the first sets the batch, a note
   says the second is not used;
 - a conditioning entry's `source_dataset_id` must name an image dataset that pairs with it (`conditioning_data`);
@@ -33,6 +38,17 @@ ENTRY_ALIASES = {"disable": "disabled", "csv_shorten_filenames": "shorten_filena
 # SimpleTuner's switches for skipping its scans (speed only): key -> its values that mean "off"
 SPEED_ONLY = {"preserve_data_backend_cache": (False, None), "skip_file_discovery": ("", None)}
 SWITCHED_BLOCKS = {"caption_shuffle": "enable", "grounding": "enabled"}  # block -> its on/off key
+# SimpleTuner's web UI builder copies every key of its form into each entry: kind -> {key: the values it leaves}
+_AUDIO_LEFTOVERS = {"audio": ({},), "audio_caption_fields": ([],), "lyrics_column": ("",)}
+_IMAGE_DEFAULTS = {"probability": (1,), "repeats": (0,)}
+BUILDER_LEFTOVERS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "image": _AUDIO_LEFTOVERS | {"video": ({},)},
+    "eval": _AUDIO_LEFTOVERS | {"video": ({},)},
+    "video": _AUDIO_LEFTOVERS,
+    "conditioning": _AUDIO_LEFTOVERS | _IMAGE_DEFAULTS | {"video": ({},), "default": (False, None)},
+    "text_embeds": _AUDIO_LEFTOVERS | _IMAGE_DEFAULTS | {"crop_style": ("random",), "crop_aspect": ("square",),
+                                                        "resolution_type": ("pixel",)},
+}
 
 
 def scan_skip_note(key: str, value: Any) -> str:
@@ -66,9 +82,18 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
         value = out.get(block)
         if isinstance(value, dict) and coerce(value.get(switch, False)) in (False, None):
             del out[block]  # off: SimpleTuner does nothing with the rest of the block either
+    kind = out.get("dataset_type", "image")
+    for key, left in BUILDER_LEFTOVERS.get(kind if isinstance(kind, str) else "", {}).items():
+        if key in out and any(type(out[key]) is type(v) and out[key] == v for v in left):
+            del out[key]
+    if "cache_dir_text" in out and kind in ("image", "video", "eval"):  # SimpleTuner's dataset wizard writes it
+        notes.append(f"{where}: cache_dir_text {out.pop('cache_dir_text')!r} is not used on a dataset entry: the text "
+                     "cache's folder is the text_embeds entry's cache_dir (or config.json's cache_dir_text); remove it")
     ids = out.get("conditioning_data")
     if isinstance(ids, list):
-        if len(ids) == 1:
+        if not ids:  # SimpleTuner's web UI writes [] for no pairing
+            del out["conditioning_data"]
+        elif len(ids) == 1:
             out["conditioning_data"] = ids[0]
         else:
             del out["conditioning_data"]
@@ -122,7 +147,9 @@ def _crop_notes(where: str, item: Any) -> list[str]:
     unused: without crop it still places the trim of the resized image to its bucket."""
     given = item.model_fields_set
     if not item.crop:
-        unused = [k for k in ("crop_aspect", "crop_aspect_buckets") if k in given and getattr(item, k) is not None]
+        # SimpleTuner's defaults ('square', []), which its tools and examples write on every entry, are not said
+        unused = [k for k in ("crop_aspect", "crop_aspect_buckets") if k in given and getattr(item, k) not in
+                  (None, "square", [])]
         return [f"{where}: {' and '.join(unused)} not used: crop is false, so each image keeps its own aspect; remove "
                 f"{'them' if len(unused) > 1 else 'it'} or set crop to true"] if unused else []
     if item.crop_aspect_buckets and item.crop_aspect in ("square", "preserve"):

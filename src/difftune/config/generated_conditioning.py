@@ -49,7 +49,8 @@ NOT_YET = {
                                                                           "yet"),
 }
 # keys of a generator entry besides its type's settings
-COMMON = ("type", "instance_data_dir", "conditioning_type", "captions", "caption_strategy", "instance_prompt", "params")
+COMMON = ("type", "instance_data_dir", "conditioning_type", "captions", "caption_strategy", "instance_prompt", "params",
+          "id")
 
 
 class _Settings(BaseModel):
@@ -60,8 +61,9 @@ class CannySettings(_Settings):
     """OpenCV's Canny on the greyscale image (hysteresis thresholds on the Sobel gradient of 0..255 pixels, as
     ControlNet's canny maps are made); the white-on-black edge map becomes the RGB input image."""
 
-    low_threshold: float = Field(50, ge=0, description="Edges weaker than this are dropped.")
-    high_threshold: float = Field(100, ge=0, description="Edges stronger than this are kept; between the two, only "
+    # SimpleTuner's defaults (its CannyEdgeSampleGenerator and DATALOADER.md: 100 and 200)
+    low_threshold: float = Field(100, ge=0, description="Edges weaker than this are dropped.")
+    high_threshold: float = Field(200, ge=0, description="Edges stronger than this are kept; between the two, only "
                                                          "those connected to a strong edge.")
 
     @model_validator(mode="after")
@@ -180,6 +182,14 @@ class GeneratedConditioning(BaseModel):
     folder: str
 
 
+def _defaults_only(kind: str, params: Any) -> bool:
+    """Whether a generator's `params` block holds only its settings' defaults (SimpleTuner's web UI writes them)."""
+    try:
+        return isinstance(params, dict) and SETTINGS[kind].model_validate(params) == SETTINGS[kind]()
+    except ValidationError:
+        return False
+
+
 def default_folder(ident: str) -> str:
     return f"cache/conditioning_data/{ident}"  # SimpleTuner's <cache_dir>/conditioning_data/<id>
 
@@ -243,12 +253,18 @@ def build(source: Any, raw: dict[str, Any], where: str, problems: list[str], not
         return None
     kind = KINDS[name]
     settings = {k: v for k, v in raw.items() if k not in COMMON}
-    if raw.get("params"):  # SimpleTuner reads params only for its sdr generator: the settings here are ignored there
+    if raw.get("params") and _defaults_only(kind, raw["params"]):  # SimpleTuner's web UI writes them so
+        notes.append(f"{where}: params {raw['params']!r} is not used: {kind}'s settings are read from the generator "
+                     "entry itself, as SimpleTuner reads them, and these are their defaults anyway; remove params")
+    elif raw.get("params"):  # SimpleTuner reads params only for its sdr generator: the settings here are ignored there
         problems.append(f"{where}: params: {kind}'s settings are read from the generator entry itself, as SimpleTuner "
                         f"reads them (it ignores params for {kind}); move {', '.join(sorted(raw['params']))} up one "
                         "level")
         return None
-    if raw.get("conditioning_type", "reference_strict") not in ("reference_strict", None):
+    if raw.get("conditioning_type") == "controlnet":  # SimpleTuner's own Kandinsky 5 i2i example writes it
+        notes.append(f"{where}: conditioning_type 'controlnet' is read as 'reference_strict': the generated images are "
+                     "the input images of the image-to-image flavour (Kandinsky 5 has no ControlNet); remove it")
+    elif raw.get("conditioning_type", "reference_strict") not in ("reference_strict", None):
         problems.append(f"{where}: conditioning_type {raw['conditioning_type']!r}: generated images are input images "
                         "of an image-to-image flavour ('reference_strict'); remove conditioning_type")
         return None
@@ -265,6 +281,9 @@ def build(source: Any, raw: dict[str, Any], where: str, problems: list[str], not
             problems.append(f"{where}: {loc + ': ' if loc else ''}{msg}")
         return None
     ident = f"{source.id}_conditioning_{written}"
+    if raw.get("id") not in (None, "", ident):  # SimpleTuner's web UI names each generator; it names the dataset so
+        notes.append(f"{where}: id {raw['id']!r} is not used: the generated dataset's id is {ident!r} (as SimpleTuner "
+                     "names it); remove id")
     folder = raw.get("instance_data_dir") or default_folder(ident)
     if not isinstance(folder, str):
         problems.append(f"{where}: instance_data_dir: {folder!r} must be a folder path")

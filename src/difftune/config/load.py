@@ -200,9 +200,11 @@ def _entry_where(path: Path, entry: dict[str, Any], index: int) -> str:
 
 
 def load_datasets(
-    path: Path, problems: list[str], family: str | None = None, defaults: dict[str, Any] | None = None
+    path: Path, problems: list[str], family: str | None = None, defaults: dict[str, Any] | None = None,
+    output_dir: str | None = None,
 ) -> DatasetPlan | None:
-    """The dataset list at `path`. `family` fills `{model_family}` and names the default text cache;
+    """The dataset list at `path`. `family` fills `{model_family}` and names the default text cache, `output_dir`
+    fills `{output_dir}` (SimpleTuner's web UI writes it and `{id}` in cache folders);
     `defaults`: config-level resolution, resolution_type, minimum_image_size for entries without their own
     (text_encoder_batch_size: for text_embeds entries)."""
     hint = "create it (see config/multidatabackend.json.example) or set data_backend_config"
@@ -230,7 +232,8 @@ def load_datasets(
         where = _entry_where(path, entry, index)
         entry = apply_key_aliases(clean_keys(entry, where, problems), lambda key, w=where: w, problems,
                                   DATASET_KEY_ALIASES | dataset_entry_keys.ENTRY_ALIASES)
-        entry = substitute_all(entry, family, lambda key, w=where: w, problems)
+        entry = substitute_all(entry, family, lambda key, w=where: w, problems,
+                               output_dir or TrainConfig.model_fields["output_dir"].default, entry=True)
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):
             problems.append(f"{where}: dataset_type: {kind!r} must be one of 'image', 'video', 'eval', 'conditioning' "
@@ -251,6 +254,7 @@ def load_datasets(
                             f"{'cache_dir' if kind == 'text_embeds' else 'instance_data_dir'}, and remove its "
                             f"{entry['type']} keys")
             continue
+        entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         if model is ImageDataset:
             entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS
                         and (k not in AWS_KEYS or entry.get("type") == "aws")  # aws_*: type 'aws' only
@@ -268,7 +272,6 @@ def load_datasets(
             entry, generators = generated_conditioning.take(entry, where, problems)
             if entry.get("conditioning_data") != before:  # a failed generator is said as such, not as a
                 by_generator.add(str(entry["conditioning_data"]))  # conditioning_data naming nothing
-        entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         kept = _split_known(where, entry, model, PENDING_DATASET_KEYS | NOT_ON_OTHER_ENTRIES, problems)
         item = _validate(where, model, kept, problems)
         if item is None:
@@ -528,7 +531,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             plan = load_datasets(Path(train.data_backend_config), problems, train.model_family,
                                  dataset_defaults(train.model_dump(include=set(DATASET_DEFAULT_KEYS)))
                                  | {"text_encoder_batch_size": train.text_encoder_batch_size,
-                                    "cache_dir_text": train.cache_dir_text})
+                                    "cache_dir_text": train.cache_dir_text}, train.output_dir)
         except ConfigError as e:
             problems.extend(e.problems)
     if train is not None and plan is not None:

@@ -121,6 +121,8 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
     family = family_name(cfg.get("model_family"))
     family = family if isinstance(family, str) and family in FAMILY_FACTS else None
     cfg = substitute_all(cfg, family, lambda key: config_where, [])
+    output_dir = cfg.get("output_dir")  # {output_dir} in entries, filled as the loader fills it
+    output_dir = output_dir if isinstance(output_dir, str) and output_dir else TrainConfig.model_fields["output_dir"].default
     specs = [f for f in train_fields() if f["path"] and f["name"] != DATASETS_KEY]
     with_defaults = {f["name"]: cfg.get(f["name"], f["default"]) for f in specs}
     kept = _walk(roots, with_defaults, specs, config_where, "", problems, refused, read_here=True)
@@ -133,7 +135,8 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
             continue
         ident = entry.get("id")  # named as the loader names it (config/load.py:_entry_where)
         named = f"{data_where}: dataset {ident if isinstance(ident, str) else index!r}"
-        entry = substitute_all(clean_keys(entry, named, problems), family, lambda key: data_where, [])
+        entry = substitute_all(clean_keys(entry, named, problems), family, lambda key: data_where, [], output_dir,
+                               entry=True)
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):  # named as the loader names an unknown type (a list would crash it)
             entry["dataset_type"] = kind = json.dumps(kind)
