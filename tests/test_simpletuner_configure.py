@@ -228,3 +228,23 @@ def test_the_web_ui_builders_image_to_image_pair_and_wizard_generator(tmp_path, 
         assert words in notes
     assert run.datasets.generated["train_conditioning_canny"].settings == {"low_threshold": 100,
                                                                             "high_threshold": 200}
+
+
+def test_images_without_captions_say_which_caption_strategy_would_read_them(tmp_path):
+    """The builder writes no caption_strategy: SimpleTuner captions by file name then, difftune reads .txt files.
+    A folder without any says so, with the keys that would caption it."""
+    from difftune.demo import make_dataset
+    from difftune.train.plan import DataError
+
+    make_dataset(tmp_path / "images", count=2)
+    for caption in (tmp_path / "images").glob("*.txt"):
+        caption.unlink()
+    entry = builder_entry("image", tmp_path / "images")
+    del entry["caption_strategy"]  # as the builder writes it
+    backend = builder_list(tmp_path, entry)
+    run = load_config(write_config(tmp_path, tmp_path / "images", data_backend_config=str(backend)))
+    with pytest.raises(DataError, match="none of its files has a caption file, which caption_strategy 'textfile' "
+                                        r"\(difftune's default\) reads.*caption_strategy 'filename'"):
+        discover_all(run)
+    backend = builder_list(tmp_path, builder_entry("image", tmp_path / "images", caption_strategy="filename"))
+    assert discover_all(load_config(write_config(tmp_path, tmp_path / "images", data_backend_config=str(backend))))
