@@ -26,6 +26,8 @@ The keys difftune does not implement are in config/pending.py (PENDING_DATASET_K
 - `vae_cache_clear_each_epoch` (a field; its checks of the entry alone are in config/datasets.py) is refused on a
   dataset with image-to-image input images: the text encoder sees the cropped input image, and its embeddings are
   cached once, at start-up.
+- image-to-video validation needs 17 frames or more (`check_i2v_validation`; `validation_video_frames` says how many
+  a validation video has).
 Import-light: no torch.
 """
 
@@ -208,3 +210,30 @@ def check_each_epoch(train: Any, plan: Any, path: Path, problems: list[str]) -> 
                             f"its input images (conditioning_data {ds.conditioning_data!r}) are also seen by the text "
                             "encoder, whose embeddings are cached once per crop before training; remove "
                             "vae_cache_clear_each_epoch (its crop is then drawn once per image and seed)")
+
+
+def validation_video_frames(train: Any, plan: Any) -> int:
+    """validation_num_video_frames, else the first video dataset's num_frames (61 without one)."""
+    if train.validation_num_video_frames is not None:
+        return train.validation_num_video_frames
+    return next((ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
+
+
+I2V_MIN_FRAMES = 17  # image-to-video validation's least frame count (the wizard offers it too)
+
+
+def check_i2v_validation(train: Any, plan: Any, where: str, problems: list[str]) -> None:
+    """The stock I2V pipeline renormalizes the first 4 latent frames against the next ones: below 17
+    frames there are none, and the video comes out as NaN. Caught here, before anything loads."""
+    from difftune.models.registry import FAMILY_FACTS
+
+    if not FAMILY_FACTS[train.model_family].first_frame(train.flavour()):
+        return
+    if not (train.validation_prompt or train.user_prompt_library or train.validation_prompt_library):
+        return
+    frames = validation_video_frames(train, plan)
+    if frames < I2V_MIN_FRAMES:
+        given = "" if train.validation_num_video_frames else " (from the first video dataset's num_frames)"
+        problems.append(f"{where}: validation_num_video_frames: {frames}{given} is too few for image-to-video "
+                        "validation, which needs at least 17 (the stock I2V pipeline renormalizes the first 4 "
+                        "latent frames against the next ones); set validation_num_video_frames to 17 or more")

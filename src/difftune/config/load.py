@@ -29,6 +29,7 @@ from difftune.config.compat import (
 )
 from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems
 from difftune.config.cross_checks import cross_notes
+from difftune.config.dataset_entry_keys import check_i2v_validation
 from difftune.config.datasets import (
     DATASET_MODELS,
     REMOTE_TYPES,
@@ -425,31 +426,6 @@ def check_media(train: TrainConfig, plan: DatasetPlan, path: Path, problems: lis
                                 "it, or name it in eval_dataset_id with validation_using_datasets to validate with it")
     if not plan.images and not problems:
         problems.append(f"{path}: no enabled dataset to train on")
-
-
-def validation_video_frames(train: TrainConfig, plan: DatasetPlan) -> int:
-    """validation_num_video_frames, else the first video dataset's num_frames (61 without one)."""
-    if train.validation_num_video_frames is not None:
-        return train.validation_num_video_frames
-    return next((ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
-
-
-I2V_MIN_FRAMES = 17  # image-to-video validation's least frame count (the wizard offers it too)
-
-
-def check_i2v_validation(train: TrainConfig, plan: DatasetPlan, where: str, problems: list[str]) -> None:
-    """The stock I2V pipeline renormalizes the first 4 latent frames against the next ones: below 17
-    frames there are none, and the video comes out as NaN. Caught here, before anything loads."""
-    if not FAMILY_FACTS[train.model_family].first_frame(train.flavour()):
-        return
-    if not (train.validation_prompt or train.user_prompt_library or train.validation_prompt_library):
-        return
-    frames = validation_video_frames(train, plan)
-    if frames < I2V_MIN_FRAMES:
-        given = "" if train.validation_num_video_frames else " (from the first video dataset's num_frames)"
-        problems.append(f"{where}: validation_num_video_frames: {frames}{given} is too few for image-to-video "
-                        "validation, which needs at least 17 (the stock I2V pipeline renormalizes the first 4 "
-                        "latent frames against the next ones); set validation_num_video_frames to 17 or more")
 
 
 def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, problems: list[str]) -> None:

@@ -18,7 +18,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from difftune.config import RunConfig
-from difftune.config.load import validation_video_frames
+from difftune.config.dataset_entry_keys import validation_video_frames
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files

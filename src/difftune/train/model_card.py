@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config import RunConfig
-from difftune.config.load import validation_video_frames
+from difftune.config.dataset_entry_keys import validation_video_frames
 from difftune.config.reporting_keys import pipeline_name
 from difftune.models.registry import FAMILY_FACTS
 
