@@ -94,7 +94,7 @@ def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str],
 def substitute(value: Any, family: str | None, key: str, where: str, problems: list[str],
                entry: dict[str, str | None] | None = None) -> Any:
     """`{model_family}` -> the family, in strings (and lists of strings); unknown placeholders in paths reported.
-    `entry`: a dataset entry's `{output_dir}` and `{id}` (None: that one is not known, the text is kept)."""
+    `entry`: a dataset entry's `{output_dir}` and `{id}` (None: the entry has none, and using it is a problem)."""
     if isinstance(value, list):
         return [substitute(v, family, key, where, problems, entry) for v in value]
     if not isinstance(value, str) or key in TEXT_KEYS or "{" not in value:
