@@ -74,7 +74,9 @@ def worker(rank: int, world: int, port: int, out: str, settings: dict) -> None:
         assert square.placements == (Partial("sum"),)
         result["local_item"], result["total"] = square.item(), total
         rows = distribute_tensor(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), weight.device_mesh, [Shard(0)])
-        result["local_any"] = bool(rows.any())  # process 0 holds the zero row: Prodigy's `if p.any()`
+        # process 0 holds the zero row: Prodigy's `if p.any()` over it alone is False (torch 2.13 answered so for
+        # the DTensor itself; torch 2.15's any() of a sharded tensor already answers for the whole)
+        result["local_any"] = bool(rows.to_local().any())
         with GlobalScalars():
             result["global_item"], result["global_any"] = square.item(), bool(rows.any())
         x, y = batch()

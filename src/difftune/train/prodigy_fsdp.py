@@ -4,7 +4,7 @@ Prodigy sets its step size d from two sums over every trainable element: the dot
 the distance travelled (p0 - p) and the magnitude of its running gradient sum s. It reads each tensor's share of
 them with `.item()`. Under FSDP2 a parameter is a DTensor holding one shard per process, and the dot product or
 sum of a sharded DTensor is a `Partial` DTensor: its `.item()` returns this process's own part, not the sum over
-the processes (measured with torch 2.13: tests/test_prodigy_fsdp.py). So each process would estimate d from its
+the processes (measured with torch 2.13 and 2.15: tests/test_prodigy_fsdp.py). So each process would estimate d from its
 own shards only: the processes step with different sizes, and the result differs from one process with the same
 global batch (the tiny Lumina2's LoRA weights 1-5% apart after 4-5 steps).
 
