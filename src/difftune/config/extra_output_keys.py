@@ -16,7 +16,7 @@ import string
 from pathlib import PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from difftune.config.fields import field
 
@@ -27,6 +27,7 @@ SCRIPT_KEYS = ("post_checkpoint_script", "post_upload_script")
 
 
 class ExtraOutputKeys(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())  # model_card_* keys: pydantic<2.10 warns on "model_"
     validation_randomize: bool = field(
         False, "Sample each validation from fresh random seeds instead of validation_seed, so the samples vary from "
         "one validation to the next (SimpleTuner's meaning). Each image's seed is in its \"sample\" event: sampling "

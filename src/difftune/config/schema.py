@@ -58,7 +58,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                   UnsetSpellings):  # config/fields.py: "" and "none" as null
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # protected_namespaces=(): the model_* keys (model_family, model_type) would warn under pydantic<2.10
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
     # optional keys whose text may be the word "none" itself (a prompt, a name): only "" or null unsets them
     FREE_TEXT = frozenset(("validation_prompt", "instance_prompt", "model_card_note", "tracker_project_name",
                            "tracker_run_name", "hub_model_id", "eval_dataset_id"))

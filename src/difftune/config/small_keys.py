@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from difftune.config.dataset_entry_keys import SPEED_ONLY, scan_skip_note
 from difftune.config.fields import field
@@ -24,6 +24,7 @@ from difftune.models.registry import FAMILY_FACTS
 
 
 class SmallKeys(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())  # model_card_* keys: pydantic<2.10 warns on "model_"
     tokenizer_max_length: int | None = field(
         None, "The prompt length in tokens the text encoder sees: the stock pipeline's max_sequence_length, used to "
         "encode the captions for the text cache and the validation prompts, and given to the pipeline when "
