@@ -9,6 +9,10 @@ STAMP := $(VENV)/.difftune-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@# the pins in constraints.txt (diffusers 0.42, numpy 2.4, pandas 3) need Python 3.11 or newer
+	@$(PYTHON) -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] < (3, 14) else \
+		f"make needs Python 3.11 to 3.13 (constraints.txt pins releases that need 3.11); this is {sys.version.split()[0]}. " \
+		"Run make PYTHON=python3.11 (or 3.12, 3.13); on Python 3.10, pip install -e . picks releases that still support it.")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: the constraint keeps pip from pulling a CUDA build.

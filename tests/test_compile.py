@@ -7,6 +7,7 @@ uncompiled model computes: their losses and weights are compared for equality. I
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -27,6 +28,9 @@ from difftune.train.loop import train
 from difftune.train.setup import build_run
 from test_offload import forward_backward, lora_lumina2, streamed
 from test_train import crash_then_resume, losses
+
+# torch.compile counts recompilations per call (torch 2.13); older torch has only dynamo's global count
+ISOLATED = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 STACKS = get_family("lumina2").facts.block_stacks
 RESULT = "pytorch_lora_weights.safetensors"
@@ -117,6 +121,8 @@ def test_keys_and_refused_combinations(tmp_path, dataset):
 
 
 def test_recompile_limit_runs_new_shapes_uncompiled_with_one_warning():
+    if not ISOLATED:  # the count below is per region; older torch shares dynamo's global one (the test further down)
+        pytest.skip("this torch.compile has no isolate_recompiles (older torch)")
     transformer = lora_lumina2()
     plain = {}
     sizes = [(8, 8), (8, 16), (16, 8)]
@@ -447,4 +453,5 @@ def test_torch_without_isolated_limits_gets_the_global_limit_raised_for_shared_b
     compile_model(transformer, "eager")
     assert torch.equal(forward_backward(transformer)[0], expected[0])
     monkeypatch.undo()
-    assert compiling.recompile_limit(4, regions) == dict(recompile_limit=4, isolate_recompiles=True)
+    if ISOLATED:
+        assert compiling.recompile_limit(4, regions) == dict(recompile_limit=4, isolate_recompiles=True)

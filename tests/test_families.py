@@ -30,7 +30,7 @@ def case(request):
     return request.param
 
 
-def setup(case):
+def load_case(case):  # not "setup": pytest 8.0 calls a module-level setup() as the module's xunit setup
     family = get_family(case.family)
     folder = tiny_model(case.family, case.flavour)
     comps = family.load(str(folder), torch.float32)
@@ -42,7 +42,7 @@ def text_for(family, comps, case, prompt="a red square", negative=False):
 
 
 def test_takes_conditioning_matches_flavour(case):
-    family, _, comps = setup(case)
+    family, _, comps = load_case(case)
     assert family.takes_conditioning(comps) == case.input_image == family.facts.takes_input_image(case.flavour)
     assert family.facts.needs_conditioning(case.flavour) == case.i2i and family.facts.first_frame(case.flavour) == case.i2v
 
@@ -50,7 +50,7 @@ def test_takes_conditioning_matches_flavour(case):
 def test_flow_convention(case):
     """An oracle network in the family's own convention: predict() returns the objective's target, and
     the stock pipeline driven by the same oracle lands on x0."""
-    family, folder, comps = setup(case)
+    family, folder, comps = load_case(case)
     torch.manual_seed(0)
     x0 = case.latents(comps.vae.config.latent_channels, 6, 8, frames=6)  # i2v: >= 5 latent frames, see below
     noise = torch.randn_like(x0)
@@ -82,7 +82,7 @@ def test_flow_convention(case):
 
 
 def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
-    family, _, comps = setup(case)
+    family, _, comps = load_case(case)
     net = comps.transformer
     before = {k: v.clone() for k, v in net.state_dict().items()}
     params = LoraAdapter(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4), family, net).parameters()
@@ -105,7 +105,7 @@ def test_lora_targets_attention_only_and_step_changes_only_adapter(case):
 
 
 def test_save_reload_identical_and_pipeline_runs(case, tmp_path):
-    family, folder, comps = setup(case)
+    family, folder, comps = load_case(case)
     net = comps.transformer
     LoraAdapter(TrainConfig(model_family=case.family, max_train_steps=1, lora_rank=4, lora_alpha=16), family, net).parameters()
     with torch.no_grad():

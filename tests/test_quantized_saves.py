@@ -49,10 +49,12 @@ def step(transformer: torch.nn.Module, half: bool) -> tuple[torch.Tensor, dict, 
     the bytes autograd saved (each storage once, parameters and the plain parts of quantized ones excluded), and
     the saved tensors made from weights: shaped like a linear layer's weight (or its transpose), needing no
     gradient."""
-    own = set()
-    for p in transformer.parameters():
-        names = p.__tensor_flatten__()[0] if type(p) not in (torch.Tensor, torch.nn.Parameter) else []
-        own |= {t.untyped_storage().data_ptr() for t in [getattr(p, n) for n in names] or [p]}
+    def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:  # older torchao nests subclasses (a layout tensor)
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            return [t]
+        return [part for name in t.__tensor_flatten__()[0] for part in plain_parts(getattr(t, name))]
+
+    own = {t.untyped_storage().data_ptr() for p in transformer.parameters() for t in plain_parts(p)}
     shapes = {tuple(m.weight.shape) for m in transformer.modules() if isinstance(m, torch.nn.Linear)}
     shapes |= {s[::-1] for s in shapes if len(s) == 2}
     saved, weight_shaped = {}, []

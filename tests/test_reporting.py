@@ -74,8 +74,19 @@ def _read_wandb(run_dir: Path) -> list:
 
 
 def wandb_history(run_dir: Path) -> list[dict]:
-    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+    return [flat({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
             for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "history"]
+
+
+def flat(row: dict) -> dict:
+    """An image's fields as keys of their own (newer W&B writes them so; 0.17 nests them in one value)."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out |= {f"{key}/{k}": v for k, v in value.items()}
+        else:
+            out[key] = value
+    return out
 
 
 @pytest.fixture(scope="module")
