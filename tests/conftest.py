@@ -125,3 +125,27 @@ def no_model_loads(monkeypatch):
 
     monkeypatch.setattr(Lumina2Family, "load", boom)
     monkeypatch.setattr(Lumina2Family, "build_tiny", boom)
+
+
+# --- the memory planner's configs (tests/test_memory_plan*.py) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(tmp_path_factory):
+    """The tiny Lumina2 run config, bf16, with a generated dataset: what the planner is checked against."""
+    from difftune.config import load_config
+
+    root = tmp_path_factory.mktemp("plan")
+    make_dataset(root / "images", count=2)
+    return load_config(write_config(root, root / "images", mixed_precision="bf16", validation_resolution="64x64"))
+
+
+@pytest.fixture(scope="module")
+def real_cfg(tiny_cfg):
+    """Lumina2 2.0 at real size (meta models), 1024 px, checkpointing: the planner's numbers without weights."""
+    return tiny_cfg.train.model_copy(update={"model_flavour": "2.0", "validation_resolution": "1024x1024",
+                                             "gradient_checkpointing": True, "lora_rank": 16})
+
+
+def tensor_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])

@@ -92,7 +92,8 @@ def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset,
     pipe.load_lora_weights(tmp_path / "output")
     image = None
     if case.i2i:
-        image = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB")
+        image = fit(Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB"), (64, 48), "center",
+                    (0.5, 0.5))  # fitted to the sample's size, as validation fits it
     if case.i2v:
         image = fit(decode_frames(sorted(data.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
     kw = {"num_frames": 17 if case.i2v else 9} if case.video else {}

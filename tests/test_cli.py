@@ -1,5 +1,8 @@
 """The command line's own words (difftune/cli.py)."""
 
+import json
+import re
+
 import pytest
 
 from conftest import write_config
@@ -170,3 +173,63 @@ def test_check_prints_the_config_notes_when_the_data_fails_too(tmp_path, capsys)
     config = write_config(tmp_path, tmp_path / "empty", aspect_bucket_rounding=2)
     assert main(["check", "--config", str(config)]) != 0
     assert "note: aspect_bucket_rounding 2 not used" in capsys.readouterr().out
+
+
+def test_config_environments_as_simpletuner_names_them(tmp_path, dataset, monkeypatch, capsys):
+    """`difftune check env=NAME` reads config/NAME/config.json (SimpleTuner's `simpletuner train env=NAME`), with
+    options after it; its other words are read or refused in words, before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    write_config(tmp_path / "config" / "portrait", dataset)
+    (tmp_path / "config" / "portrait" / "config" / "config.json").rename(tmp_path / "config" / "portrait" / "config.json")
+    assert main(["check", "env=portrait", "--max_train_steps", "3"]) == 0
+    assert "config/portrait/config.json: OK" in capsys.readouterr().out
+    assert main(["check", "config_backend=json", "env=portrait"]) == 0  # JSON: what difftune reads anyway
+    capsys.readouterr()
+    refusals = {("check", "--max_train_steps", "3", "env=portrait"): "'env=portrait' comes after an option",
+                ("check", "env=portrait", "--config", "config/portrait/config.json"): "both name the config",
+                ("check", "env=portrait", "env=other"): "env= is given twice",
+                ("check", "env="): "env= names no config environment",
+                ("train", "example=kontext.peft-lora"): "difftune bundles no example configs",
+                ("check", "env=portrait", "config_backend=toml"): "reads only JSON configs.* config/portrait/config.json",
+                ("plan", "config_backend=cmd"): "config_backend=cmd: give the settings in the config file",
+                ("check", "env=missing"): "env=missing: no config file at missing/config.json or "
+                                          "config/missing/config.json"}
+    for argv, message in refusals.items():
+        assert main(list(argv)) == 2, argv
+        assert re.search(message, capsys.readouterr().err), argv
+
+
+def test_config_environments_by_path_and_by_variable(tmp_path, dataset, monkeypatch, capsys):
+    """SimpleTuner's other spellings: env= as a folder or a .json file, and its environment variables (SIMPLETUNER_ENV,
+    ENV as train.sh reads it) when neither --config nor env= is given; a relative data_backend_config that SimpleTuner's
+    web UI wrote relative to the config environments' folder is found there."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("SIMPLETUNER_ENVIRONMENT", "SIMPLETUNER_ENV", "ENV"):
+        monkeypatch.delenv(name, raising=False)
+    write_config(tmp_path / "config" / "webui", dataset)
+    env = tmp_path / "config" / "webui"
+    (env / "config" / "config.json").rename(env / "config.json")
+    (env / "config" / "multidatabackend.json").rename(env / "multidatabackend.json")
+    config = json.loads((env / "config.json").read_text())
+    (env / "config.json").write_text(json.dumps({**config, "data_backend_config": "webui/multidatabackend.json"}))
+    for word in ("env=webui", "env=config/webui", "env=config/webui/config.json"):
+        assert main(["check", word]) == 0, word
+        out = capsys.readouterr()
+        assert "config/webui/config.json: OK" in out.out
+        assert "note: data_backend_config 'webui/multidatabackend.json' is not in the folder difftune runs in" in out.out
+    monkeypatch.setenv("SIMPLETUNER_ENV", "webui")
+    assert main(["check"]) == 0
+    assert "note: SIMPLETUNER_ENV=webui: reading config/webui/config.json" in capsys.readouterr().err
+    monkeypatch.setenv("SIMPLETUNER_ENV", "nope")
+    assert main(["check"]) == 2 and "SIMPLETUNER_ENV=nope: no config file at" in capsys.readouterr().err
+    monkeypatch.delenv("SIMPLETUNER_ENV")
+    # ENV is also a POSIX shell's start-up file: one that names no config environment is passed over, said
+    monkeypatch.setenv("ENV", "production")
+    assert main(["check"]) == 2  # config/config.json does not exist here either
+    assert "note: ENV=production names no config environment" in capsys.readouterr().err
+    monkeypatch.setenv("ENV", "webui")
+    assert main(["check"]) == 0 and "ENV=webui: reading config/webui/config.json" in capsys.readouterr().err
+    monkeypatch.setenv("ENV", "config/webui/config.json")  # a .json file: a config, not a shell's start-up file
+    assert main(["check"]) == 0 and "ENV=config/webui/config.json: reading" in capsys.readouterr().err
+    assert main(["check", "--config", "config/webui/config.json"]) == 0  # --config wins, nothing said
+    assert "ENV=" not in capsys.readouterr().err

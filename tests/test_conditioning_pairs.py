@@ -94,3 +94,47 @@ def test_i2v_validation_input_from_the_training_clips_named_by_eval_dataset_id(t
                                    validation_num_video_frames=17, validation_prompt="a square",
                                    validation_using_datasets=True, eval_dataset_id="train"))
     assert validation_image(run, discover_all(run)) == clips / "clip0.mp4"
+
+
+def test_eval_dataset_id_naming_the_pairs_dataset_takes_an_input_image_not_a_target(tmp_path, dataset):
+    """The training dataset of i2i pairs named by eval_dataset_id: its first target was the validation input, so
+    the model was asked to edit the finished result."""
+    make_pairs(dataset, tmp_path / "inputs")
+    run = load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                   conditioning_dir=tmp_path / "inputs", validation_using_datasets=True,
+                                   eval_dataset_id="train", validation_prompt="swap it", **I2I))
+    assert validation_image(run, discover_all(run)).parent == tmp_path / "inputs"
+
+
+def test_i2i_validation_input_is_fitted_to_each_validation_size(tmp_path, dataset):
+    """The validation input image (a large photo of another aspect) was given whole to the Qwen encoder, whose token
+    budget a phone photo overflows, and stretched by the pipeline: like a training input it is now resized to cover
+    each validation size and center-cropped, and each size's prompt is encoded with that picture."""
+    from PIL import Image
+
+    from difftune.train.setup import build_run
+
+    inputs = tmp_path / "inputs"
+    make_pairs(dataset, inputs)
+    first = sorted(inputs.glob("*.png"))[0]
+    Image.new("RGB", (600, 240), (200, 30, 30)).save(first)  # wide and large
+    run = build_run(load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                             conditioning_dir=inputs, validation_prompt="swap it",
+                                             validation_resolution="64x64,96x64", **I2I)))
+    sizes = {(r.width, r.height): r for r in run.validation if r.name != "unconditional"}
+    assert set(sizes) == {(64, 64), (96, 64)}
+    for (w, h), request in sizes.items():
+        assert request.image.size == (w, h)
+    # each size's prompt was encoded with its own picture: the embeddings differ
+    square, wide = sizes[(64, 64)].text["prompt_embeds"], sizes[(96, 64)].text["prompt_embeds"]
+    assert square.shape != wide.shape or not (square == wide).all()
+
+
+def test_an_input_image_without_its_training_image_is_named(tmp_path, dataset):
+    """An input image whose target was renamed or removed was left out without a word."""
+    make_pairs(dataset, tmp_path / "inputs")
+    (tmp_path / "inputs" / "orphan.png").write_bytes(sorted((tmp_path / "inputs").glob("*.png"))[0].read_bytes())
+    (found,) = discover_all(load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
+                                                     conditioning_dir=tmp_path / "inputs", **I2I)))
+    assert [why for path, why in found.notes if path == tmp_path / "inputs"] == [
+        f"1 input image(s) with no file of the same name in {dataset} to train: not used (orphan)"]

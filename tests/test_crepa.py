@@ -101,8 +101,10 @@ def test_similarity_threshold_cuts_the_term(tmp_path):
 
     def aligner(mode):
         a = crepa.Crepa.__new__(crepa.Crepa)  # the gate alone: no model needed
-        a.cfg = NS(crepa_similarity_threshold=0.5, crepa_similarity_ema_decay=0.5, crepa_threshold_mode=mode)
+        a.cfg = NS(crepa_similarity_threshold=0.5, crepa_similarity_ema_decay=0.5, crepa_threshold_mode=mode,
+                   crepa_block_index=0, crepa_encoder="dino")
         a.processes, a.similarity, a.cut, a.device = 1, None, torch.tensor(False), torch.device("cpu")
+        a.backbone = False
         return a
 
     seen = [0.2, 0.9, 0.9, 0.0, 0.0]  # averages: 0.2, 0.55, 0.725, 0.3625, 0.18125
@@ -111,10 +113,10 @@ def test_similarity_threshold_cuts_the_term(tmp_path):
     assert [recoverable._gate(torch.tensor(v)).item() for v in seen] == [1.0, 0.0, 0.0, 1.0, 1.0]
     assert recoverable.similarity.item() == pytest.approx(0.18125)
     # checkpointed: a resumed run goes on from the same average and the same cut
-    permanent.module = torch.nn.Linear(2, 2)
+    permanent.module = torch.nn.Sequential(torch.nn.Linear(2, 2))
     permanent.save(tmp_path)
     back = aligner("permanent")
-    back.module = torch.nn.Linear(2, 2)
+    back.module = torch.nn.Sequential(torch.nn.Linear(2, 2))
     back.load(tmp_path)
     assert back.cut.item() and back.similarity.item() == pytest.approx(permanent.similarity.item())
 
@@ -143,11 +145,9 @@ def test_config_keys(tmp_path, dataset, dino, monkeypatch):
         with pytest.raises(ConfigError, match=expected):
             load_config(write_config(tmp_path / expected, dataset, crepa_enabled=True, **keys))
     load_config(write_config(tmp_path / "off", dataset, crepa_drop_vae_encoder=True))  # free while off
-    # SimpleTuner's names: crepa_model is crepa_encoder; the backbone mode is not here yet
+    # SimpleTuner's names: crepa_model is crepa_encoder (the backbone mode: test_crepa_backbone.py)
     assert load_config(write_config(tmp_path / "alias", dataset, crepa_model="dinov2_vits14")).train.crepa_encoder == \
         "dinov2_vits14"
-    with pytest.raises(ConfigError, match="crepa_use_backbone_features.*not implemented yet"):
-        load_config(write_config(tmp_path / "backbone", dataset, crepa_enabled=True, crepa_use_backbone_features=True))
     load_config(write_config(tmp_path / "dep", dataset, crepa_similarity_ema_decay=0.99, crepa_threshold_mode="permanent",
                              crepa_teacher_block_index=16, crepa_scheduler="cosine", crepa_warmup_steps=100,
                              crepa_decay_steps=5000, crepa_lambda_end=0.1, crepa_cutoff_step=3000))
@@ -233,6 +233,7 @@ def test_term_on_kandinsky5(case, dino):
     comps = family.load(str(tiny_model(case.family, case.flavour)), torch.float32)
     transformer = comps.transformer.train()
     cfg = NS(crepa_block_index=0, crepa_encoder=dino, crepa_encoder_image_size=28, seed=0, tread_config=None,
+             crepa_use_backbone_features=False,
              crepa_adjacent_distance=1, crepa_adjacent_tau=1.0, crepa_normalize_by_frames=True, crepa_lambda=0.5,
              crepa_cumulative_neighbors=False, crepa_spatial_align=True, crepa_similarity_threshold=None,
              weight_dtype_name=lambda: "fp32")

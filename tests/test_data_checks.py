@@ -136,8 +136,8 @@ def test_avi_m4v_mpg_clips_are_read_and_other_files_reported(tmp_path):
         assert len(frames) == 5 and frames[0].size == (32, 24)
     report = DataReport([found], [], {}).render()
     assert "  not read (3 file(s) of other types):" in report
-    assert f"{clips / 'notes.md'}: .md is not read; video datasets read .avi, .m4v, .mkv, .mov, .mp4, .mpeg, " \
-           ".mpg, .webm\n" in report
+    assert f"{clips / 'notes.md'}: .md is not read; video datasets read .avi, .gif, .m4v, .mkv, .mov, .mp4, " \
+           ".mpeg, .mpg, .webm\n" in report
     assert f"{clips / 'still.png'}: .png is not read (nor 1 more .png file(s)); video datasets read" in report
     assert "images go in an image dataset" in report
     assert ".txt" not in report  # captions are not reported
@@ -153,7 +153,7 @@ def test_a_folder_with_nothing_to_read_says_what_was_looked_for(tmp_path):
     with pytest.raises(DataError) as info:
         discover_all(run, write_metadata=False)
     text = str(info.value)
-    assert f"have no usable image or clip (no .avi/.m4v/.mkv/.mov/.mp4/.mpeg/.mpg/.webm file in {clips}, only 1 " \
+    assert f"have no usable image or clip (no .avi/.gif/.m4v/.mkv/.mov/.mp4/.mpeg/.mpg/.webm file in {clips}, only 1 " \
            "file(s) of other types, not read (see below))" in text
     assert "see each file's reason" not in text
     assert f"{clips / 'still.png'}: .png is not read" in text

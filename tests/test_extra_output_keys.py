@@ -96,7 +96,8 @@ def test_lycoris_strength_acts_on_samples_only(tmp_path, dataset):
 
 def test_image_to_image_samples_are_stitched_beside_their_input(tmp_path, dataset):
     """SimpleTuner's web UI writes 'left' for every model; it was refused. The sample stays as it is; the stitched
-    copy has the input on the side asked for, scaled to the sample's height (a square input beside a 64x48 sample)."""
+    copy has the input on the side asked for, scaled to the sample's height (the input as the sample saw it: fitted
+    to 64x48, as a training input is to its bucket)."""
     run = build_run(load_config(write_config(
         tmp_path, dataset, model_family="kandinsky5-image", model_flavour="tiny-random-i2i", max_train_steps=1,
         dataset={"conditioning": [{"type": "canny", "instance_data_dir": str(tmp_path / "edges")}]},
@@ -106,9 +107,9 @@ def test_image_to_image_samples_are_stitched_beside_their_input(tmp_path, datase
     sample = pixels(folder / "final-step-000001-64x48.png")
     both = pixels(folder / "final-step-000001-64x48-with-input.png")
     given = run.validation[0].image.convert("RGB")
-    assert given.size == (64, 64) and sample.shape == (48, 64, 3) and both.shape == (48, 112, 3)
-    assert (both[:, :48] == np.asarray(given.resize((48, 48)))).all()  # the canny input
-    assert (both[:, 48:] == sample).all()
+    assert given.size == (64, 48) and sample.shape == (48, 64, 3) and both.shape == (48, 128, 3)
+    assert (both[:, :64] == np.asarray(given)).all()  # the canny input
+    assert (both[:, 64:] == sample).all()
     sampled = [Path(e["path"]).name for e in events(run.output_dir) if e["event"] == "sample"]
     assert sampled == ["final-step-000001-64x48.png"]  # trackers and the web UI get the sample alone
 

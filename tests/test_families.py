@@ -147,6 +147,8 @@ def test_train_and_validation_equal_stock_pipeline(case, tmp_path, dataset):
     pipe = case.stock(run.comps.source)
     pipe.load_lora_weights(run.output_dir)
     image = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB") if case.i2i else None
+    if case.i2i:  # the first pair's input image, fitted (not stretched) to 64x48 as a training input is
+        image = fit(image, (64, 48), "center", (0.5, 0.5))
     if case.i2v:  # by default the first frame of the first training clip, fitted (not stretched) to 64x48
         image = fit(decode_frames(sorted(dataset.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
     kw = {"num_frames": extra["validation_num_video_frames"]} if case.video else {}

@@ -36,7 +36,12 @@ def test_the_entry_pairs_with_its_generated_dataset_with_simpletuner_defaults_an
     assert train_ds.conditioning_data == "train_conditioning_edges"  # SimpleTuner's id: the type as written
     gen = run_cfg.datasets.generated["train_conditioning_edges"]
     assert (gen.kind, gen.source_id, gen.settings) == ("canny", "train", {"low_threshold": 80, "high_threshold": 200})
-    assert gen.folder == "cache/conditioning_data/train_conditioning_edges"
+    assert gen.folder.startswith("cache/conditioning_data/train_conditioning_edges-") and gen.default
+    # another dataset of that id elsewhere (another config in the same working folder) gets a folder of its own
+    other = tmp_path / "other-images"
+    other.mkdir()
+    elsewhere = load_config(generator_config(tmp_path / "b", other, {"type": "edges", "low_threshold": 80}))
+    assert elsewhere.datasets.generated["train_conditioning_edges"].folder != gen.folder
     entry = run_cfg.datasets.conditioning["train_conditioning_edges"]
     assert (entry.instance_data_dir, entry.source_dataset_id) == (gen.folder, "train")
     jpeg = load_config(generator_config(tmp_path, dataset, {"type": "jpeg", "instance_data_dir": str(tmp_path / "j")}))

@@ -108,7 +108,8 @@ def test_i2i_pairs_by_name_reports_missing_and_validates_from_dataset(tmp_path, 
     (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(backend))
     run = build_run(load_config(path))
     assert len(run.data.items) == 3
-    assert run.validation[0].image.size == (40, 40)
+    # the probe, fitted to the validation size as training inputs are (the pipeline would stretch it)
+    assert run.validation[0].image.size == (64, 64) and run.validation[0].image.getpixel((32, 32)) == (1, 2, 3)
     train(run)
     log = (run.output_dir / "events.jsonl").read_text()
     assert missing.name in log and "no conditioning image" in log

@@ -248,3 +248,20 @@ def test_images_without_captions_say_which_caption_strategy_would_read_them(tmp_
         discover_all(run)
     backend = builder_list(tmp_path, builder_entry("image", tmp_path / "images", caption_strategy="filename"))
     assert discover_all(load_config(write_config(tmp_path, tmp_path / "images", data_backend_config=str(backend))))
+
+
+def test_placeholders_inside_an_entrys_blocks_are_filled(tmp_path, dataset):
+    """A generator's instance_data_dir and parquet.path take the entry's {output_dir} and {id} too: check made
+    folders literally named '{output_dir}/conditioning/{id}'. Its captions are text, never filled."""
+    generator = {"type": "canny", "instance_data_dir": "{output_dir}/conditioning/{id}", "captions": "a {style}"}
+    backend = builder_list(tmp_path, builder_entry("image", dataset, conditioning=[generator]))
+    i2i = dict(model_family="kandinsky5-image", model_flavour="tiny-random-i2i")
+    run = load_config(write_config(tmp_path, dataset, data_backend_config=str(backend), output_dir=str(tmp_path / "out"),
+                                   **i2i))
+    (made,) = run.datasets.generated.values()
+    assert made.folder == f"{tmp_path / 'out'}/conditioning/image-1700000000000"
+    assert "{" not in str(run.datasets.conditioning_dir(run.datasets.images[0]))
+    backend = builder_list(tmp_path, builder_entry("image", dataset, conditioning=[{**generator,
+                                                                                    "instance_data_dir": "{x}/c"}]))
+    assert "conditioning.instance_data_dir: '{x}/c' has the placeholder {x}" in problems(
+        write_config(tmp_path, dataset, data_backend_config=str(backend), **i2i))

@@ -303,7 +303,7 @@ def test_video_datasets_take_clips(tmp_path, site):
     ds = entry(write_table(tmp_path / "l.csv", rows), tmp_path / "dl", dataset_type="video")
     said = fetch(ds)
     assert files(tmp_path / "dl") == sorted([name(rows[0][0], ".mp4"), name(rows[0][0], ".txt")])
-    reason = "not a clip (.png, image/png); a video dataset takes .avi, .m4v, .mkv, .mov, .mp4, .mpeg, .mpg, .webm"
+    reason = "not a clip (.png, image/png); a video dataset takes .avi, .gif, .m4v, .mkv, .mov, .mp4, .mpeg, .mpg, .webm"
     assert any("csv_file line 3" in s and reason in s for s in said), said
 
 

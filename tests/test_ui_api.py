@@ -18,8 +18,8 @@ from conftest import write_config
 from difftune.config import ConfigError, TrainConfig, load_config
 from difftune.config.datasets import DATASET_MODELS
 from difftune.demo import make_dataset
-from difftune.ui.runs import Run
 from difftune.ui.server import access_token, create_app
+from test_ui_runs import fake_run
 
 JSON = {"Content-Type": "application/json"}
 
@@ -355,198 +355,9 @@ def test_an_internal_error_is_json_without_a_traceback(client, monkeypatch):
     assert "internal error" in r.json()["error"]
 
 
-# --- status derivation from event logs, without training ---------------------------------------------
-
-
-def fake_run(tmp_path: Path, events: list[dict], pid: int | None, exit_code: int | None = None) -> Run:
-    folder = tmp_path / "state" / "r1"
-    out = tmp_path / "out"
-    folder.mkdir(parents=True)
-    out.mkdir()
-    (out / "events.jsonl").write_text("".join(json.dumps({"time": time.time(), **e}) + "\n" for e in events))
-    info = {"id": "r1", "output_dir": str(out), "config_path": "c.json", "started": time.time(), "pid": pid,
-            "pid_started": None}
-    (folder / "run.json").write_text(json.dumps(info))
-    (folder / "log.txt").write_text("loading\rprogress 1\rprogress 2\nTraceback (most recent call last):\nMemoryError\n")
-    if exit_code is not None:
-        (folder / "exit.json").write_text(json.dumps({"returncode": exit_code}))
-    return Run(folder)
-
-
-def test_an_error_event_is_failed_at_once_even_while_the_process_lives(tmp_path):
-    run = fake_run(tmp_path, [{"event": "start", "total_steps": 9, "step": 0, "pid": os.getpid()},
-                              {"event": "error", "message": "OutOfMemoryError: CUDA out of memory", "traceback": "tb"}],
-                   pid=os.getpid())
-    summary = run.summary(detail=True)
-    assert summary["status"] == "failed" and "out of memory" in summary["message"]
-    assert summary["traceback"] == "tb" and summary["log_tail"][-1] == "MemoryError"
-    assert "progress 2" in summary["log_tail"]  # progress-bar redraws collapsed
-
-
-@pytest.mark.parametrize("code, words", [(-9, "SIGKILL"), (1, "status 1"), (2, "configuration"), (None, "gone")])
-def test_a_process_that_ended_without_a_final_event_is_failed(tmp_path, code, words):
-    run = fake_run(tmp_path, [{"event": "start", "total_steps": 9, "step": 0, "pid": 999999999},
-                              {"event": "step", "step": 1, "loss": 1.0, "lr": 1e-3, "elapsed": 0.1}],
-                   pid=999999999, exit_code=code)
-    status, message = run.status()
-    assert status == "failed" and words in message
-
-
-def test_a_reused_pid_is_not_a_live_run(tmp_path):
-    run = fake_run(tmp_path, [], pid=os.getpid())
-    assert run.status()[0] == "starting"
-    run.info["pid_started"] = 12345.0  # another process had this pid
-    assert run.status()[0] == "failed"
-
-
-def _events(pid: int, steps: int, final: str) -> str:
-    events = [{"event": "start", "total_steps": steps, "step": 0, "pid": pid}]
-    events += [{"event": "step", "step": i, "loss": 1.0 / i, "lr": 1e-3, "time": float(i)} for i in range(1, steps + 1)]
-    events += [{"event": "checkpoint", "step": steps, "path": f"checkpoint-{steps}"}, {"event": final, "message": final}]
-    return "".join(json.dumps({"time": time.time(), **e}) + "\n" for e in events)
-
-
-def test_a_past_run_shows_only_its_own_part_of_a_shared_event_log(tmp_path):
-    """Two runs into one output_dir (a re-run with resume_from_checkpoint 'latest'): the first, done at 5/5, once
-    showed the second's 12 steps, its checkpoints and its failure."""
-    from difftune.ui.runs import Registry
-
-    out, state = tmp_path / "out", tmp_path / "state"
-    out.mkdir()
-    log = out / "events.jsonl"
-    log.write_text(_events(111, 5, "done"))
-    second_offset = log.stat().st_size
-    log.write_text(log.read_text() + _events(222, 12, "error"))
-
-    def add(run_id: str, offset: int, pid: int, exit_info: dict | None) -> None:
-        folder = state / "runs" / run_id
-        folder.mkdir(parents=True)
-        (folder / "run.json").write_text(json.dumps({"id": run_id, "output_dir": str(out), "config_path": "c.json",
-                                                     "started": time.time(), "events_offset": offset}))
-        if exit_info is not None:
-            (folder / "exit.json").write_text(json.dumps({"returncode": 0, "pid": pid, **exit_info}))
-
-    def first() -> dict:
-        return Registry(state, tmp_path).get("a").summary(detail=True)
-
-    add("a", 0, 111, {})  # ended before exit.json recorded where its events end: the next run's start bounds it
-    add("b", second_offset, 222, {})
-    expected = ("done", 5, 5, 5, 1)
-    summary = first()
-    assert (summary["status"], summary["step"], summary["total_steps"], len(summary["losses"]),
-            len(summary["checkpoints"])) == expected
-    assert Registry(state, tmp_path).get("b").summary()["status"] == "failed"
-    for bound in ({"events_end": second_offset}, None):  # the recorded end; another trainer's start event
-        (state / "runs" / "b").rename(state / f"gone-{bound is None}")  # the second ran as `difftune train`
-        (state / "runs" / "a" / "exit.json").unlink()
-        if bound is not None:
-            (state / "runs" / "a" / "exit.json").write_text(json.dumps({"returncode": 0, "pid": 111, **bound}))
-        summary = first()
-        assert (summary["status"], summary["step"], summary["total_steps"], len(summary["losses"]),
-                len(summary["checkpoints"])) == expected
-        add("b", second_offset, 222, {})
-
-
-def test_the_supervisor_records_where_its_runs_events_end(tmp_path, monkeypatch):
-    """The supervisor's exit.json holds the size of events.jsonl when the trainer ended (the trainer here is a
-    stand-in script: the process edge)."""
-    from difftune.ui import runs
-
-    out, folder = tmp_path / "out", tmp_path / "run"
-    out.mkdir()
-    folder.mkdir()
-    (folder / "run.json").write_text(json.dumps({"id": "r", "output_dir": str(out), "events_offset": 0}))
-    trainer = tmp_path / "trainer.sh"
-    trainer.write_text("#!/bin/sh\necho '{\"event\": \"start\", \"pid\": '$$'}' >> \"$EVENTS\"\n")
-    trainer.chmod(0o755)
-    monkeypatch.setenv("EVENTS", str(out / "events.jsonl"))
-    monkeypatch.setattr(runs.sys, "executable", str(trainer))
-    runs.supervise(folder, "c.json")
-    size = (out / "events.jsonl").stat().st_size
-    assert json.loads((folder / "exit.json").read_text())["events_end"] == size > 0
-    (out / "events.jsonl").write_text((out / "events.jsonl").read_text() + '{"event": "error"}\n')
-    assert runs.Run(folder).status()[0] == "done"
-
-
-def test_a_past_runs_view_has_its_prompts_saves_and_plain_data_errors(tmp_path):
-    """Sample captions once read "step 40 · validation" (the prompt's name), the run lock was offered as an
-    output, and a data error came with a traceback that hid its message."""
-    run = fake_run(tmp_path, [
-        {"event": "start", "total_steps": 9, "step": 0, "pid": 999999999},
-        {"event": "sample", "step": 3, "path": str(tmp_path / "out" / "validation" / "a.png"), "prompt": "validation",
-         "text": "a red circle"},
-        {"event": "checkpoint", "step": 3, "path": str(tmp_path / "out" / "checkpoint-3")},
-        {"event": "error", "message": "DataError: dataset(s) 'image' have no usable image\nthe data report",
-         "traceback": "Traceback (most recent call last): ..."}], pid=999999999, exit_code=2)
-    (tmp_path / "out" / ".difftune.lock").write_text("")
-    (tmp_path / "out" / "pytorch_lora_weights.safetensors").write_text("x")
-    (tmp_path / "out" / "validation").mkdir()
-    (tmp_path / "out" / "validation" / "a.png").write_bytes(b"png")
-    (tmp_path / "out" / "checkpoint-3").mkdir()
-    for written in ("validation/a.png", "checkpoint-3", "pytorch_lora_weights.safetensors"):  # before the end
-        os.utime(tmp_path / "out" / written, (time.time() - 60, time.time() - 60))
-    summary = run.summary(detail=True)
-    assert [(s["prompt"], s["text"]) for s in summary["samples"]] == [("validation", "a red circle")]
-    assert summary["checkpoints"] == [{"step": 3, "path": "checkpoint-3"}]
-    assert [o["path"] for o in summary["outputs"]] == ["pytorch_lora_weights.safetensors", "validation/a.png"]
-    assert summary["status"] == "failed" and summary["message"].endswith("\nthe data report")
-    assert summary["traceback"] is None  # a crash keeps its traceback (test above); a data error needs none
-
-
-def test_a_past_run_links_its_own_files_after_a_later_run_set_them_aside(tmp_path):
-    """A run from step 0 into the same output_dir moves the earlier result into superseded-<time>/ and writes its
-    own under the same names: the past run's page linked the later run's adapter and 404 samples, and listed the
-    checkpoints its checkpoints_total_limit had pruned."""
-    out = tmp_path / "out"
-    run = fake_run(tmp_path, [
-        {"event": "start", "total_steps": 2, "step": 0, "pid": 999999999},
-        {"event": "sample", "step": 2, "path": str(out / "validation" / "s.png"), "prompt": "validation"},
-        {"event": "checkpoint", "step": 1, "path": str(out / "checkpoints" / "checkpoint-0000001"), "pruned": []},
-        {"event": "checkpoint", "step": 2, "path": str(out / "checkpoints" / "checkpoint-0000002"),
-         "pruned": ["checkpoint-0000001"]},
-        {"event": "done", "adapter": str(out / "pytorch_lora_weights.safetensors")}], pid=999999999, exit_code=0)
-    before, after = time.time() - 60, time.time() + 60
-
-    def write(rel: str, when: float, folder: bool = False) -> None:
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir() if folder else path.write_bytes(rel.encode())
-        os.utime(path, (when, when))
-
-    for rel in ("validation/s.png", "pytorch_lora_weights.safetensors"):
-        write(rel, before)
-    write("checkpoints/checkpoint-0000002", before, folder=True)
-
-    def view() -> tuple:
-        summary = run.summary(detail=True)
-        return ([s["path"] for s in summary["samples"]], summary["adapter"], summary["checkpoints"],
-                run.summary()["last_sample"])
-
-    assert view()[:3] == (["validation/s.png"], "pytorch_lora_weights.safetensors",
-                          [{"step": 2, "path": "checkpoints/checkpoint-0000002"}])  # the pruned one is not listed
-    # the later run's start: renames keep the times, then it writes its own files of the same names
-    (out / "superseded-20260101T000000Z").mkdir()
-    for rel in ("validation", "pytorch_lora_weights.safetensors"):
-        (out / rel).rename(out / "superseded-20260101T000000Z" / rel)
-    (out / "checkpoints" / "superseded-20260101T000000Z").mkdir()
-    (out / "checkpoints" / "checkpoint-0000002").rename(
-        out / "checkpoints" / "superseded-20260101T000000Z" / "checkpoint-0000002")
-    for rel in ("validation/s.png", "pytorch_lora_weights.safetensors"):
-        write(rel, after)
-    write("checkpoints/checkpoint-0000002", after, folder=True)
-    samples, adapter, checkpoints, last = view()
-    assert samples == ["superseded-20260101T000000Z/validation/s.png"] and last["path"] == samples[0]
-    assert adapter == "superseded-20260101T000000Z/pytorch_lora_weights.safetensors"
-    assert checkpoints == [{"step": 2, "path": "checkpoints/superseded-20260101T000000Z/checkpoint-0000002"}]
-    shutil.rmtree(out / "superseded-20260101T000000Z")  # deleted by the user: nothing of that run is left
-    samples, adapter, _, last = view()
-    assert samples == [] and adapter is None and last is None
-
-
 def test_a_damaged_or_removed_run_folder_does_not_break_the_run_list(client, root, tmp_path):
     """A run.json with "started": "abc" made /api/runs answer 500 until the server restarted, even after the
     folder was removed."""
-    import shutil
 
     good = fake_run(tmp_path, [], pid=None, exit_code=0)
     bad = tmp_path / "state" / "runs" / "r2"
@@ -633,7 +444,7 @@ def test_the_folder_picker_counts_every_type_discovery_reads(client, root):
     for name in ("a.tif", "b.GIF", "c.avif", "d.png", "e.mp4", "notes.txt"):  # counted by name, as discovery finds
         (folder / name).write_bytes(b"")
     listing = client.get("/api/browse", params={"path": str(folder)}).json()
-    assert (listing["images"], listing["clips"]) == (4, 1)
+    assert (listing["images"], listing["clips"]) == (4, 2)  # a GIF is a clip to a video dataset too
 
 
 def test_a_run_trains_the_config_that_was_checked_not_a_later_save(client, root, tmp_path, monkeypatch):

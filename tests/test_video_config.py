@@ -171,3 +171,18 @@ def test_crepa_keys_of_the_spec(tmp_path):
     assert cfg.crepa_enabled and cfg.crepa_block_index == 8
     load_config(video_config(tmp_path, clips, crepa_enabled=True, crepa_drop_vae_encoder=True))  # t2v: decoding only
     load_config(video_config(tmp_path, clips, crepa_enabled=False, crepa_drop_vae_encoder=True))
+
+
+def test_validation_videos_play_at_the_rate_the_clips_trained_at(tmp_path):
+    """The dataset's video.frame_rate when the config sets none: a validation MP4 of clips trained at 12 fps was
+    written at 24 fps (played twice as fast), and the model card's export_to_video said 24."""
+    from difftune.config.dataset_entry_keys import validation_video_fps
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    run = load_config(video_config(tmp_path, clips, {"num_frames": 9, "frame_rate": 12}))
+    assert validation_video_fps(run.train, run.datasets) == 12
+    run = load_config(video_config(tmp_path / "set", clips, {"num_frames": 9, "frame_rate": 12}, frame_rate=30))
+    assert validation_video_fps(run.train, run.datasets) == 30  # the config's own wins
+    run = load_config(video_config(tmp_path / "none", clips, {"num_frames": 9}))
+    assert validation_video_fps(run.train, run.datasets) == 24

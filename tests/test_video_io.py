@@ -60,6 +60,20 @@ def _flat_clip(path: Path, colours: list[int], stamps: list[int], time_base: Fra
     return path
 
 
+def nearest(seconds: list[float], t: float) -> set[int]:
+    """The frames decode_frames may pick for time t: the one stamped nearest it; both of two equally near (the
+    timestamps' rounding in the container decides which is nearer)."""
+    i = max(bisect.bisect_right(seconds, t + 1e-9) - 1, 0)
+    if i + 1 >= len(seconds):
+        return {i}
+    before, after = t - seconds[i], seconds[i + 1] - t
+    return {i, i + 1} if abs(before - after) < 2e-3 else {i + 1} if after < before else {i}
+
+
+def picked(frames: list[Image.Image], expected: list[set[int]]) -> bool:
+    return len(frames) == len(expected) and all(_identify(f) in e for f, e in zip(frames, expected, strict=True))
+
+
 def _diff(a: Image.Image, b: Image.Image) -> float:
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).mean())
 
@@ -128,8 +142,7 @@ def test_variable_rate_frame_hold(tmp_path, suffix):
     assert info.span == pytest.approx(stamps[-1] / 120, abs=1e-3)
     seconds = [s / 120 for s in stamps]
     times = [k / 24 for k in range(int(seconds[-1] * 24) + 1)]  # several land exactly on a frame
-    expected = [bisect.bisect_right(seconds, t + 1e-9) - 1 for t in times]
-    assert [_identify(f) for f in decode_frames(path, times)] == expected
+    assert picked(decode_frames(path, times), [nearest(seconds, t) for t in times])
 
 
 @pytest.mark.parametrize("suffix", [".mp4", ".mkv"])
@@ -143,7 +156,7 @@ def test_resample_30_to_24(tmp_path, suffix):
     info = probe_video(path)
     assert info.fps == pytest.approx(30, rel=2e-3) and info.variable_rate is False
     frames = decode_frames(path, [k / 24 for k in range(19)])
-    assert [_identify(f) for f in frames] == [k * 30 // 24 for k in range(19)]
+    assert picked(frames, [nearest([i / 30 for i in range(24)], k / 24) for k in range(19)])
 
 
 def test_decoding_past_the_end_is_reported(tmp_path):
@@ -254,3 +267,59 @@ def test_contact_sheet(tmp_path):
     few = contact_sheet(frames[:3], columns=4)
     assert few.size == (3 * 32 + 2 * 2, 24)
     assert [_identify(few.crop((x, 0, x + 32, 24))) for x in (0, 34, 68)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])
+@pytest.mark.parametrize("rate,target", [(Fraction(24000, 1001), 24), (Fraction(30000, 1001), 30)])
+def test_ntsc_rates_keep_every_frame_in_order(tmp_path, suffix, rate, target):
+    """23.976 and 29.97 fps footage (most real clips) trained at 24 or 30: taken at its own rate, frame k is the
+    clip's frame k. Frame hold at 1/24 s repeated frame 2 of an MP4, and a Matroska file's 1 ms rounding repeated
+    and dropped frames all along."""
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.data.latents import sample_pixels
+    from difftune.train.plan import discover_all
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    with av.open(str(folder / f"ntsc{suffix}"), "w") as container:
+        stream = container.add_stream("libx264", rate=rate, options={"crf": "0"})
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv444p"
+        for i in range(25):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 8, np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    (folder / "ntsc.txt").write_text("grey levels")
+    cfg = load_config(write_config(tmp_path, folder, model_family="kandinsky5-video", dataset={
+        "dataset_type": "video", "resolution": 32, "resolution_type": "pixel",
+        "video": {"num_frames": 21, "frame_rate": target}}))
+    (found,) = discover_all(cfg, write_metadata=False, fetch=False)
+    (sample,) = found.samples
+    assert sample.fps == pytest.approx(float(rate), rel=1e-3) and sample.frames == 21
+    pixels = sample_pixels(sample, "center", (0.5, 0.5))  # [3, F, H, W] in [-1, 1]
+    levels = ((pixels[0].mean(dim=(1, 2)) + 1) * 127.5 / 8).round().int().tolist()
+    assert levels == list(range(21))
+    assert not any("resampled" in note for _, note in found.notes)
+
+
+def test_an_animated_gif_is_a_clip_in_a_video_dataset(tmp_path):
+    """A video dataset reported an animated GIF as "not read; images go in an image dataset" (where it trains as a
+    still): it is a clip there, its frames in order."""
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.data.latents import sample_pixels
+    from difftune.train.plan import discover_all
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    frames = [Image.new("RGB", (32, 32), (i * 8,) * 3) for i in range(12)]
+    frames[0].save(folder / "loop.gif", save_all=True, append_images=frames[1:], duration=40, loop=0)
+    (folder / "loop.txt").write_text("grey levels")
+    cfg = load_config(write_config(tmp_path, folder, model_family="kandinsky5-video", dataset={
+        "dataset_type": "video", "resolution": 32, "resolution_type": "pixel",
+        "video": {"num_frames": 9, "frame_rate": 25}}))
+    (found,) = discover_all(cfg, write_metadata=False, fetch=False)
+    (sample,) = found.samples
+    pixels = sample_pixels(sample, "center", (0.5, 0.5))
+    assert ((pixels[0].mean(dim=(1, 2)) + 1) * 127.5 / 8).round().int().tolist() == list(range(9))

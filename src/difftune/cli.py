@@ -1,9 +1,11 @@
 """`difftune` command line: thin calls into config/, data/ and train/.
 
-    difftune train [--config PATH] [--key value ...]
-    difftune check [--config PATH] [--all] [--key value ...]
-    difftune cache [--config PATH] [--key value ...]
-    difftune plan  [--config PATH] [--gpu-memory GiB] [--processes N] [--key value ...]
+    difftune train [--config PATH | env=NAME] [--key value ...]
+    difftune check [--config PATH | env=NAME] [--all] [--key value ...]
+    difftune cache [--config PATH | env=NAME] [--key value ...]
+    difftune plan  [--config PATH | env=NAME] [--gpu-memory GiB] [--processes N] [--key value ...]
+
+env=NAME reads config/NAME/config.json (SimpleTuner's config environments: `simpletuner train env=NAME`).
     difftune demo  [--dir DIR]
     difftune server [--host 127.0.0.1] [--port 8001] [--root DIR ...] [--token TOKEN] [--state-dir DIR]
     difftune configure [PATH]
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 from pathlib import Path
@@ -21,6 +24,9 @@ from typing import Any
 from difftune.config import ConfigError, RunConfig, TrainConfig, load_config
 
 DEFAULT_CONFIG = "config/config.json"
+
+# SimpleTuner's words before the options (`simpletuner train env=NAME --key value`)
+_WORD = re.compile(r"(env|example|config_backend)=(.*)", re.DOTALL)
 
 
 def parse_overrides(rest: list[str]) -> dict[str, Any]:
@@ -32,6 +38,9 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
     while i < len(rest):
         token = rest[i]
         if not token.startswith("--"):
+            if _WORD.fullmatch(token):
+                raise ConfigError([f"command line: {token!r} comes after an option; write it first, before the "
+                                   "--key value options"])
             raise ConfigError([f"command line: unexpected {token!r}; options are written --key value"])
         key, eq, value = token[2:].partition("=")
         if not eq:
@@ -63,7 +72,86 @@ def _needs_value(key: str) -> None:
                            f"only); write --{key} VALUE"])
 
 
+def config_environment(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """Read SimpleTuner's leading `env=NAME` (config/NAME/config.json; 'default' is config/config.json),
+    `config_backend=json` (what difftune reads anyway) and refuse `example=` and the other backends, in words. Sets
+    args.config (DEFAULT_CONFIG when neither --config nor env= names one); returns the options after the words."""
+    words: dict[str, str] = {}
+    while rest and (match := _WORD.fullmatch(rest[0])):
+        word, value = match.groups()
+        if word in words:
+            raise ConfigError([f"command line: {word}= is given twice; keep one"])
+        words[word] = value.strip()
+        rest = rest[1:]
+    if (example := words.get("example")) is not None:
+        raise ConfigError([f"command line: example={example}: difftune bundles no example configs (SimpleTuner's "
+                           f"`train example=` runs one of its own); put a config.json and its multidatabackend.json in "
+                           f"config/{example or 'NAME'}/ and run `difftune {args.command} env={example or 'NAME'}`"])
+    env = words.get("env")
+    if env is not None:
+        if not env:
+            raise ConfigError(["command line: env= names no config environment; write env=NAME (config/NAME/config.json)"])
+        if args.config is not None:
+            raise ConfigError([f"command line: --config {args.config} and env={env} both name the config; keep one"])
+        args.config = environment_config(env, "env=")
+    elif args.config is None:  # SimpleTuner's loader reads these variables too (train.sh reads ENV)
+        args.config = environment_variable_config()
+    args.config = args.config or DEFAULT_CONFIG
+    backend = words.get("config_backend", "json").lower()
+    if backend in ("env", "toml"):
+        from difftune.config.jsonfile import CONVERT
+
+        raise ConfigError([f"command line: config_backend={backend}: {CONVERT} {args.config}"])
+    if backend == "cmd":
+        raise ConfigError(["command line: config_backend=cmd: give the settings in the config file, or as --key value "
+                           f"after `difftune {args.command}` (they override the file's)"])
+    if backend != "json":
+        raise ConfigError([f"command line: config_backend={backend}: difftune reads JSON configs; remove it"])
+    return rest
+
+
+def environment_config(env: str, how: str) -> str:
+    """The config of environment `env` as SimpleTuner finds it: 'default' is config/config.json; else `env` itself
+    when it names a .json file, then env/config.json, then config/env/config.json (its usual place)."""
+    if env == "default":
+        return DEFAULT_CONFIG
+    tried = ([Path(env)] if env.endswith(".json") else []) + [Path(env) / "config.json", Path("config") / env / "config.json"]
+    found = next((p for p in tried if p.is_file()), None)
+    if found is None:
+        raise ConfigError([f"{how}{env}: no config file at {' or '.join(map(str, dict.fromkeys(tried)))}; name a config "
+                           "environment (config/NAME/config.json), or pass --config PATH"])
+    return str(found)
+
+
+ENV_VARIABLES = ("SIMPLETUNER_ENVIRONMENT", "SIMPLETUNER_ENV", "ENV")  # read by SimpleTuner's loader, in this order
+
+
+def environment_variable_config() -> str | None:
+    """The config a SimpleTuner environment variable names (None: none is set, or only `ENV` naming no config
+    environment, which POSIX shells also use for their start-up file: then config/config.json, with a note)."""
+    import os
+
+    name = next((n for n in ENV_VARIABLES if os.environ.get(n, "").strip()), None)
+    if name is None:
+        return None
+    value = os.environ[name].strip()
+    if name == "ENV" and Path(value).is_file() and not value.endswith(".json"):  # a shell's start-up file (POSIX sh
+        return None  # reads ENV), not a config
+    try:
+        found = environment_config(value, f"{name}=")
+    except ConfigError:
+        if name != "ENV":
+            raise
+        print(f"note: ENV={value} names no config environment (no config/{value}/config.json); reading "
+              f"{DEFAULT_CONFIG}", file=sys.stderr)
+        return None
+    if found != DEFAULT_CONFIG:
+        print(f"note: {name}={value}: reading {found} (pass --config to choose another)", file=sys.stderr)
+    return found
+
+
 def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
+    rest = config_environment(args, rest)
     return load_config(args.config, parse_overrides(rest))
 
 
@@ -76,6 +164,9 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     from difftune.train.tread import check_before_load
 
     check_before_load(run_cfg.train)  # a TREAD route past the transformer's last block, as train does
+    from difftune.train import crepa
+
+    crepa.check_before_load(run_cfg.train)  # a CREPA block past it, as train does
     from difftune.train.hub import HubAccessError, login_missing
 
     if (problem := login_missing(run_cfg.train)) is not None:  # train asks the hub itself; check stays offline
@@ -243,6 +334,10 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     or exit 3 when nothing fits."""
     run_cfg = _load(args, rest)
     quiet_libraries()
+    from difftune.train import crepa, tread
+
+    tread.check_before_load(run_cfg.train)  # blocks past the transformer's last, as check and train refuse them
+    crepa.check_before_load(run_cfg.train)
     from difftune.config.resume_check import world_size
     from difftune.memory_plan.levers import choose, reserve_for
     from difftune.memory_plan.predict import predict
@@ -336,7 +431,17 @@ def cmd_configure(args: argparse.Namespace, rest: list[str]) -> int:
     quiet_libraries()  # the memory step imports the planner, and with it torchao's and the hubs' notices
     from difftune.ui.wizard import run_wizard
 
-    return run_wizard(args.path)
+    path = args.path
+    if path is not None and (match := _WORD.fullmatch(path)) is not None:  # SimpleTuner's words, as train takes them
+        word, value = match.groups()
+        if word != "env" or not value.strip():
+            raise ConfigError([f"command line: {path!r}: difftune configure takes a config file or env=NAME"])
+        value = value.strip()
+        try:  # an existing environment as train finds it; else a new config/NAME/config.json
+            path = environment_config(value, "env=")
+        except ConfigError:
+            path = str(Path("config") / value / "config.json")
+    return run_wizard(path)
 
 
 def _positive(kind: type) -> Any:
@@ -367,12 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, helptext in (("train", "train a model"), ("check", "validate a config and its datasets"),
                            ("cache", "fill the text and latent caches without training")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+        p.add_argument("--config", default=None, help=f"config file (default {DEFAULT_CONFIG}; env=NAME: "
+                                                       "config/NAME/config.json)")
     sub.choices["check"].add_argument("--all", action="store_true",
                                       help="list every left-out file and note (the report shows 20 of each)")
     plan = sub.add_parser("plan", help="predict peak accelerator memory; --gpu-memory picks levers that fit "
                                        f"(exit {PLAN_DOES_NOT_FIT} when nothing fits)")
-    plan.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file (default {DEFAULT_CONFIG})")
+    plan.add_argument("--config", default=None, help=f"config file (default {DEFAULT_CONFIG}; env=NAME: "
+                                                     "config/NAME/config.json)")
     plan.add_argument("--gpu-memory", type=_positive(float), default=None, metavar="GiB",
                       help="accelerator memory to fit, in GiB (e.g. 24)")
     plan.add_argument("--processes", type=_positive(int), default=None, metavar="N",

@@ -57,7 +57,8 @@ def written_spellings(*raws: dict[str, Any]) -> dict[str, str]:
 
 # Values that are text, not paths: a `{...}` in them is left alone.
 TEXT_KEYS = frozenset({"validation_prompt", "validation_negative_prompt", "instance_prompt", "tracker_project_name",
-                       "tracker_run_name",
+                       "tracker_run_name", "captions",  # a generated conditioning dataset's captions
+
                        # commands whose {placeholders} train/scripts.py fills when it runs them
                        "post_checkpoint_script", "post_upload_script"})
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -94,10 +95,14 @@ def apply_key_aliases(raw: dict[str, Any], where_of: Any, problems: list[str],
 def substitute(value: Any, family: str | None, key: str, where: str, problems: list[str],
                entry: dict[str, str | None] | None = None) -> Any:
     """`{model_family}` -> the family, in strings (and lists of strings); unknown placeholders in paths reported.
-    `entry`: a dataset entry's `{output_dir}` and `{id}` (None: the entry has none, and using it is a problem)."""
+    `entry`: a dataset entry's `{output_dir}` and `{id}` (None: the entry has none, and using it is a problem). In a
+    dataset entry the blocks inside it are filled too (a generator's instance_data_dir, parquet.path), with the
+    entry's own values: they name folders of that entry."""
     if isinstance(value, list):
         return [substitute(v, family, key, where, problems, entry) for v in value]
-    if not isinstance(value, str) or key in TEXT_KEYS or "{" not in value:
+    if isinstance(value, dict) and entry is not None:
+        return {k: substitute(v, family, f"{key}.{k}", where, problems, entry) for k, v in value.items()}
+    if not isinstance(value, str) or key.rpartition(".")[2] in TEXT_KEYS or "{" not in value:
         return value
     known = PLACEHOLDERS + (ENTRY_PLACEHOLDERS if entry is not None else ())
     unknown = [name for name in _PLACEHOLDER.findall(value) if name not in known]

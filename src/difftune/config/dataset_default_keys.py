@@ -45,6 +45,10 @@ class DatasetDefaultKeys(BaseModel):
     only_instance_prompt: bool | None = field(None, _about("only_instance_prompt"), "data", advanced=True)
     crop: bool | None = field(None, _about("crop"), "data", advanced=True)
     crop_style: Literal["center", "random", "corner"] | None = field(None, _about("crop_style"), "data", advanced=True)
+    max_upscale_threshold: float | None = field(
+        None, _about("max_upscale_threshold", "crop_aspect 'closest' or 'random': the most an image is enlarged, 0.2 "
+                     "for 20%"), "data", ge=0, advanced=True,
+    )
     crop_aspect: Literal["square", "preserve", "closest", "random"] | None = field(
         None, _about("crop_aspect"), "data", advanced=True
     )

@@ -9,7 +9,8 @@ The keys difftune does not implement are in config/pending.py (PENDING_DATASET_K
 - `preserve_data_backend_cache` and `skip_file_discovery` (SimpleTuner's switches for skipping its scans) are
   dropped, with a note when on: each start reuses the dataset's scan and caches anyway;
 - `caption_shuffle` / `grounding` blocks whose switch (`enable` / `enabled`) is off change nothing and are dropped;
-  switched on they are refused by config/pending.py;
+  switched on, `caption_shuffle` is read (config/caption_shuffle_keys.py) and `grounding` refused by
+  config/pending.py;
 - `conditioning_data` as a list of one id is that id, an empty list none; several ids are refused (a dataset pairs
   with one);
 - what SimpleTuner's web UI dataset builder leaves on every entry (`BUILDER_LEFTOVERS`: empty audio keys, an empty
@@ -116,8 +117,28 @@ def notes(where: str, item: Any) -> list[str]:
         if item.type == "aws" and item.cache_dir_vae:  # SimpleTuner writes the latents into the bucket there
             off.append(f"{where}: cache_dir_vae {item.cache_dir_vae!r} is a folder on this machine here (in "
                        "SimpleTuner, a prefix inside the bucket): the latents are cached locally, not in S3")
-        return off + _crop_notes(where, item) + _pixel_resolution_notes(where, item) + _trigger_notes(where, item)
+        return (off + _crop_notes(where, item) + _upscale_notes(where, item) + _pixel_resolution_notes(where, item)
+                + _trigger_notes(where, item) + _shuffle_notes(where, item))
     return []
+
+
+def _upscale_notes(where: str, item: Any) -> list[str]:
+    """max_upscale_threshold limits the pick from crop_aspect_buckets: without one it limits nothing."""
+    if item.max_upscale_threshold is None or (item.crop and item.crop_aspect in ("closest", "random")):
+        return []
+    how = "crop is false" if not item.crop else f"crop_aspect is {item.crop_aspect!r}"
+    return [f"{where}: max_upscale_threshold not used: it limits the pick from crop_aspect_buckets (crop_aspect "
+            f"'closest' or 'random'), and {how}; use minimum_image_size to leave small images out"]
+
+
+def _shuffle_notes(where: str, item: Any) -> list[str]:
+    """caption_shuffle where no caption of the data is trained: the instance prompt alone has no tags to shuffle."""
+    if item.caption_shuffle is None or not item.caption_shuffle.enable:
+        return []
+    why = ("caption_strategy 'instanceprompt'" if item.caption_strategy == "instanceprompt" else
+           "only_instance_prompt" if item.only_instance_prompt else None)
+    return [] if why is None else [f"{where}: caption_shuffle not used: with {why} every sample is trained with "
+                                   "instance_prompt alone, which is not shuffled; remove caption_shuffle"]
 
 
 def _pixel_resolution_notes(where: str, item: Any) -> list[str]:
@@ -217,6 +238,16 @@ def validation_video_frames(train: Any, plan: Any) -> int:
     if train.validation_num_video_frames is not None:
         return train.validation_num_video_frames
     return next((ds.video.num_frames for ds in plan.images if ds.video is not None), 61)
+
+
+def validation_video_fps(train: Any, plan: Any) -> float:
+    """The frame rate validation videos are written at: the config's frame_rate, else the first video dataset's
+    video.frame_rate (the rate its clips trained at; a sample written at 24 fps from 12 fps clips played twice as
+    fast), else the family's default."""
+    if train.frame_rate is not None:
+        return train.frame_rate
+    rates = (ds.video.frame_rate for ds in plan.images if ds.video is not None and ds.video.frame_rate is not None)
+    return next(rates, train.video_fps())
 
 
 I2V_MIN_FRAMES = 17  # image-to-video validation's least frame count (the wizard offers it too)

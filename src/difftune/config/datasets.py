@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
 
+from difftune.config.caption_shuffle_keys import CaptionShuffleOptions
+from difftune.config.dataset_window_keys import DatasetSchedule
 from difftune.config.fields import UnsetSpellings, expand_home, field, text_list
 from difftune.config.generated_conditioning import GeneratedConditioning
 from difftune.config.source_aws_keys import AwsSource
@@ -62,8 +64,9 @@ class VideoOptions(UnsetSpellings):  # "" and "none" as null, as in config.json
         None, "Clips with more frames (after resampling to frame_rate) are left out and reported.", "data", ge=1
     )
     frame_rate: float | None = field(
-        None, "Clips are resampled to this many frames per second (frames are held or skipped by timestamp, "
-        "so variable frame rates work). Empty: the config's frame_rate (24 by default).", "data", gt=0,
+        None, "Clips are resampled to this many frames per second (each frame the clip's nearest by timestamp, so "
+        "variable frame rates work; a clip within 0.5% of it, such as 23.976 fps for 24, keeps every frame). Empty: "
+        "the config's frame_rate (24 by default).", "data", gt=0,
     )
     bucket_strategy: Literal["aspect_ratio", "resolution_frames"] = field(
         "aspect_ratio", "'aspect_ratio': clips are grouped by shape only, all num_frames long (shorter clips are "
@@ -124,7 +127,7 @@ def folder_given(value: object) -> object:
     return value
 
 
-class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
+class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, DatasetSchedule, UnsetSpellings):
     """A folder of images (or, with dataset_type 'video', of clips) with captions. dataset_type 'eval': held-out
     images (or clips, with a video block) that are never trained on: train/eval_loss.py measures the loss on them."""
 
@@ -259,7 +262,8 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
         "(low_threshold, high_threshold), superresolution (blur_radius, noise_level, downscale_factor, ...), "
         "jpeg_artifacts (quality, quality_mode, ...), random_masks (output_mode 'mask' or 'masked_image', "
         "min_coverage, max_coverage, ...); made before training into "
-        "cache/conditioning_data/<id>_conditioning_<type> (or the generator's instance_data_dir).", "data",
+        "cache/conditioning_data/<id>_conditioning_<type>-<digest of the images' folder> (or the generator's "
+        "instance_data_dir).", "data",
         advanced=True,
     )
     is_regularisation_data: bool = field(
@@ -274,6 +278,16 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, UnsetSpellings):
     disable_multiline_split: bool = field(
         False, "caption_strategy 'textfile': the whole caption file is one caption, line breaks kept (by default each "
         "non-empty line is a caption of its own).", "data", advanced=True,
+    )
+    max_upscale_threshold: float | None = field(
+        None, "With crop_aspect 'closest' or 'random': only the crop_aspect_buckets that enlarge an image by at most "
+        "this fraction (0.2: 20%) are picked from; an image that every bucket would enlarge more is left out. "
+        "Empty: no limit.", "data", ge=0, advanced=True,
+    )
+    caption_shuffle: CaptionShuffleOptions | None = field(
+        None, "Shuffled variants of tag captions ({\"enable\": true, \"count\": 3, \"position_start\": 1}): each "
+        "caption's tags in other orders, encoded before training with the caption, one drawn per sample, so the "
+        "model does not learn one tag order.", "data", advanced=True,
     )
     compress_cache: bool | None = field(
         None, "Write this dataset's latents compressed (true) or plain (false). Empty: compress_disk_cache.", "data",

@@ -44,6 +44,11 @@ def unset(value: Any) -> bool:
     return value is None or isinstance(value, str) and value.strip().lower() in ("", "none")
 
 
+def default_if_unset(model: type[BaseModel], value: Any, name: str) -> Any:
+    """Field `name`'s default where SimpleTuner writes null ("" or "none") for it: the same as leaving the key out."""
+    return model.model_fields[name].default if unset(value) else value
+
+
 def zero_is_off(value: Any) -> Any:
     """A limit whose 0 (or false), null, "" or "none" means "no limit" -> None (`max_grad_norm`)."""
     try:

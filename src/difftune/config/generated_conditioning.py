@@ -26,6 +26,7 @@ Import-light: no torch, no image libraries.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -180,6 +181,7 @@ class GeneratedConditioning(BaseModel):
     kind: Literal["canny", "superresolution", "jpeg_artifacts", "random_masks"]
     settings: dict[str, Any]  # every setting of the kind, defaults filled in (the folder's record of them)
     folder: str
+    default: bool = False  # `folder` is the default one (no instance_data_dir): deleting it is harmless
 
 
 def _defaults_only(kind: str, params: Any) -> bool:
@@ -190,8 +192,12 @@ def _defaults_only(kind: str, params: Any) -> bool:
         return False
 
 
-def default_folder(ident: str) -> str:
-    return f"cache/conditioning_data/{ident}"  # SimpleTuner's <cache_dir>/conditioning_data/<id>
+def default_folder(ident: str, source_dir: str) -> str:
+    """SimpleTuner's <cache_dir>/conditioning_data/<id>, and a digest of the source folder: two configs in one
+    working folder whose datasets share an id but not their images (config environments) get a folder each, where
+    each start regenerated the other's images into the shared one."""
+    where = str(Path(os.path.expanduser(source_dir)).resolve())
+    return f"cache/conditioning_data/{ident}-{hashlib.sha256(where.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}"
 
 
 def take(entry: dict[str, Any], where: str, problems: list[str]) -> tuple[dict[str, Any], list[Any]]:
@@ -284,7 +290,7 @@ def build(source: Any, raw: dict[str, Any], where: str, problems: list[str], not
     if raw.get("id") not in (None, "", ident):  # SimpleTuner's web UI names each generator; it names the dataset so
         notes.append(f"{where}: id {raw['id']!r} is not used: the generated dataset's id is {ident!r} (as SimpleTuner "
                      "names it); remove id")
-    folder = raw.get("instance_data_dir") or default_folder(ident)
+    folder = raw.get("instance_data_dir") or default_folder(ident, source.instance_data_dir)
     if not isinstance(folder, str):
         problems.append(f"{where}: instance_data_dir: {folder!r} must be a folder path")
         return None
@@ -299,7 +305,7 @@ def build(source: Any, raw: dict[str, Any], where: str, problems: list[str], not
         notes.append(f"{where}: {' and '.join(unused)} not used: the generated images take their pair's captions; "
                      f"remove {'them' if len(unused) > 1 else 'it'}")
     return GeneratedConditioning(id=ident, source_id=source.id, kind=kind, folder=os.path.expanduser(folder),
-                                 settings=checked.model_dump(mode="json"))
+                                 settings=checked.model_dump(mode="json"), default=not raw.get("instance_data_dir"))
 
 
 def add(source: Any, raw: dict[str, Any], where: str, seen: set[str], generated: dict[str, GeneratedConditioning],

@@ -27,9 +27,11 @@ from difftune.config.compat import (
     suggest,
     written_spellings,
 )
-from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems
+from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems, decodes
 from difftune.config.cross_checks import cross_notes
 from difftune.config.dataset_entry_keys import check_i2v_validation
+from difftune.config.dataset_list import dataset_list_location
+from difftune.config.dataset_window_keys import schedule_problems
 from difftune.config.datasets import (
     DATASET_MODELS,
     REMOTE_TYPES,
@@ -374,7 +376,7 @@ def check_paths(train: TrainConfig, where_of: Where, problems: list[str]) -> Non
     sources = [("pretrained_model_name_or_path", train.pretrained_model_name_or_path, "hub layout, with model_index.json")]
     if train.evaluation_type == "clip":  # the CLIP model loads at the first evaluation: fail its path now
         sources.append(("evaluation_clip_model", train.evaluation_clip_model, "with config.json"))
-    if train.crepa_enabled:  # DINOv2 loads when the run is built, after caching: fail its path now
+    if decodes(train):  # DINOv2 loads when the run is built, after caching: fail its path now
         sources.append(("crepa_encoder", ENCODER_ALIASES.get(train.crepa_encoder, train.crepa_encoder),
                         "a transformers DINOv2 model, with config.json"))
     for key, source, layout in sources:
@@ -501,7 +503,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     spellings = written_spellings(data if isinstance(data, dict) else {}, overrides or {})  # framerate, ...
     train = _validate(where_of, TrainConfig, kept, problems, {"spellings": spellings})
     plan = None
+    located = None
     if train is not None:
+        given = train.data_backend_config if "data_backend_config" in train.model_fields_set else None
+        location, located = dataset_list_location(given, cfg_path)
+        train.data_backend_config = str(location)  # every later reader (checks, training, the web UI) reads it
         check_paths(train, where_of, problems)
         try:
             plan = load_datasets(Path(train.data_backend_config), problems, train.model_family,
@@ -519,9 +525,12 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         mask_checks(train, plan, Path(train.data_backend_config), where_of, problems)  # config/mask_keys.py
         check_eval_datasets(train, plan, Path(train.data_backend_config), where_of, problems)  # dataset_type 'eval'
         problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.discovered())]
+        problems += [f"{train.data_backend_config}: {p}" for p in schedule_problems(plan.images)]
         problems += [f"{train.data_backend_config}: {p}" for p in regularisation_problems(train, plan)]
     if problems or train is None or plan is None:
         raise ConfigError(list(dict.fromkeys(problems)))
+    if located is not None:
+        plan.notes.append(located)
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)
 
 

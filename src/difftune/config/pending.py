@@ -8,7 +8,7 @@ from here into the schema.
 Three kinds of entries:
 - `PENDING_TRAIN_KEYS` / `PENDING_DATASET_KEYS`: key -> (off values, what to do instead).
 - `DEPENDS_ON`: a setting of a pending feature that only acts when its switch is on
-  (`crepa_teacher_block_index` without `crepa_use_backbone_features`): any value is accepted while the
+  (`crepa_self_flow_mask_ratio` without `crepa_self_flow`): any value is accepted while the
   switch is off, and refused with the switch's message when it is on. Whole families of keys can be
   matched by prefix (`PREFIX_DEPENDS_ON`).
 - `PENDING_VALUES`: one value of a key difftune has (`quantize_via: pipeline`).
@@ -25,9 +25,10 @@ from difftune.train.optimizers import OPTIMIZERS
 
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "crepa_use_backbone_features": (
-        (False, None), "CREPA against a deeper block of the transformer (crepa_use_backbone_features); difftune aligns "
-        "with a DINOv2 encoder (crepa_encoder): set crepa_use_backbone_features to false",
+    "crepa_self_flow": (
+        (False, None), "Self-Flow (crepa_self_flow, SimpleTuner's older switch of crepa_feature_source 'self_flow': "
+        "an EMA teacher seeing cleaner tokens); CREPA here aligns with DINOv2 or with a deeper block "
+        "(crepa_use_backbone_features): set crepa_self_flow to false",
     ),
 }
 
@@ -45,7 +46,7 @@ PENDING_DATASET_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # A setting that only acts when its switch is on: any value while the switch is off.
 DEPENDS_ON: dict[str, str] = {
-    "crepa_teacher_block_index": "crepa_use_backbone_features",
+    "crepa_self_flow_mask_ratio": "crepa_self_flow",
 }
 PREFIX_DEPENDS_ON: dict[str, str] = {}
 
@@ -180,8 +181,6 @@ PENDING_TRAIN_KEYS |= {
                                   "unreadable ones in the data report" + _REMOVE),
     "override_dataset_config": ((False,), "reusing caches made with other dataset settings; the caches are "
                                 "fingerprinted and rebuilt when a setting changes" + _REMOVE),
-    "max_upscale_threshold": ((None,), "dropping images upscaled beyond a threshold; set minimum_image_size on the "
-                              "dataset entries"),
     "cache_dir": ((None,), "a download folder for models; set HF_HOME (or HF_HUB_CACHE) in the environment"),
     "vae_cache_ondemand": ((False,), "encoding latents during training while still writing them to disk; set "
                            "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
@@ -262,8 +261,6 @@ PENDING_DATASET_KEYS |= {
 # --- The other dataset-entry keys of SimpleTuner's DATALOADER.md (the dataset_audit, tests/test_dataset_key_audit.py):
 # each is accepted at its "off" value and refused otherwise, as above.
 _NOT_HERE = "; Lumina2 and Kandinsky 5 have nothing for it to act on: remove it"
-_SCHEDULE = ("scheduling when a dataset is sampled (curriculum); every enabled dataset is sampled for the whole run: "
-             "remove it, or train in stages with a dataset list per stage")
 _CLIP_EMBEDS = ("image-encoder (CLIP vision) embeddings of the input images, which SimpleTuner caches for models "
                 "that ask for them (Wan 2.2 I2V); none are cached for Lumina2 or Kandinsky 5" + _REMOVE)
 _WEBSHART = "WebDataset shards (type 'webshart'); unpack the shards into a folder and use type 'local'"
@@ -281,15 +278,11 @@ PENDING_DATASET_KEYS |= {
                             "training starts" + _REMOVE),
     "text_cache_disable": ((False, None), "encoding captions during training without caching them; every caption "
                            "is encoded and cached before training starts" + _REMOVE),
-    "caption_shuffle": ((None,), "shuffled variants of tag captions; write the variants as extra lines of the "
-                        "caption file (caption_strategy 'textfile' draws one line per sample)"),
     "timestep_sampling_offset": ((0, None), "a per-dataset shift of the noise levels drawn for its batches; "
                                  "logit_mean shifts them for every dataset" + _REMOVE),
     "disable_validation": ((False, None), "excluding a dataset from validation; validation input images come from "
                            "eval_dataset_id (validation_using_datasets) or the first training pair or clip"
                            + _REMOVE),
-    "start_epoch": ((1, None), _SCHEDULE), "start_step": ((0, None), _SCHEDULE),
-    "end_epoch": ((None,), _SCHEDULE), "end_step": ((None,), _SCHEDULE),
     "slider_strength": ((None, 0), "slider LoRA training (opposite concepts in turn)" + _REMOVE),
     "grounding": ((None,), "spatial grounding (bounding boxes of the entities in each image)" + _REMOVE),
     "conditioning": ((None, []), "generated conditioning images are made from an image dataset's images: write "
@@ -310,7 +303,6 @@ PENDING_DATASET_KEYS |= {
                                   "the unreadable ones in the data report" + _REMOVE),
     "delete_nsfw_images": ((False, None), "deleting your images (difftune has no NSFW check and never deletes "
                            "images)" + _REMOVE),
-    "max_upscale_threshold": ((None,), "dropping images upscaled beyond a threshold; set minimum_image_size"),
     "disable_vae_cache": ((None,), "disable_vae_cache, SimpleTuner's removed spelling (it refuses it too); use "
                           "vae_cache_disable"),
     "memory_filesystem_path": ((None,), _MEMORY), "memory_filesystem_size": ((None,), _MEMORY),

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, field_validator, model_validator
 
-from difftune.config.fields import field, unset
+from difftune.config.fields import default_if_unset, field
 
 # lr_scheduler values each key acts on
 LR_END_SCHEDULERS = ("polynomial", "cosine", "cosine_with_restarts")
@@ -47,7 +47,7 @@ class ScheduleKeys(BaseModel):
     @classmethod
     def _schedule_null_is_default(cls, value: Any, info: Any) -> Any:
         """SimpleTuner configs may write null for these: it means the default."""
-        return cls.model_fields[info.field_name].default if unset(value) else value
+        return default_if_unset(cls, value, info.field_name)
 
     @model_validator(mode="after")
     def _schedule_checks(self) -> ScheduleKeys:

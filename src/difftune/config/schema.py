@@ -21,7 +21,7 @@ from difftune.config.eval_keys import EvalKeys
 from difftune.config.experimental import TreadConfig, tread_from_text
 from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
-from difftune.config.fields import UnsetSpellings, expand_home, field, unset, zero_is_off
+from difftune.config.fields import UnsetSpellings, default_if_unset, expand_home, field, zero_is_off
 from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
@@ -468,7 +468,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     def _null_is_default(cls, v: object, info: Any) -> object:
         """SimpleTuner writes null for these (its default, or "no epoch / step limit or interval"): the same as
         leaving them out, whose default 0 is that "off"."""
-        return cls.model_fields[info.field_name].default if unset(v) else v
+        return default_if_unset(cls, v, info.field_name)
 
     @field_validator("max_grad_norm", mode="before")
     @classmethod

@@ -23,6 +23,8 @@ class SizeRule:
     crop_aspect_buckets: tuple[float, ...] = ()
     minimum_aspect_ratio: float | None = None
     maximum_aspect_ratio: float | None = None
+    # crop_aspect 'closest' / 'random': only the buckets that enlarge the image by at most this fraction (0.2: 20%)
+    max_upscale_threshold: float | None = None
 
 
 def measure(width: float, height: float, resolution_type: str) -> float:
@@ -45,6 +47,34 @@ def scaled_to(width: float, height: float, size: float, resolution_type: str) ->
     return width * factor, height * factor
 
 
+def upscale(width: float, height: float, bucket: tuple[int, int]) -> float:
+    """How many times an image is enlarged to cover its bucket (below 1: reduced)."""
+    return max(bucket[0] / width, bucket[1] / height)
+
+
+def picks_buckets(rule: SizeRule) -> bool:
+    """Whether the image's aspect is picked from crop_aspect_buckets (crop_aspect 'closest' or 'random')."""
+    return rule.crop and rule.crop_aspect in ("closest", "random")
+
+
+def allowed_aspects(width: float, height: float, rule: SizeRule) -> list[float]:
+    """crop_aspect_buckets, sorted, less those max_upscale_threshold rules out for an image of this size."""
+    buckets = sorted(rule.crop_aspect_buckets)
+    if rule.max_upscale_threshold is None:
+        return buckets
+    limit = 1 + rule.max_upscale_threshold + 1e-9
+    return [b for b in buckets if upscale(width, height, aspect_bucket(b, rule)) <= limit]
+
+
+def upscale_problem(width: float, height: float, rule: SizeRule) -> str | None:
+    """Why an image is left out under max_upscale_threshold: every crop_aspect_bucket would enlarge it more."""
+    if rule.max_upscale_threshold is None or not picks_buckets(rule) or allowed_aspects(width, height, rule):
+        return None
+    least = min(upscale(width, height, aspect_bucket(b, rule)) for b in rule.crop_aspect_buckets)
+    return (f"{width:g}x{height:g} would be enlarged {least:.2f}x at least to fill a crop_aspect_bucket, more than "
+            f"max_upscale_threshold {rule.max_upscale_threshold:g} allows ({1 + rule.max_upscale_threshold:g}x)")
+
+
 def target_aspect(width: int, height: int, rule: SizeRule, choice: float = 0.5) -> float:
     """Aspect (width/height) the image is brought to. `choice` in [0, 1) picks for crop_aspect 'random'."""
     aspect = width / height
@@ -52,17 +82,21 @@ def target_aspect(width: int, height: int, rule: SizeRule, choice: float = 0.5) 
         return aspect
     if rule.crop_aspect == "square":
         return 1.0
-    buckets = sorted(rule.crop_aspect_buckets)
+    buckets = allowed_aspects(width, height, rule) or sorted(rule.crop_aspect_buckets)  # none: upscale_problem
     if rule.crop_aspect == "closest":
         return min(buckets, key=lambda b: (abs(math.log(b / aspect)), b))
     return buckets[min(int(choice * len(buckets)), len(buckets) - 1)]
 
 
-def bucket_for(width: int, height: int, rule: SizeRule, choice: float = 0.5) -> tuple[int, int]:
-    """The (width, height) bucket of an image of this size."""
-    aspect = target_aspect(width, height, rule, choice)
+def aspect_bucket(aspect: float, rule: SizeRule) -> tuple[int, int]:
+    """The (width, height) bucket of an aspect at the rule's resolution."""
     w, h = scaled_to(aspect, 1.0, rule.resolution, rule.resolution_type)
     return _round_multiple(w, rule.multiple), _round_multiple(h, rule.multiple)
+
+
+def bucket_for(width: int, height: int, rule: SizeRule, choice: float = 0.5) -> tuple[int, int]:
+    """The (width, height) bucket of an image of this size."""
+    return aspect_bucket(target_aspect(width, height, rule, choice), rule)
 
 
 def aspect_problem(width: int, height: int, rule: SizeRule) -> str | None:

@@ -2,13 +2,15 @@
 
 Each image gets a tuple of captions (one is drawn per sample during training) or a problem saying
 why it has none. The caption filters (caption_filter_list, data/caption_filter.py) come next, on the
-captions read from the data only; instance-prompt options are applied last.
+captions read from the data only, then the shuffled variants of their tags (caption_shuffle); instance-prompt
+options are applied last, so a trigger word stays first.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,67 @@ class CaptionRule:
     only_instance_prompt: bool = False
     split_lines: bool = True  # textfile: each non-empty line a caption (False: disable_multiline_split)
     filters: CaptionFilter | None = None  # caption_filter_list of the dataset's text_embeds entry
+    shuffle: CaptionShuffle | None = None  # caption_shuffle, when enabled
+
+
+@dataclass(frozen=True)
+class CaptionShuffle:
+    """caption_shuffle (config/caption_shuffle_keys.py): `count` shuffled variants of each caption's tags."""
+
+    count: int = 1
+    seed: int = 0
+    split_on: str = "comma"
+    position_start: int = 0
+    include_original: bool = True
+
+
+_SPLIT = {"comma": (",", ", "), "space": (" ", " "), "period": (".", ". ")}  # split_on -> (separator, joiner)
+
+
+def shuffled(text: str, rule: CaptionShuffle) -> tuple[str, ...]:
+    """Up to `rule.count` distinct orders of the caption's tags other than its own, the first `position_start` kept
+    in place; () when it has fewer than position_start + 2 tags. Drawn from a generator seeded with the seed and the
+    caption, so the variants do not depend on the order the files are read in, nor on anything else."""
+    separator, joiner = _SPLIT[rule.split_on]
+    tags = [t.strip() for t in text.split(separator) if t.strip()]
+    if len(tags) < rule.position_start + 2:
+        return ()
+    fixed, rest = tags[:rule.position_start], tags[rule.position_start:]
+    end = "." if rule.split_on == "period" and text.rstrip().endswith(".") else ""
+    own = joiner.join(tags) + end
+    generator = random.Random(f"{rule.seed}\x00{text}")  # str seeds hash with SHA-512: the same on every start
+    variants: list[str] = []
+    for _ in range(20 * rule.count):  # few tags have few orders: stop trying after a while
+        order = list(rest)
+        generator.shuffle(order)
+        variant = joiner.join(fixed + order) + end
+        if variant != own and variant not in variants:
+            variants.append(variant)
+            if len(variants) == rule.count:
+                break
+    return tuple(variants)
+
+
+def apply_shuffle(result: CaptionResult, rule: CaptionRule) -> CaptionResult:
+    """Each caption followed by its shuffled variants (without it when include_original is off, unless it has
+    none: then it stays, and the note says so)."""
+    shuffle = rule.shuffle
+    if shuffle is None or result.captions is None:
+        return result
+    out: list[str] = []
+    kept = 0
+    for text in result.captions:
+        variants = shuffled(text, shuffle)
+        if shuffle.include_original or not variants:
+            out.append(text)
+            kept += not shuffle.include_original
+        out += [v for v in variants if v not in out]
+    if not kept:
+        return replace(result, captions=tuple(out))
+    note = (f"caption_shuffle: {'its caption has' if len(result.captions) == 1 else f'{kept} of its captions have'} "
+            f"no other order of its tags (fewer than {shuffle.position_start + 2} tags split on {shuffle.split_on}, or "
+            "all alike): trained as written, although include_original is off")
+    return replace(result, captions=tuple(out), note="; ".join(n for n in (result.note, note) if n))
 
 
 def from_textfile(path: Path, split_lines: bool = True, empty: str = "an empty prompt") -> CaptionResult:
@@ -195,5 +258,5 @@ def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | Non
         assert table is not None
         result = table.lookup(path, root, _empty_trains_with(rule))
     if rule.strategy != "instanceprompt" and not rule.only_instance_prompt:  # else no caption of the data is used
-        result = apply_filters(result, rule)
+        result = apply_shuffle(apply_filters(result, rule), rule)
     return apply_instance_prompt(result, rule)

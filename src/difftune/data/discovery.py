@@ -39,9 +39,11 @@ from difftune.data.buckets import (
     downsample_first,
     minimum_above_resolution,
     too_small_problem,
+    upscale,
+    upscale_problem,
 )
 from difftune.data.captions import CaptionRule, CaptionTable, caption
-from difftune.data.frames import TEMPORAL, FrameRule, plan_clip, resampled_count
+from difftune.data.frames import TEMPORAL, FrameRule, plan_clip, resampled_count, same_rate
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 from difftune.files import as_created, clean_leftovers, writer_prefix
 
@@ -49,6 +51,8 @@ SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (d
 
 # Clips PyAV demuxes and decodes (PyAV is imported on demand; each was checked with clips PyAV wrote): the one list
 VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv", ".avi", ".m4v", ".mpg", ".mpeg"}
+# what a video dataset reads: animated GIFs are clips there (PyAV decodes them; one of a single frame is too short)
+CLIP_SUFFIXES = VIDEO_SUFFIXES | {".gif"}
 # Beside the images or clips but never read as them: caption files and caption or metadata tables. Any other file
 # of a type the dataset does not read is named in the report.
 COMPANION_SUFFIXES = {".txt", ".json", ".jsonl", ".parquet", ".csv"}
@@ -118,7 +122,7 @@ class Discovery:
             name = suffix or "a file without an extension"
             more = f" (nor {len(files) - 1} more {suffix or 'such'} file(s))" if len(files) > 1 else ""
             hint = ""
-            if self.video and suffix in IMAGE_EXTENSIONS:
+            if self.video and suffix in IMAGE_EXTENSIONS - CLIP_SUFFIXES:
                 hint = "; images go in an image dataset"
             elif not self.video and suffix in VIDEO_SUFFIXES:
                 hint = "; clips go in a dataset_type 'video' entry"
@@ -340,11 +344,6 @@ def filesystem_problem(path: Path) -> str | None:
     return None
 
 
-def upscale(width: int, height: int, bucket: tuple[int, int]) -> float:
-    """How many times an image is enlarged to cover its bucket (below 1: reduced)."""
-    return max(bucket[0] / width, bucket[1] / height)
-
-
 def input_aspect_note(input_size: tuple[int, int], size: tuple[int, int], bucket: tuple[int, int]) -> str | None:
     """A note when an image-to-image input image's aspect differs from its target's (by more than 1%): it is
     resized to cover the target's bucket and cropped to it (data/latents.py), so part of it is cut off."""
@@ -397,13 +396,15 @@ def first_frame_problem(available: int, own: int, rule: FrameRule) -> str:
 
 def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, result: Discovery,
                 as_set: FrameRule | None = None):
-    """((width, height), frames) of a usable clip, or None after recording why it is left out."""
+    """((width, height), frames, fps) of a usable clip, or None after recording why it is left out. `fps`: the rate
+    its frames are taken at, the rule's, or the clip's own when that is the same within 0.5% (23.976 for 24): frame k
+    is then the clip's frame k, where taking frames 1/24 s apart from a 23.976 fps clip would repeat one."""
     info, problem, probed = metadata.video(path, rel)
     result.probed += probed
     if info is None:
         result.skipped.append((path, problem or "unreadable"))
         return None
-    available = resampled_count(info.frames, info.span, info.fps, rule.frame_rate)
+    available = resampled_count(info.frames, info.span, info.fps, rule.frame_rate, info.variable_rate)
     plan = plan_clip(available, info.fps, rule)
     if plan.frames is None:
         problem = plan.problem or "unusable"
@@ -419,11 +420,12 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
         notes.append(f"rotated {info.rotation} degrees by its metadata: trained upright, {info.width}x{info.height}")
     if notes:
         result.notes.append((path, "; ".join(notes)))
-    return (info.width, info.height), plan.frames
+    fps = info.fps if same_rate(info.fps, rule.frame_rate) and not info.variable_rate else rule.frame_rate
+    return (info.width, info.height), plan.frames, fps
 
 
 def discover(spec: DatasetSpec) -> Discovery:
-    suffixes = VIDEO_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
+    suffixes = CLIP_SUFFIXES if spec.frames is not None else IMAGE_EXTENSIONS
     result = Discovery(spec.dataset_id, caption_filter=spec.captions.filters is not None, root=spec.root,
                        reads=frozenset(suffixes), video=spec.frames is not None)
     pairs = pair_index(spec.conditioning_root) if spec.conditioning_root is not None else None
@@ -459,6 +461,14 @@ def discover(spec: DatasetSpec) -> Discovery:
                 problem = f"filesystem error: {getattr(e, 'strerror', None) or e}"
         if problem:
             result.skipped.append((path, problem))
+    names = {p.relative_to(spec.root).with_suffix("") for p in listing.files if p.suffix.lower() in suffixes}
+    for index, root, what in ((None if spec.conditioning_generated else pairs, spec.conditioning_root, "input image"),
+                              (masks, spec.mask_root, "mask")):
+        unpaired = sorted(str(k) for k in (index or {}) if k not in names)
+        if unpaired:  # a renamed or extra file: said, not silently left out
+            shown = ", ".join(unpaired[:3]) + (", ..." if len(unpaired) > 3 else "")
+            result.notes.append((root, f"{len(unpaired)} {what}(s) with no file of the same name in {spec.root} to "
+                                       f"train: not used ({shown})"))
     if spec.write_metadata and (problem := metadata.save()) is not None:
         result.notes.append((spec.metadata_file, problem))
     return result
@@ -502,7 +512,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         clip = clip_frames(path, rel, metadata, spec.frames, result, spec.frames_as_set)
         if clip is None:
             return None  # clip_frames recorded why
-        (width, height), frames = clip
+        (width, height), frames, fps = clip
     else:
         if captioned.size is not None:  # the table's width/height columns: no need to open the file
             size, problem, probed = captioned.size, None, False
@@ -521,6 +531,8 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         return problem
     down = downsample_first(width, height, rule)
     basis = down or (width, height)
+    if problem := upscale_problem(*basis, rule):
+        return problem
     name = rel_path.as_posix()
     bucket = bucket_for(*basis, rule, choice_for(f"{spec.dataset_id}/{name}", spec.seed))
     factor = upscale(*basis, bucket)
@@ -548,7 +560,8 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
                      "look blurry (minimum_image_size leaves such images out)")
     if notes:
         result.notes.append((path, "; ".join(notes)))
-    fps = spec.frames.frame_rate if spec.frames is not None else 0.0
+    if spec.frames is None:
+        fps = 0.0
     result.samples.append(
         Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps, mask,
                name)

@@ -24,12 +24,13 @@ class FrameRule:
     frame_interval: int = 4
 
 
-def resampled_count(frames: int, span: float, source_fps: float, target_fps: float) -> int:
+def resampled_count(frames: int, span: float, source_fps: float, target_fps: float, variable: bool = False) -> int:
     """Frames a clip has at `target_fps`: one per 1/target_fps seconds over its span (first to last frame
-    timestamp), holding or skipping source frames. A clip at the target rate keeps its count."""
+    timestamp), repeating or skipping source frames. A clip at the target rate keeps its count (not a variable-rate
+    one whose average is near it: its frames are taken by time, at the target rate)."""
     if frames <= 1 or span <= 0:
         return min(frames, 1)
-    if same_rate(source_fps, target_fps):
+    if same_rate(source_fps, target_fps) and not variable:
         return frames
     return int(math.floor((span + SLACK) * target_fps)) + 1
 

@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from difftune.config.datasets import ConditioningDataset
-from difftune.config.generated_conditioning import GeneratedConditioning, default_folder
+from difftune.config.generated_conditioning import GeneratedConditioning
 from difftune.data.discovery import walk
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, load_rgb
 from difftune.data.sources import SourceError, open_folder, partial, read_folder, save_manifest
@@ -45,7 +45,7 @@ def output_name(rel: Path) -> Path:
 def _open(gen: GeneratedConditioning, write: bool) -> dict[str, Any]:
     """The folder's manifest ({} for a new folder), refusing one that is another's or holds the user's files.
     `write`: also remove what a killed run left half written."""
-    fix = ("delete that folder (difftune makes it again)" if gen.folder == default_folder(gen.id) else
+    fix = ("delete that folder (difftune makes it again)" if gen.default else
            "give the generator another instance_data_dir, or remove its instance_data_dir for the default folder")
     opened = open_folder if write else read_folder
     return opened(manifest_owner(gen), Path(gen.folder),

@@ -62,6 +62,10 @@ class DataReport:
             buckets = Counter(item.sample.group for item in self.data.items)
             out.append(f"  buckets (with repeats): {bucket_line(buckets)}")
             out.append(f"  batches per epoch: {self.data.sampler.batches_per_epoch()}")
+            if self.data.sampler.windows is not None:  # start_epoch/start_step/end_epoch/end_step
+                out.append("  sampled: " + "; ".join(f"{i} {window_text(w)}" for i, w in
+                                                     zip(self.data.sampler.ids, self.data.sampler.windows, strict=True))
+                           + " (drawn by weight among the datasets in their window)")
             if self.data.regularisation:  # is_regularisation_data (train/regularisation.py)
                 out.append(f"  regularisation data: {', '.join(sorted(self.data.regularisation))} (trained towards the "
                            "base model's prediction, the adapter switched off)")
@@ -104,3 +108,14 @@ class DataReport:
             out.append(f"  notes ({len(notes)}):")
             out += capped([f"    {p}: {r}" for p, r in notes])
         return out
+
+
+def window_text(window: tuple[int, int, int | None, int | None]) -> str:
+    """A dataset's sampling window in words: 'always', 'from step 301', 'epochs 1-2, up to step 300'."""
+    start_e, start_s, end_e, end_s = window
+    parts = []
+    if start_e > 1 or end_e is not None:
+        parts.append(f"epochs {start_e}-{end_e}" if end_e is not None else f"from epoch {start_e}")
+    if start_s > 1 or end_s is not None:
+        parts.append(f"steps {max(start_s, 1)}-{end_s}" if end_s is not None else f"from step {start_s}")
+    return ", ".join(parts) or "always"

@@ -10,6 +10,15 @@ weight, and a dataset that runs out starts its next epoch on its own. A resumed 
 
 `drawn_epoch` is the epoch of its own dataset that the last batch belongs to (the same as the sampler's epoch
 without `probability`): vae_cache_clear_each_epoch draws its crops from it.
+
+`windows` (start_epoch, start_step, end_epoch, end_step per dataset: config/dataset_window_keys.py): a dataset is
+drawn only while the batch's epoch (the sampler's, from 1) and optimizer step lie in its window. The step is counted
+from where the sampler started: draw k after `start_at(step)` trains in step + k // accumulation + 1 (checkpoints
+fall on step boundaries, so a resumed run starts on a step's first micro-batch, whatever the batches per epoch or
+the accumulation were before). A run with windows draws by weight (as with `probability`), among the datasets in
+their window; an epoch is still the batches of every dataset. `last_epoch`: a run bound by num_train_epochs whose
+last optimizer step spills past the last epoch's batches (the accumulation does not divide them) counts the spill
+as that epoch.
 """
 
 from __future__ import annotations
@@ -57,6 +66,20 @@ class DatasetBatches:
         return [batches[i] for i in rng.permutation(len(batches))]
 
 
+Window = tuple[int, int, int | None, int | None]  # (start_epoch, start_step, end_epoch, end_step)
+ALWAYS: Window = (1, 0, None, None)
+
+
+class NoDatasetScheduled(RuntimeError):
+    """No dataset's window holds this epoch and step (train/setup.py checks the whole run before it starts)."""
+
+    def __init__(self, epoch: int, step: int, ids: list[str]):
+        super().__init__(f"no dataset is sampled at step {step} (epoch {epoch}): each of {', '.join(map(repr, ids))} "
+                         "is outside its start_epoch/start_step/end_epoch/end_step window there; widen a window so "
+                         "that some dataset covers every step of the run")
+        self.epoch, self.step = epoch, step
+
+
 class BucketSampler:
     def left_per_epoch(self) -> int:
         """Items each epoch leaves out because they do not fill a batch in their bucket (a different draw each
@@ -64,17 +87,23 @@ class BucketSampler:
         return sum(len(items) % p.batch_size for p in self.parts if not p.keep_partial for items in p.groups.values())
 
     def __init__(self, datasets: list[tuple[list[int], list[tuple[int, int]], float | None]], batch_size: int,
-                 seed: int, keep_partial: bool, uniform: bool = False, ids: list[str] | None = None):
+                 seed: int, keep_partial: bool, uniform: bool = False, ids: list[str] | None = None,
+                 windows: list[Window] | None = None, accumulation: int = 1):
         """`datasets`: per dataset (item indices, bucket of each, probability or None). `uniform`
         (data_backend_sampling 'uniform'): the weighted draw even when no dataset sets a probability (1 each).
-        `ids`: the datasets' ids, which key their streams in `state_dict` (default: their positions)."""
+        `ids`: the datasets' ids, which key their streams in `state_dict` (default: their positions). `windows`:
+        per dataset, when it is drawn (see the module docstring); `accumulation`: batches per optimizer step."""
         self.seed = seed
         self.ids = list(ids) if ids is not None else [str(i) for i in range(len(datasets))]
         self.parts = [DatasetBatches(items, buckets, batch_size, seed, i, keep_partial)
                       for i, (items, buckets, _) in enumerate(datasets)]
         self.counts = [len(p.epoch_batches(0)) for p in self.parts]
         weights = [w for _, _, w in datasets]
-        self.weighted = any(w is not None for w in weights) or (uniform and len(weights) > 1)
+        self.windows = windows if windows and any(w != ALWAYS for w in windows) else None
+        self.accumulation = accumulation
+        self.origin, self.drawn = 0, 0  # the optimizer steps done when drawing started, and the draws since
+        self.last_epoch: int | None = None
+        self.weighted = any(w is not None for w in weights) or (uniform and len(weights) > 1) or bool(self.windows)
         # SimpleTuner's weights: 'uniform', the probability alone (1 unset); 'auto-weighting', the probability
         # (1 unset) times the dataset's share of the items, so a probability scales a dataset's own share
         sizes = [1 if uniform else len(items) for items, _, _ in datasets]
@@ -94,9 +123,52 @@ class BucketSampler:
         rng = np.random.default_rng([self.seed, 1_000_003, epoch])
         return [batches[i] for i in rng.permutation(len(batches))]
 
+    def start_at(self, step: int) -> None:
+        """Drawing starts (again) at the first micro-batch of optimizer step `step` + 1 (a resumed run's)."""
+        self.origin, self.drawn = step, 0
+
+    def drawn_at(self, epoch: int, drawn: int) -> tuple[int, int]:
+        """(epoch, optimizer step), both from 1, of the batch drawn `drawn` draws after the start, in sampler epoch
+        `epoch` (from 0)."""
+        epoch = epoch + 1 if self.last_epoch is None else min(epoch + 1, self.last_epoch)
+        return epoch, self.origin + drawn // self.accumulation + 1
+
+    def in_window(self, epoch: int, step: int) -> np.ndarray:
+        """Which datasets may be drawn in this epoch and step (all without windows)."""
+        if self.windows is None:
+            return np.ones(len(self.parts), dtype=bool)
+        return np.array([start_e <= epoch and start_s <= step and (end_e is None or epoch <= end_e)
+                         and (end_s is None or step <= end_s) for start_e, start_s, end_e, end_s in self.windows])
+
+    def window_check(self, steps: int) -> tuple[tuple[int, int] | None, list[str]]:
+        """For a run of `steps` optimizer steps, from where the sampler stands: the first (epoch, step) at which no
+        dataset with batches is in its window (None when every draw has one), and the ids of the datasets never in
+        their window over those steps."""
+        if self.windows is None or steps <= self.origin:
+            return None, []
+        k = np.arange((steps - self.origin) * self.accumulation)  # the draws left
+        epoch = (self.state.index + k) // max(self.batches_per_epoch(), 1) + self.state.epoch + 1
+        if self.last_epoch is not None:
+            epoch = np.minimum(epoch, self.last_epoch)
+        step = self.origin + k // self.accumulation + 1
+        inside = np.stack([(start_e <= epoch) & (start_s <= step) & (epoch <= (end_e or epoch))
+                           & (step <= (end_s or step)) for start_e, start_s, end_e, end_s in self.windows])
+        inside &= (self.weights > 0)[:, None]  # a dataset without a batch is never drawn
+        gaps = np.flatnonzero(~inside.any(axis=0))
+        gap = (int(epoch[gaps[0]]), int(step[gaps[0]])) if len(gaps) else None
+        return gap, [i for i, row in zip(self.ids, inside, strict=True) if not row.any()]
+
     def _weighted_next(self) -> list[int]:
         rng = np.random.default_rng([self.seed, 2_000_003, self.state.epoch, self.state.index])
-        d = int(rng.choice(len(self.parts), p=self.weights))
+        weights = self.weights
+        if self.windows is not None:
+            epoch, step = self.drawn_at(self.state.epoch, self.drawn)
+            weights = np.where(self.in_window(epoch, step), weights, 0.0)
+            if weights.sum() <= 0:
+                raise NoDatasetScheduled(epoch, step, self.ids)
+            weights = weights / weights.sum()
+        self.drawn += 1
+        d = int(rng.choice(len(self.parts), p=weights))
         stream = self.state.streams[d]
         batches = self.parts[d].epoch_batches(stream[0])
         if stream[1] >= len(batches):

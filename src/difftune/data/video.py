@@ -126,9 +126,10 @@ def _upright(frame) -> Image.Image:
 
 
 def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
-    """Upright RGB frames at `times` (seconds from the first frame, ascending): each is the last frame
-    stamped at or before the time (frame hold), so variable frame rate clips resample correctly. Frames
-    are converted only when picked and decoding stops after the last time, so memory stays small."""
+    """Upright RGB frames at `times` (seconds from the first frame, ascending): each is the frame whose timestamp is
+    nearest the time (the earlier of two equally near), so a clip taken at its own rate gets each of its frames once
+    whatever its timestamps' rounding (Matroska's 1 ms, 23.976 fps), and variable or other rates resample by time.
+    Frames are converted only when picked and decoding stops once every time has its frame, so memory stays small."""
     if any(b < a for a, b in zip(times, times[1:], strict=False)):
         raise ValueError("times must be ascending")
     if not times:
@@ -136,12 +137,15 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
     container, stream = _open(path)
     out: list[Image.Image] = []
     with container:
-        # Containers round timestamps to their time base (Matroska: 1 ms, so frame 1 of a 24 fps clip is
-        # stamped 42 ms, after 1/24 s): half a tick more tolerance keeps such frames "at" their time.
-        slack = EPSILON + float(stream.time_base) / 2
-        held = held_image = None
-        first = last = previous = None
+        slack = EPSILON + float(stream.time_base) / 2  # a time this near the last frame is still within the clip
+        before = before_image = None  # the frame before the one just decoded, and its picture once made
+        first = last = previous = None  # the first frame's stamp; the times of the last two frames
         count = 0
+
+        def take(frame, image):  # the picture of `frame`, made once however often it is picked
+            out.append(image.copy() if image is not None else _upright(frame))
+            return out[-1]
+
         try:
             for frame in container.decode(stream):
                 stamp = _stamp(frame)
@@ -151,27 +155,31 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
                     first = stamp if first is None else first
                     t = float((stamp - first) * stream.time_base)
                 count += 1
-                while held is not None and len(out) < len(times) and t > times[len(out)] + slack:
-                    out.append(held_image.copy() if held_image is not None else _upright(held))
-                    held_image = out[-1]
+                image = None
+                # each time up to this frame's goes to the nearer of it and the frame before
+                while len(out) < len(times) and times[len(out)] <= t:
+                    wanted = times[len(out)]
+                    if before is not None and wanted - last <= t - wanted:
+                        before_image = take(before, before_image)
+                    else:
+                        image = take(frame, image)
                 if len(out) == len(times):
                     return out
-                held, held_image, previous, last = frame, None, last, t
+                before, before_image, previous, last = frame, image, last, t
         except av.FFmpegError as e:
             raise BadVideo(f"cannot decode after {count} frames ({_why(e)})") from e
-        if held is None:
+        if before is None:
             raise BadVideo("no video frames could be decoded")
         # The last frame is shown for its own duration; a time past that is beyond the end of the clip.
-        if held.duration and held.time_base:
-            duration = float(held.duration * held.time_base)
+        if before.duration and before.time_base:
+            duration = float(before.duration * before.time_base)
         elif previous is not None:
             duration = last - previous
         else:
             duration = 1.0 / float(stream.average_rate or 1)
         end = last + duration
         while len(out) < len(times) and (times[len(out)] <= last + slack or times[len(out)] < end):
-            out.append(held_image.copy() if held_image is not None else _upright(held))
-            held_image = out[-1]
+            before_image = take(before, before_image)
         if len(out) < len(times):
             raise BadVideo(f"decoded only {count} frames ({end:.2f} s), needs {times[-1]:.2f} s")
     return out

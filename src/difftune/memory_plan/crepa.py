@@ -16,6 +16,10 @@ the accelerator holds, next to what training already held:
   measured per-pixel coefficients as the validation decode), the DINOv2 pass over its frames (measured now on the
   CPU: `measure.encoder_working_set`), and the loss's temporaries. The plan adds the largest of the three.
 
+Backbone mode (crepa_use_backbone_features): no DINOv2 and no VAE; the projector maps the hidden size to itself,
+and the targets are the teacher block's tokens, which autograd already keeps as the next block's input (only their
+fp32 copy is the loss's, among its temporaries).
+
 Not modelled: the gradients that flow back through the projector (transient, at the start of the backward).
 """
 
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from difftune.config.crepa_keys import ENCODER_ALIASES
+from difftune.config.crepa_keys import ENCODER_ALIASES, decodes
 from difftune.memory_plan import architecture as A
 from difftune.memory_plan.predict import (
     DTYPES,
@@ -154,7 +158,7 @@ def loss_temporaries(cfg: Any, batch: int, frames: int, per_frame: int, width: i
 
 def vae_encoder_freed(cfg: Any) -> int:
     """Bytes crepa_drop_vae_encoder frees (the VAE's encode-only modules at the planned dtype); 0 when off."""
-    if not (getattr(cfg, "crepa_enabled", False) and getattr(cfg, "crepa_drop_vae_encoder", False)):
+    if not (decodes(cfg) and getattr(cfg, "crepa_drop_vae_encoder", False)):
         return 0
     return _vae_encoder_bytes(cfg.model_family, cfg.model_source(), cfg.flavour(), vae_dtype_name(cfg), _Key(cfg))
 
@@ -178,6 +182,13 @@ def add_training(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], tokens
     frames_pixel = bucket[2] if len(bucket) > 2 and bucket[2] else 1
     frames = (frames_pixel - 1) // 4 + 1 if arch.family == "kandinsky5-video" else 1  # latent frames
     per_frame = tokens // frames
+    hidden = arch.config.get("hidden_size") or arch.config["model_dim"]
+    if cfg.crepa_use_backbone_features:
+        _projector_lines(cfg, phase, hidden, hidden, batch, frames, per_frame)
+        phase.add("CREPA targets: the teacher block's tokens (fp32) and the loss temporaries",
+                  loss_temporaries(cfg, batch, frames, per_frame, hidden),
+                  f"teacher: block {cfg.crepa_teacher_block_index}, no encoder and no VAE decode")
+        return
     freed = vae_encoder_freed(cfg)
     phase.add("CREPA: VAE (decodes the clean latents every step)", vae_bytes(cfg) - freed,
               f"encoder freed by crepa_drop_vae_encoder (-{_gib(freed)})" if freed else "kept on the accelerator")
@@ -198,16 +209,8 @@ def add_training(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], tokens
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(encoder.dtype, str(encoder.dtype))
     phase.add(f"CREPA: DINOv2 {encoder.label}: {params / 1e6:.1f}M parameters, {dtype}", size,
               "frozen")
-    hidden = arch.config.get("hidden_size") or arch.config["model_dim"]
     width_out = encoder.config.hidden_size
-    sizes = projector_sizes(hidden, width_out)
-    count = sum(sizes)
-    phase.add(f"CREPA: projector ({count / 1e6:.1f}M parameters, fp32)", count * 4, "trained; not in the EMA")
-    phase.add("CREPA: projector gradients", count * 4)
-    phase.add(f"CREPA: projector optimizer state ({cfg.optimizer})", optimizer_bytes(cfg.optimizer, sizes, 4))
-    phase.add("CREPA: projector and loss, saved activations",
-              projector_saved(cfg, batch, frames, per_frame, hidden, width_out),
-              f"{batch * frames * per_frame} tokens, fp32, kept until the backward")
+    _projector_lines(cfg, phase, hidden, width_out, batch, frames, per_frame)
     side = cfg.crepa_encoder_image_size
     images = batch * frames
     per_image, fixed = encoder_work(cfg.crepa_encoder, encoder.dtype, side)
@@ -223,14 +226,30 @@ def add_training(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], tokens
                  "the gradients flowing back through the projector (transient, at the start of the backward)")
 
 
+def _projector_lines(cfg: Any, phase: Phase, hidden: int, width: int, batch: int, frames: int, per_frame: int) -> None:
+    sizes = projector_sizes(hidden, width)
+    count = sum(sizes)
+    phase.add(f"CREPA: projector ({count / 1e6:.1f}M parameters, fp32)", count * 4, "trained; not in the EMA")
+    phase.add("CREPA: projector gradients", count * 4)
+    phase.add(f"CREPA: projector optimizer state ({cfg.optimizer})", optimizer_bytes(cfg.optimizer, sizes, 4))
+    phase.add("CREPA: projector and loss, saved activations",
+              projector_saved(cfg, batch, frames, per_frame, hidden, width),
+              f"{batch * frames * per_frame} tokens, fp32, kept until the backward")
+
+
 def add_validation(cfg: Any, arch: A.Architecture, phase: Phase) -> None:
     """What CREPA keeps on the accelerator while validation samples: the encoder, the projector and its optimizer
     state (the VAE is the validation's own line)."""
+    hidden = arch.config.get("hidden_size") or arch.config["model_dim"]
+    if cfg.crepa_use_backbone_features:
+        sizes = projector_sizes(hidden, hidden)
+        phase.add("CREPA: projector and its optimizer state (kept)",
+                  sum(sizes) * 4 + optimizer_bytes(cfg.optimizer, sizes, 4))
+        return
     encoder = encoder_of(cfg.crepa_encoder, encoder_dtype(cfg.weight_dtype_name()))
     if encoder is None:
         return  # the training phase's note says what is left out
     size = encoder_size(cfg.crepa_encoder, encoder.dtype)[0]
-    hidden = arch.config.get("hidden_size") or arch.config["model_dim"]
     sizes = projector_sizes(hidden, encoder.config.hidden_size)
     phase.add("CREPA: DINOv2, projector and its optimizer state (kept)",
               size + sum(sizes) * 4 + optimizer_bytes(cfg.optimizer, sizes, 4))

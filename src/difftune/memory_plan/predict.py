@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from difftune.config.crepa_keys import decodes
 from difftune.memory_plan import architecture as A
 from difftune.memory_plan.coefficients import COEFFICIENTS, VAE
 from difftune.models.registry import FAMILY_FACTS
@@ -369,9 +370,10 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
         from difftune.memory_plan import crepa
 
         crepa.add_training(cfg, arch, bucket, tokens, training, notes)
-    elif getattr(cfg, "vae_cache_disable", False) or any(getattr(d, "on_the_fly", False) for d in found or []):
-        # train/caching.py keeps the VAE on the accelerator for datasets encoded during training (CREPA's line above
-        # counts the same VAE)
+    if not decodes(cfg) and (getattr(cfg, "vae_cache_disable", False)
+                             or any(getattr(d, "on_the_fly", False) for d in found or [])):
+        # train/caching.py keeps the VAE on the accelerator for datasets encoded during training (CREPA's decoding
+        # line above counts the same VAE)
         training.add("VAE (latents encoded during training)", vae_bytes(cfg),
                      "vae_cache_disable or vae_cache_clear_each_epoch: it encodes each batch")
 

@@ -187,7 +187,8 @@ class Kandinsky5ImageFamily:
                     raise
                 fix = (f"raise tokenizer_max_length or remove it (the pipeline's default is {self.facts.text_lengths[1]})"
                        if comps.text_length is not None else  # already the pipeline's most: only the image can shrink
-                       "train at a smaller resolution, so that the input images are smaller")
+                       "train (and validate: validation_resolution) at a smaller resolution, so that the input images "
+                       "are smaller")
                 raise ComponentError(
                     f"tokenizer_max_length {length} is too short for this image-to-image prompt: the Qwen encoder "
                     "sees the input image's tokens (one per 28x28 pixels of the image at half its size) within that "

@@ -18,7 +18,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from difftune.config import RunConfig
-from difftune.config.dataset_entry_keys import validation_video_frames
+from difftune.config.crepa_keys import decodes
+from difftune.config.dataset_entry_keys import validation_video_fps, validation_video_frames
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
@@ -57,7 +58,8 @@ def validation_image(run_cfg: RunConfig, found: list[Discovery]) -> Path | None:
         plan = run_cfg.datasets
         named = [d for d in found if d.dataset_id == cfg.eval_dataset_id]
         if named:  # a discovered dataset (a training set of clips, for image-to-video): its first usable file
-            files = sorted(s.path for s in named[0].samples)
+            # a dataset of image-to-image pairs holds the targets: its first pair's input image is the input
+            files = sorted(s.conditioning if s.conditioning is not None else s.path for s in named[0].samples)
             return files[0] if files else None
         roots = {ds.id: ds.instance_data_dir for ds in [*plan.images, *plan.validation_only.values()]} | {
             cid: c.instance_data_dir for cid, c in plan.conditioning.items()
@@ -96,38 +98,46 @@ def encode_validation(
         first = " (its first frame)" if path.suffix.lower() in VIDEO_SUFFIXES else ""
         events.emit("info", message=f"validation input image: {path}{first}")
     suffix = "" if path is None else f"\x00validation:{path.resolve()}:{path.stat().st_mtime_ns}"
-    frames, fps = (validation_video_frames(cfg, run_cfg.datasets), cfg.video_fps()) if family.facts.video else (0, 0.0)
+    frames, fps = ((validation_video_frames(cfg, run_cfg.datasets), validation_video_fps(cfg, run_cfg.datasets))
+                   if family.facts.video else (0, 0.0))
 
     def encode(negative: bool):
         return lambda texts, images: family.encode_text(comps, texts, negative=negative, images=images)
 
-    def job(prompt: str) -> TextJob:
-        return TextJob(prompt + suffix, prompt, None if image is None else (lambda: image))
+    # The pipelines resize their input image to the sample's size, stretching it, and the image-to-image text encoder
+    # sees it whole (a 4032x3024 photo fills its token budget): like a training input, it is resized to cover each
+    # validation size and center-cropped, once per size, and the prompt is encoded with that picture.
+    sizes = cfg.validation_sizes()
+    pictures = {size: fit(image, size, "center", (0.5, 0.5)) for size in sizes} if image is not None else {}
+
+    def key(prompt: str, size: tuple[int, int]) -> str:
+        return prompt + suffix + (f"\x00{size[0]}x{size[1]}" if image is not None else "")
+
+    def jobs(texts: list[str]) -> list[TextJob]:
+        made = {key(t, size): TextJob(key(t, size), t, None if image is None else (lambda p=pictures[size]: p))
+                for t in texts for size in sizes}
+        return list(made.values())
 
     negatives = negative_cache(text_cache)
     for _ in range(2):  # an entry whose data was damaged is dropped by get (its header looked whole): encoded again
-        fill_text_cache(text_cache, [job(p) for _, p in prompts], encode(False), 8)
-        fill_text_cache(negatives, [job(cfg.validation_negative_prompt)], encode(True), 1)
-        negative = negatives.get(cfg.validation_negative_prompt + suffix)
-        embeds = {p: text_cache.get(p + suffix) for _, p in prompts}
-        unusable = [p for p, e in [*embeds.items(), (cfg.validation_negative_prompt, negative)] if e is None]
+        fill_text_cache(text_cache, jobs([p for _, p in prompts]), encode(False), 8)
+        fill_text_cache(negatives, jobs([cfg.validation_negative_prompt]), encode(True), 1)
+        negative = {size: negatives.get(key(cfg.validation_negative_prompt, size)) for size in sizes}
+        embeds = {(p, size): text_cache.get(key(p, size)) for _, p in prompts for size in sizes}
+        unusable = [p for (p, _), e in [*embeds.items(), *(((cfg.validation_negative_prompt, s), e)
+                                                             for s, e in negative.items())] if e is None]
         if not unusable:
             break
     if unusable:  # fill_text_cache refused them twice: the text encoder returned NaN or inf
         raise ValueError(f"the text encoder returned NaN or inf for validation prompt {unusable[0]!r}; "
                          "check the model's weights and mixed_precision")
     seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
-    def first_frame(w: int, h: int) -> Image.Image | None:
-        # The I2V pipeline resizes its input image to the video's size, stretching it; like a training clip,
-        # the frame is resized to cover that size and center-cropped instead.
-        return fit(image, (w, h), "center", (0.5, 0.5)) if image is not None and frames else image
-
     return [
-        SampleRequest(embeds[prompt], negative, w, h, cfg.validation_num_inference_steps,
-                      cfg.guidance(), seed, first_frame(w, h), name, frames, fps, prompt,
+        SampleRequest(embeds[(prompt, (w, h))], negative[(w, h)], w, h, cfg.validation_num_inference_steps,
+                      cfg.guidance(), seed, pictures.get((w, h)), name, frames, fps, prompt,
                       noise_on_cpu=cfg.validation_seed_source == "cpu")
         for name, prompt in prompts
-        for w, h in cfg.validation_sizes()
+        for w, h in sizes
     ]
 
 
@@ -275,8 +285,8 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")
     # The VAE stays for on-the-fly encoding; on the CPU only if validation (or CREPA, train/crepa.py) decodes with it.
     if not on_the_fly:
-        comps.vae = comps.vae.to("cpu") if validation or cfg.crepa_enabled else None
-    if cfg.crepa_enabled and cfg.crepa_drop_vae_encoder:  # every start, once its caches are complete: CREPA only
+        comps.vae = comps.vae.to("cpu") if validation or decodes(cfg) else None
+    if decodes(cfg) and cfg.crepa_drop_vae_encoder:  # every start, once its caches are complete: CREPA only
         drop_vae_encoder(comps.vae, events.emit)  # decodes (what would encode later is refused by the config)
     _free(device)
     return Cached(cached, text_caches, failed, validation, on_the_fly)

@@ -445,7 +445,8 @@ def check_transformer_source(run: Run, path: Path) -> None:
 def crepa_switched(run: Run, path: Path) -> bool:
     """CREPA's projector trains with the adapter, so the optimizer's saved state holds its weights' moments when
     the checkpoint had it. Switched on now without one: refused, before torch's unreadable optimizer error. Switched
-    off: the run goes on without the projector and with a fresh optimizer state (True), said in a warning."""
+    off, or aligning something else now (DINOv2 and backbone mode, another encoder or block): the run goes on with a
+    fresh optimizer state (True), and a fresh projector in the second case, said in a warning."""
     from difftune.train.crepa import PROJECTOR_FILE
 
     had = (path / PROJECTOR_FILE).is_file()
@@ -456,6 +457,11 @@ def crepa_switched(run: Run, path: Path) -> bool:
         run.events.emit("warning", message=f"{path} was trained with CREPA, and crepa_enabled is off now: its "
                         "projector is left out, and the optimizer starts afresh (its saved state holds the "
                         "projector's moments); the weights, step, schedule and data position are resumed")
+        return True
+    if getattr(run, "crepa", None) is not None and (why := run.crepa.mismatch(path)) is not None:
+        run.events.emit("warning", message=f"{path}: {why}: the projector starts afresh, and so does the optimizer "
+                        "(its saved state holds the old projector's moments); the weights, step, schedule and data "
+                        "position are resumed")
         return True
     return False
 
@@ -517,6 +523,13 @@ def load_checkpoint(run: Run, path: Path) -> None:
     if note := run.data.sampler.load_state_dict(state["sampler"]):
         run.events.emit("info", message=f"{path}: {note}")
     run.state.position = run.data.sampler.state_dict()  # by dataset id, of this run's datasets
+    run.data.sampler.start_at(run.state.step)  # dataset windows count steps from here
+    from difftune.train.windows import WindowError, check_windows
+
+    try:  # over the steps left, with this run's datasets and accumulation
+        check_windows(run.data.sampler, run.total_steps, run.events.emit)
+    except WindowError as e:
+        raise ValueError(f"{path}: resumed at step {run.state.step}: {e}") from e
 
 
 def clean_partial(output_dir: Path) -> None:

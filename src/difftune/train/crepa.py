@@ -8,6 +8,11 @@ time: each latent frame's tokens are also aligned with the features of the frame
 neighbour d frames away weighing exp(-d/tau). On the
 image families (Lumina2, Kandinsky 5 image) there is one frame, so the same switch is plain REPA.
 
+Backbone mode (`crepa_use_backbone_features`): the targets are the transformer's own output after the deeper block
+`crepa_teacher_block_index` in the same call, detached (a frozen teacher, as SimpleTuner treats it), so no encoder
+loads and no VAE decode or DINOv2 pass runs; the projector maps the hidden size to itself. The neighbour weighting,
+the schedule and the threshold are the same.
+
 Targets: the cached latents x0 are decoded with the family's VAE (no gradient) at each step, and the
 frames go through DINOv2. Decision: decoding costs a VAE pass per step, but it needs no second cache
 (the latent cache and its fingerprint stay as they are) and it works for on-the-fly latents too; the
@@ -52,7 +57,7 @@ from safetensors.torch import load_file, save_file
 
 from difftune.config.crepa_keys import ENCODER_ALIASES
 from difftune.models.hub import ComponentError
-from difftune.train.tread import LAYOUTS
+from difftune.train.tread import LAYOUTS, resolve_routes
 
 PROJECTOR_WIDTH = 2048
 PROJECTOR_FILE = "crepa_projector.safetensors"
@@ -118,30 +123,55 @@ def alignment(tokens: torch.Tensor, targets: torch.Tensor, distance: int, tau: f
     return (total / frames if by_frames else total).mean()
 
 
-def check_block(cfg: Any, family: Any, transformer: torch.nn.Module) -> None:
-    """crepa_block_index against the loaded model's blocks and the TREAD routes, and crepa_encoder's config (read
-    from its folder or the hub): called before caching too, so what cannot be used fails before the caches fill."""
+def _aligned_blocks(cfg: Any) -> list[str]:
+    """The keys of the blocks CREPA captures: the student, and in backbone mode the teacher."""
+    return ["crepa_block_index"] + (["crepa_teacher_block_index"] if cfg.crepa_use_backbone_features else [])
+
+
+def _check_indexes(cfg: Any, count: int) -> None:
+    """The aligned blocks against a model of `count` blocks and TREAD's routes there (resolved as TREAD does)."""
+    routes = [(r.start, r.end) for r in resolve_routes(getattr(cfg.tread_config, "routes", None) or [], count)]
+    for key in _aligned_blocks(cfg):
+        index = getattr(cfg, key)
+        if index >= count:
+            raise CrepaError(f"{key} {index} is out of range: this model has {count} image/video blocks (0 to "
+                             f"{count - 1})")
+        for start, end in routes:
+            if start <= index <= end:  # inside a route the block sees only the tokens TREAD kept
+                raise CrepaError(f"{key} {index} lies inside the TREAD route of blocks {start}-{end}, whose blocks "
+                                 "see only part of the tokens; choose a block outside the route")
+
+
+def check_before_load(cfg: Any) -> None:
+    """The block indexes against the transformer's config.json, before any model loads (`difftune check` too), where
+    its depth is known then (train/tread.blocks_before_load); otherwise `check_block` checks them once it loads."""
     if not cfg.crepa_enabled:
         return
-    from transformers import AutoConfig
+    from difftune.train.tread import blocks_before_load
 
-    try:
-        AutoConfig.from_pretrained(ENCODER_ALIASES.get(cfg.crepa_encoder, cfg.crepa_encoder))
-    except (OSError, ValueError) as e:
-        raise CrepaError(f"crepa_encoder {cfg.crepa_encoder!r}: cannot load DINOv2 from "
-                         f"{ENCODER_ALIASES.get(cfg.crepa_encoder, cfg.crepa_encoder)!r} ({str(e).splitlines()[0]}); "
-                         "name a transformers DINOv2 model id such as facebook/dinov2-small, or a local folder "
-                         "holding one") from e
-    blocks = LAYOUTS[family.tread_layout].blocks(transformer)
-    index = cfg.crepa_block_index
-    if index >= len(blocks):
-        raise CrepaError(f"crepa_block_index {index} is out of range: this model has {len(blocks)} image/video "
-                         f"blocks (0 to {len(blocks) - 1})")
-    for route in getattr(cfg.tread_config, "routes", None) or []:
-        start, end = (i + len(blocks) if i < 0 else i for i in (route.start_layer_idx, route.end_layer_idx))
-        if start <= index <= end:  # inside a route the block sees only the tokens TREAD kept
-            raise CrepaError(f"crepa_block_index {index} lies inside the TREAD route of blocks {start}-{end}, "
-                             "whose blocks see only part of the tokens; choose a block outside the route")
+    count = blocks_before_load(cfg)
+    if count is not None:
+        _check_indexes(cfg, count)
+
+
+def check_block(cfg: Any, family: Any, transformer: torch.nn.Module) -> None:
+    """crepa_block_index (and crepa_teacher_block_index) against the loaded model's blocks and the TREAD routes, and
+    crepa_encoder's config (read from its folder or the hub): called before caching too, so what cannot be used
+    fails before the caches fill."""
+    if not cfg.crepa_enabled:
+        return
+    if not cfg.crepa_use_backbone_features:
+        from transformers import AutoConfig
+
+        source = ENCODER_ALIASES.get(cfg.crepa_encoder, cfg.crepa_encoder)
+        try:
+            AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise CrepaError(f"crepa_encoder {cfg.crepa_encoder!r}: cannot load DINOv2 from {source!r} "
+                             f"({str(e).splitlines()[0]}); name a transformers DINOv2 model id such as "
+                             "facebook/dinov2-small, or a local folder holding one") from e
+    count = len(LAYOUTS[family.tread_layout].blocks(transformer))
+    _check_indexes(cfg, count)
 
 
 class Crepa:
@@ -155,18 +185,25 @@ class Crepa:
         hidden = getattr(config, "hidden_size", None) or config.model_dim
         patch = config.patch_size
         self.patch = (patch, patch) if isinstance(patch, int) else tuple(patch[-2:])
-        self.encoder = load_encoder(cfg.crepa_encoder, device, encoder_dtype(cfg.weight_dtype_name()))
-        self.module = projector(hidden, self.encoder.config.hidden_size, cfg.seed).to(device)
+        # backbone mode: the teacher is block crepa_teacher_block_index of the same call, of the same width
+        self.backbone = bool(cfg.crepa_use_backbone_features)
+        self.encoder = None if self.backbone else load_encoder(cfg.crepa_encoder, device,
+                                                               encoder_dtype(cfg.weight_dtype_name()))
+        width = hidden if self.encoder is None else self.encoder.config.hidden_size
+        self.module = projector(hidden, width, cfg.seed).to(device)
         self.forward_module: Any = self.module  # accelerate's prepared (DDP) module with several processes
         self.armed, self.captured, self.captions = False, None, None
+        self.teacher_armed, self.teacher = False, None
         self.processes = 1
         # crepa_similarity_threshold: the moving average and the permanent cut, kept on the device (no host read)
         self.similarity: torch.Tensor | None = None
         self.cut = torch.zeros((), dtype=torch.bool, device=device)
         self.handles = [transformer.register_forward_pre_hook(self._on_call, with_kwargs=True),
                         blocks[index].register_forward_hook(self._on_block)]
+        if self.backbone:
+            self.handles.append(blocks[cfg.crepa_teacher_block_index].register_forward_hook(self._on_teacher))
         vae = comps.vae
-        if vae is not None and vae.device != device:  # decoded every step: on the accelerator, not parked
+        if not self.backbone and vae is not None and vae.device != device:  # decoded every step: on the accelerator
             vae.to(device)
 
     def prepare(self, accelerator: Any, processes: int) -> None:
@@ -179,8 +216,8 @@ class Crepa:
         return list(self.module.parameters())
 
     def _on_call(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.armed = module.training and torch.is_grad_enabled()
-        self.captured = None
+        self.armed = self.teacher_armed = module.training and torch.is_grad_enabled()
+        self.captured = self.teacher = None
         if self.armed and self.joint:  # Lumina2: sample i's image tokens follow its caption_i tokens
             self.captions = kwargs["encoder_attention_mask"].sum(dim=1).tolist()
 
@@ -189,16 +226,28 @@ class Crepa:
             self.captured = output[0] if isinstance(output, tuple) else output
             self.armed = False
 
-    def _tokens(self, grid: tuple[int, int, int]) -> torch.Tensor:
-        """The captured image/video tokens as [B, T, h*w, hidden]."""
-        hidden = self.captured
+    def _on_teacher(self, module: Any, args: tuple, output: Any) -> None:
+        if self.teacher_armed:  # a frozen teacher: no gradient flows into the deeper block through the alignment
+            self.teacher = (output[0] if isinstance(output, tuple) else output).detach()
+            self.teacher_armed = False
+
+    def _tokens(self, hidden: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """A captured block output's image/video tokens as [B, T, h*w, hidden]."""
         t, h, w = grid
         if self.joint:
             hidden = torch.stack([hidden[i, c : c + h * w] for i, c in enumerate(self.captions)])
         return hidden.reshape(hidden.shape[0], t, h * w, hidden.shape[-1])
 
-    @torch.no_grad()
     def _targets(self, x0: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """What the projected tokens align with, on the token grid: [B, T, h*w, D]."""
+        if not self.backbone:
+            return self._encoded(x0, grid)
+        if self.teacher is None:
+            raise RuntimeError("CREPA: block crepa_teacher_block_index did not run in this training step")
+        return self._tokens(self.teacher, grid).float()
+
+    @torch.no_grad()
+    def _encoded(self, x0: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """DINOv2 patch features of the clean frames, on the token grid: [B, T, h*w, D]."""
         vae = self.comps.vae
         z = x0.to(vae.device, vae.dtype) / vae.config.scaling_factor
@@ -229,14 +278,14 @@ class Crepa:
             raise RuntimeError("CREPA: block crepa_block_index did not run in this training step")
         frames = x0.shape[2] if x0.dim() == 5 else 1
         grid = (frames, x0.shape[-2] // self.patch[0], x0.shape[-1] // self.patch[1])
-        tokens = self.forward_module(self._tokens(grid).float())
+        tokens = self.forward_module(self._tokens(self.captured, grid).float())
         targets = self._targets(x0, grid).to(tokens.device)
         if not self.cfg.crepa_spatial_align:  # one vector per frame on each side
             tokens, targets = tokens.mean(dim=2, keepdim=True), targets.mean(dim=2, keepdim=True)
         distance = self.cfg.crepa_adjacent_distance if frames > 1 else 0
         loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames,
                          self.cfg.crepa_cumulative_neighbors)
-        self.captured = None
+        self.captured = self.teacher = None
         if self.cfg.crepa_similarity_threshold is not None:
             loss = loss * self._gate(F.cosine_similarity(tokens, targets, dim=-1).mean().detach())
         return loss
@@ -257,9 +306,33 @@ class Crepa:
         self.cut = self.cut | reached
         return (~self.cut).float()
 
+    def target(self) -> dict[str, str]:
+        """What the projector was trained for, saved in its file's metadata: a resume that aligns anything else
+        (another mode, encoder, width or block) starts a fresh projector (`mismatch`)."""
+        encoder = ENCODER_ALIASES.get(self.cfg.crepa_encoder, self.cfg.crepa_encoder)  # the weights, however named
+        teacher = f"block {self.cfg.crepa_teacher_block_index}" if self.backbone else f"DINOv2 {encoder}"
+        width = self.module[-1].out_features
+        return {"student": f"block {self.cfg.crepa_block_index}", "teacher": teacher, "width": str(width)}
+
+    def mismatch(self, folder: Path) -> str | None:
+        """Why the checkpoint's projector does not fit this run's CREPA (None when it does). A file of an earlier
+        difftune has no metadata: its tensor shapes decide."""
+        from safetensors import safe_open
+
+        with safe_open(str(folder / PROJECTOR_FILE), framework="pt") as f:
+            saved = f.metadata() or {}
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open's keys()
+        now = self.target()
+        if saved and saved != now:
+            was = ", ".join(f"{k} {saved.get(k, '?')}" for k in now)
+            return f"its CREPA projector was trained for {was}, and this run aligns {', '.join(f'{k} {v}' for k, v in now.items())}"
+        if shapes != {k: tuple(v.shape) for k, v in self.module.state_dict().items()}:
+            return "its CREPA projector has other shapes than this run's (another encoder width or transformer)"
+        return None
+
     def save(self, folder: Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()},
-                  folder / PROJECTOR_FILE)
+                  folder / PROJECTOR_FILE, metadata=self.target())
         if self.similarity is not None:
             save_file({"average": self.similarity.detach().float().cpu().reshape(1),
                        "cut": self.cut.float().cpu().reshape(1)}, folder / SIMILARITY_FILE)
@@ -268,6 +341,8 @@ class Crepa:
         if not (folder / PROJECTOR_FILE).is_file():
             raise ValueError(f"{folder} has no CREPA projector ({PROJECTOR_FILE}) but crepa_enabled is on; resume "
                              "with crepa_enabled false, or start a new output_dir")
+        if self.mismatch(folder) is not None:  # the resume's warning said so: a fresh projector and similarity
+            return
         self.module.load_state_dict(load_file(folder / PROJECTOR_FILE))
         if (folder / SIMILARITY_FILE).is_file():  # absent: no average yet (or no threshold when it was saved)
             state = load_file(folder / SIMILARITY_FILE)
@@ -351,6 +426,6 @@ def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         return loss
     w = weight(run.cfg, run.state.step, run.total_steps)
     if w == 0.0:
-        crepa.captured = None
+        crepa.captured = crepa.teacher = None
         return loss
     return loss + w * crepa.term(x0).to(loss.device)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config import RunConfig
-from difftune.config.dataset_entry_keys import validation_video_frames
+from difftune.config.dataset_entry_keys import validation_video_fps, validation_video_frames
 from difftune.config.reporting_keys import pipeline_name
 from difftune.models.registry import FAMILY_FACTS
 
@@ -94,7 +94,7 @@ def _generate(run_cfg: RunConfig) -> str:
     if video:
         return (head + f"frames = pipe({', '.join(args)}).frames[0]\n"
                 "# export_to_video needs imageio and imageio-ffmpeg (or opencv-python)\n"
-                f'export_to_video(frames, "sample.mp4", fps={cfg.video_fps():g})\n')
+                f'export_to_video(frames, "sample.mp4", fps={validation_video_fps(cfg, run_cfg.datasets):g})\n')
     if cfg.model_family == "lumina2":
         return head + f"result = pipe({', '.join(args)}).images[0]\nresult.save(\"sample.png\")\n"
     return (head + "# the pipeline snaps a size outside pipe.resolutions (its 1K buckets) to the closest of them\n"

@@ -23,12 +23,13 @@ from difftune.config.datasets import REMOTE_TYPES
 from difftune.config.resume_check import world_size
 from difftune.data.buckets import SizeRule
 from difftune.data.caption_filter import CaptionFilter
-from difftune.data.captions import CaptionRule, CaptionTable
+from difftune.data.captions import CaptionRule, CaptionShuffle, CaptionTable
 from difftune.data.discovery import DatasetSpec, Discovery, Sample, discover
 from difftune.data.frames import FrameRule
 from difftune.data.repeats import Bucket, RepeatsPlan, StepSize, plan_repeats
-from difftune.data.report import LIST_LIMIT, DataReport
+from difftune.data.report import LIST_LIMIT, DataReport, window_text
 from difftune.models.registry import FAMILY_FACTS
+from difftune.train.windows import WindowError, bucket_sampler, check_windows, total_steps
 
 
 class DataError(Exception):
@@ -52,7 +53,7 @@ def size_rule(ds: ImageDataset, pixel_multiple: int) -> SizeRule:
         multiple=pixel_multiple, minimum_image_size=ds.minimum_image_size,
         maximum_image_size=ds.maximum_image_size, target_downsample_size=ds.target_downsample_size,
         crop_aspect_buckets=tuple(ds.crop_aspect_buckets or ()), minimum_aspect_ratio=ds.minimum_aspect_ratio,
-        maximum_aspect_ratio=ds.maximum_aspect_ratio,
+        maximum_aspect_ratio=ds.maximum_aspect_ratio, max_upscale_threshold=ds.max_upscale_threshold,
     )
 
 
@@ -153,6 +154,15 @@ def caption_filters(run_cfg: RunConfig, ds: ImageDataset) -> CaptionFilter | Non
         raise DataError(f"dataset {ds.id!r}: text_embeds entry {entry.id!r}: caption_filter_list: {e}") from e
 
 
+def caption_shuffle(run_cfg: RunConfig, ds: ImageDataset) -> CaptionShuffle | None:
+    """The dataset's caption_shuffle block as the data layer's rule (None when off); its seed, else the run's, else 0."""
+    block = ds.caption_shuffle
+    if block is None or not block.enable:
+        return None
+    seed = block.seed if block.seed is not None else run_cfg.train.seed if run_cfg.train.seed is not None else 0
+    return CaptionShuffle(block.count, seed, block.split_on, block.position_start, block.include_original)
+
+
 def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_metadata: bool = True,
                  generated: bool = True) -> DatasetSpec:
     """`generated`: the generated conditioning images are up to date (generate_conditioning ran)."""
@@ -161,7 +171,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
         captions=CaptionRule(downloaded_captions(ds.caption_strategy), ds.instance_prompt, ds.prepend_instance_prompt,
                              ds.only_instance_prompt, split_lines=not ds.disable_multiline_split,
-                             filters=caption_filters(run_cfg, ds)),
+                             filters=caption_filters(run_cfg, ds), shuffle=caption_shuffle(run_cfg, ds)),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=run_cfg.datasets.metadata_file(ds, run_cfg.train.model_family),
         seed=run_cfg.train.seed, write_metadata=write_metadata, frames=frame_rule(run_cfg, ds),
@@ -284,10 +294,27 @@ def check_data(run_cfg: RunConfig, every_line: bool = False) -> str:
     processes = world_size()
     found = discover_datasets(run_cfg)
     plan = planned(run_cfg, found, processes)
-    return DataReport(found, [], plan.pruned, repeats=plan.changes, planned=planned_buckets(found, plan),
-                      plan_note=plan_note(run_cfg, processes),
-                      incomplete=incomplete(run_cfg, found, plan, processes)).render(
+    report = DataReport(found, [], plan.pruned, repeats=plan.changes, planned=planned_buckets(found, plan),
+                        plan_note=plan_note(run_cfg, processes),
+                        incomplete=incomplete(run_cfg, found, plan, processes)).render(
         None if every_line else LIST_LIMIT, "difftune check --all lists them all")
+    return report + "".join(f"\n{line}" for line in planned_windows(run_cfg, found, plan, processes))
+
+
+def planned_windows(run_cfg: RunConfig, found: list[Discovery], plan: RepeatsPlan, processes: int) -> list[str]:
+    """The datasets' sampling windows as training will check them, from the planned batches: the data report's
+    line and a warning per dataset never sampled; a step that no dataset covers is training's DataError."""
+    if not any(ds.scheduled() for ds in run_cfg.datasets.images):  # no sampler to build for most configs
+        return []
+    sampler, _ = bucket_sampler(run_cfg, (s for d in found for s in d.samples), plan, processes)
+    warnings: list[str] = []
+    try:
+        check_windows(sampler, total_steps(run_cfg.train, sampler.batches_per_epoch()),
+                      lambda kind, message: warnings.append(f"{kind}: {message}"))
+    except WindowError as e:
+        raise DataError(str(e)) from e
+    windows = "; ".join(f"{i} {window_text(w)}" for i, w in zip(sampler.ids, sampler.windows, strict=True))
+    return [f"  sampled: {windows} (drawn by weight among the datasets in their window)", *warnings]
 
 
 def discover_all(run_cfg: RunConfig, write_metadata: bool = True, fetch: bool = True,

@@ -6,7 +6,6 @@ the text encoder, fill the latent cache and park the VAE, then attach the adapte
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,8 @@ from accelerate.state import AcceleratorState
 from difftune.adapters.kinds import Adapter, build_adapter
 from difftune.config import RunConfig, TrainConfig
 from difftune.data.batches import TrainingData
-from difftune.data.latents import CachedSample
-from difftune.data.repeats import RepeatsPlan, StepSize
+from difftune.data.repeats import RepeatsPlan
 from difftune.data.report import LIST_LIMIT, DataReport
-from difftune.data.sampler import BucketSampler
 from difftune.models import get_family, is_tiny, tiny_model
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.flops import Flops
@@ -62,6 +59,7 @@ from difftune.train.plan import (
 )
 from difftune.train.throughput import Throughput
 from difftune.train.torch_options import apply_torch_options
+from difftune.train.windows import WindowError, bucket_sampler, check_windows, total_steps
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -145,8 +143,6 @@ def build_data(
     batches (train_batch_size per process) and each takes a slice."""
     ranks = ranks or Ranks()
     cfg = run_cfg.train
-    step = StepSize(cfg.train_batch_size, ranks.count, cfg.gradient_accumulation_steps)
-    global_batch = step.global_batch
     datasets = run_cfg.datasets.images
     lost = sorted({ds.id for ds in datasets} - {c.sample.dataset_id for c in cached.samples})
     if lost:  # the files' reasons here: the data report that names them comes after this point
@@ -157,18 +153,7 @@ def build_data(
     # the same plan `difftune check` and discover_all make before any model loads (train/plan.py), now on the
     # files that decoded; it raises when every bucket holds fewer items than one global batch
     plan = plan_buckets(run_cfg, [c.sample for c in cached.samples], ranks.count)
-    items: list[CachedSample] = []
-    parts = []
-    for ds in datasets:
-        mine = [c for c in cached.samples
-                if c.sample.dataset_id == ds.id and (ds.id, c.sample.group) not in plan.pruned]
-        start = len(items)
-        items += [c for c in mine for _ in range(1 + plan.repeats[ds.id])]
-        parts.append((list(range(start, len(items))), [c.sample.group for c in items[start:]], ds.probability))
-    # Partial batches cannot be split evenly between processes: with several, only full ones are used.
-    keep_partial = cfg.disable_bucket_pruning and ranks.count == 1
-    sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=keep_partial,
-                            uniform=cfg.data_backend_sampling == "uniform", ids=[ds.id for ds in datasets])
+    sampler, items = bucket_sampler(run_cfg, cached.samples, plan, ranks.count)
     data = TrainingData(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
@@ -176,14 +161,6 @@ def build_data(
         regularisation=frozenset(ds.id for ds in datasets if ds.is_regularisation_data),
     )
     return data, plan
-
-
-def total_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
-    by_steps = cfg.max_train_steps or math.inf
-    by_epochs = math.ceil(cfg.num_train_epochs * batches_per_epoch / cfg.gradient_accumulation_steps) or math.inf
-    if cfg.ignore_final_epochs:  # max_train_steps alone ends the run (the config makes sure it is set)
-        by_epochs = math.inf
-    return int(min(by_steps, by_epochs))
 
 
 @dataclass
@@ -273,6 +250,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     ranks = ranks_of(accelerator)
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
     tread.check_before_load(cfg)  # so does a TREAD route past the transformer's last block
+    crepa.check_before_load(cfg)  # and a CREPA block past it
     if cfg.lora_type == "lycoris":  # so does a LyCORIS algo this device's autocast cannot serve
         from difftune.adapters.lycoris import check_device
 
@@ -322,6 +300,10 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
     optimizer = host_step(cfg, params + (aligner.parameters() if aligner else []), build, accelerator.device,
                           events.emit, ranks.count)
     steps = total_steps(cfg, data.sampler.batches_per_epoch())
+    try:  # start_epoch/start_step/end_epoch/end_step over the whole run
+        check_windows(data.sampler, steps, events.emit)
+    except WindowError as e:
+        raise DataError(str(e)) from e
     lr_scheduler = build_lr_scheduler(cfg, optimizer, steps, rate)  # lr_end, lr_power, lr_num_cycles: train/lr_schedule.py
     if (too_long := warmup_too_long(cfg, steps)) is not None:
         events.emit("warning", message=too_long)

@@ -175,25 +175,34 @@ BLOCK_COUNT_KEY = {"lumina2": "num_layers", "kandinsky5-image": "num_visual_bloc
                    "kandinsky5-video": "num_visual_blocks"}
 
 
-def check_before_load(cfg: Any) -> None:
-    """The routes against the transformer's config.json (a local folder's, or the flavour's real architecture),
-    before any model loads: `difftune check` said OK to a route past the last block, and a run found it only
-    after loading the model. A tiny flavour (built at load) and an unknown architecture are checked at load."""
-    if cfg.tread_config is None or cfg.flavour().startswith("tiny"):
-        return
+def blocks_before_load(cfg: Any) -> int | None:
+    """The count of the blocks the routes (and CREPA's block indexes) index, from the transformer's config.json (a
+    local folder's, or the flavour's real architecture), before any model loads; None when it is known only once
+    the model loads (a tiny flavour, built at load; another hub model than the flavour's; an unknown architecture)."""
+    if cfg.flavour().startswith("tiny"):
+        return None
     from difftune.memory_plan.architecture import architecture_of
     from difftune.models.registry import FAMILY_FACTS
 
     try:
         arch = architecture_of(cfg)
     except (ValueError, OSError):
-        return
+        return None
     official = FAMILY_FACTS[cfg.model_family].flavours.get(cfg.flavour())
     if arch.known and (cfg.pretrained_model_name_or_path not in (None, official)
                        or cfg.pretrained_transformer_model_name_or_path is not None):
-        return  # another hub model than the flavour's: its depth is known once it loads
+        return None  # another hub model than the flavour's: its depth is known once it loads
     blocks = arch.config.get(BLOCK_COUNT_KEY.get(cfg.model_family, ""))
-    if isinstance(blocks, int) and blocks > 0:
+    return blocks if isinstance(blocks, int) and blocks > 0 else None
+
+
+def check_before_load(cfg: Any) -> None:
+    """The routes against `blocks_before_load`: `difftune check` said OK to a route past the last block, and a run
+    found it only after loading the model."""
+    if cfg.tread_config is None:
+        return
+    blocks = blocks_before_load(cfg)
+    if blocks is not None:
         resolve_routes(cfg.tread_config.routes, blocks)
 
 

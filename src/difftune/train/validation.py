@@ -299,6 +299,6 @@ def _sample_requests(run: Run, model: Any, vae: Any, label: str | None, suffix: 
         run.events.activity(None)
         model.train()
         # the VAE stays on the accelerator when it encodes on the fly, or when CREPA decodes with it every step
-        if not run.data.encode and run.crepa is None:
+        if not run.data.encode and (run.crepa is None or run.crepa.backbone):
             vae.to("cpu")
     return done

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from difftune.config.dataset_list import dataset_list_location
 from difftune.config.load import (
     ConfigError,
     RunConfig,
@@ -26,16 +27,16 @@ from difftune.models.registry import FAMILY_FACTS
 from difftune.ui.confine import DATASETS_KEY, parsed_problems, raw_pass, special_problem
 from difftune.ui.paths import PathRefused, Roots
 
-DEFAULT_DATASETS = "config/multidatabackend.json"
 log = logging.getLogger("difftune.ui")
 
 
 def datasets_location(roots: Roots, config_path: Path, config: dict[str, Any]) -> Path:
-    """Where the config's dataset list lives (confined; PathRefused otherwise)."""
-    value = clean_keys(config).get(DATASETS_KEY, DEFAULT_DATASETS)
-    if not isinstance(value, str) or not value:
+    """Where the config's dataset list lives (confined; PathRefused otherwise): where the loader reads it
+    (config/dataset_list.py), or beside the config when the value is not a path."""
+    value = clean_keys(config).get(DATASETS_KEY)
+    if value is not None and (not isinstance(value, str) or not value):
         value = str(config_path.parent / "multidatabackend.json")
-    return roots.confine_config(value)
+    return roots.confine_config(str(dataset_list_location(value, config_path)[0]))
 
 
 def _unexpected(where: Path, e: Exception) -> str:

@@ -27,7 +27,6 @@ from typing import Any
 from difftune.config.compat import family_name, substitute_all
 from difftune.config.datasets import DatasetPlan, ImageDataset
 from difftune.config.extra_output_keys import SCRIPT_KEYS
-from difftune.config.generated_conditioning import default_folder
 from difftune.config.load import clean_keys
 from difftune.config.schema import TrainConfig
 from difftune.config.webhook_keys import is_inline
@@ -193,7 +192,7 @@ def parsed_problems(roots: Roots, train: TrainConfig | None, plan: DatasetPlan |
                                  "is inside the roots")
     for gen in plan.generated.values():  # generated input images are written before training (plan.py)
         hint = (" - that is the default folder of generated input images; set the generator's instance_data_dir to a "
-                "folder inside the roots") if gen.folder == default_folder(gen.id) else ""
+                "folder inside the roots") if gen.default else ""
         problems += _default(roots, gen.folder, f"{data_where}: dataset {gen.source_id!r}: conditioning[0]: "
                              "instance_data_dir", hint)
     return list(dict.fromkeys(problems))

@@ -286,12 +286,12 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             raise ApiError(400, f"{path!r} is not a folder")
         # the types discovery reads (the data layer, which imports torch: not at server start); this folder only,
         # a picker answer must not walk a whole tree
-        from difftune.data.discovery import VIDEO_SUFFIXES
+        from difftune.data.discovery import CLIP_SUFFIXES
         from difftune.data.images import IMAGE_EXTENSIONS
 
         listed = list(folder.iterdir())  # one read of the folder for the entries and both counts
         images = sum(1 for e in listed if e.suffix.lower() in IMAGE_EXTENSIONS)
-        clips = sum(1 for e in listed if e.suffix.lower() in VIDEO_SUFFIXES)
+        clips = sum(1 for e in listed if e.suffix.lower() in CLIP_SUFFIXES)  # a GIF counts as either
         entries = []
         for entry in sorted(listed, key=lambda p: (not p.is_dir(), p.name.lower()))[:2000]:
             if entry.name.startswith(".") or not confined.inside(entry):

@@ -23,7 +23,7 @@ from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES
 from difftune.config.datasets import DATASET_MODELS, VideoOptions
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.load import _validate, split_problem
-from difftune.data.discovery import VIDEO_SUFFIXES, count_files
+from difftune.data.discovery import CLIP_SUFFIXES, count_files
 from difftune.data.frames import resampled_count, vae_frames
 from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.models.registry import FAMILY_FACTS
@@ -205,7 +205,7 @@ class Wizard(MemoryQuestions):
         if not folder.is_dir():
             return f"{value!r} is not a folder; give the folder that holds your images"
         video = self.media() == "video"
-        suffixes = VIDEO_SUFFIXES if video else IMAGE_EXTENSIONS  # what discovery reads (data layer)
+        suffixes = CLIP_SUFFIXES if video else IMAGE_EXTENSIONS  # what discovery reads (data layer)
         files, more = count_files(folder, suffixes, COUNT_CAP)
         what = "clips" if video else "images"
         if not files:
@@ -230,7 +230,7 @@ class Wizard(MemoryQuestions):
                 info = probe_video(path)
             except (BadVideo, OSError):
                 continue
-            counts.append(resampled_count(info.frames, info.span, info.fps, fps))
+            counts.append(resampled_count(info.frames, info.span, info.fps, fps, info.variable_rate))
         return (min(counts), len(counts), float(fps)) if counts else None
 
     def media(self) -> str:
@@ -354,7 +354,7 @@ class Wizard(MemoryQuestions):
                 self.forget_conditioning(entry)
             entry["conditioning"] = [dict(generator)]
             self.say(f"  made before training into cache/conditioning_data/{entry['id']}_conditioning_"
-                     f"{generator['type']}")
+                     f"{generator['type']}-<digest of the images' folder>")
             return
         wanted = entry.get("conditioning_data")
         inputs = next((e for e in self.datasets if isinstance(e, dict) and e.get("dataset_type") == "conditioning"

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
 
 from difftune.config.datasets import ImageDataset
-from difftune.data.discovery import VIDEO_SUFFIXES
+from difftune.data.discovery import CLIP_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.data.sources import SourceError, open_folder, partial, save_manifest, write_if_changed
 
@@ -84,7 +84,7 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None] = print) ->
     table = Path(str(ds.csv_file)).expanduser()
     rows, skipped = read_table(ds, table, lambda note: say(f"dataset {ds.id!r}: {note}"))
     claim(ds, folder, table)
-    suffixes = VIDEO_SUFFIXES if ds.video is not None else IMAGE_EXTENSIONS
+    suffixes = CLIP_SUFFIXES if ds.video is not None else IMAGE_EXTENSIONS
     present = {p.stem: p.name for p in folder.iterdir()
                if STEM.match(p.stem) and p.suffix.lower() in suffixes and p.is_file()}
     fetcher = Fetcher(folder, table.parent, video=ds.video is not None)
@@ -191,7 +191,7 @@ class Fetcher:
 
     def __init__(self, folder: Path, base: Path, video: bool):
         self.folder, self.base, self.video = folder, base, video
-        self.suffixes = VIDEO_SUFFIXES if video else IMAGE_EXTENSIONS
+        self.suffixes = CLIP_SUFFIXES if video else IMAGE_EXTENSIONS
         self.local = threading.local()
         self.sessions: list = []
         self.lock = threading.Lock()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config.datasets import ImageDataset
-from difftune.data.discovery import VIDEO_SUFFIXES
+from difftune.data.discovery import CLIP_SUFFIXES, VIDEO_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.data.sources import (
     MANIFEST,
@@ -157,7 +157,7 @@ def _claim(ds: ImageDataset, folder: Path, source: dict[str, Any]) -> dict[str, 
 
 def _present(folder: Path, clips: bool) -> dict[str, Path]:
     """Row files already downloaded, by stem."""
-    suffixes = VIDEO_SUFFIXES if clips else IMAGE_EXTENSIONS
+    suffixes = CLIP_SUFFIXES if clips else IMAGE_EXTENSIONS
     if not folder.is_dir():
         return {}  # made when the manifest is first written
     return {p.stem: p for p in folder.iterdir() if p.suffix.lower() in suffixes and p.stem.isdigit()}

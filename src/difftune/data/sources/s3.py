@@ -23,7 +23,7 @@ from typing import Any
 
 from difftune.config.datasets import ImageDataset
 from difftune.config.source_aws_keys import AWS_DEFAULT_POOL
-from difftune.data.discovery import VIDEO_SUFFIXES
+from difftune.data.discovery import CLIP_SUFFIXES, VIDEO_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 from difftune.data.sources import MANIFEST, SourceError, open_folder, partial, save_manifest
 from difftune.data.sources import PARTIAL as PART_SUFFIX  # noqa: F401 (the name the tests give a leftover)
@@ -147,7 +147,7 @@ def mask(key_id: str) -> str:
 
 
 def _media_extensions(ds: ImageDataset) -> set[str]:
-    return VIDEO_SUFFIXES if ds.video is not None else IMAGE_EXTENSIONS
+    return CLIP_SUFFIXES if ds.video is not None else IMAGE_EXTENSIONS
 
 
 def wanted(bucket: Bucket, objects: list[dict[str, Any]], say: Callable[[str], None]) -> list[Item]:
