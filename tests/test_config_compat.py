@@ -277,7 +277,6 @@ SIMPLETUNER_PENDING = [
     ("conditioning_multidataset_sampling", "random", "combined"), ("ignore_missing_files", False, True),
     ("delete_unwanted_images", False, True), ("delete_problematic_images", False, True),
     ("override_dataset_config", False, True), ("cache_dir", None, "/models"),
-    ("vae_cache_ondemand", False, True),
     ("vae_cache_scan_behaviour", "recreate", "sync"), ("vae_enable_temporal_roll", False, True),
     ("keep_vae_loaded", False, True), ("cache_clear_validation_prompts", False, True),
     ("conditioning_image_embed_batch_size", None, 4),

@@ -42,7 +42,6 @@ def mask_entry(folder, **extra):
 # (key, off value, a value that would act, the entry it is written on)
 PENDING = [
     ("hash_filenames", True, False, "image"), ("cache_file_suffix", None, "subject", "image"),
-    ("vae_cache_ondemand", False, True, "image"),
     ("text_cache_ondemand", False, True, "text"), ("text_cache_disable", False, True, "text"),
     ("timestep_sampling_offset", 0.0, -0.5, "image"), ("disable_validation", False, True, "image"),
     ("slider_strength", 0, 0.5, "image"),

@@ -123,7 +123,7 @@ def diffusers_rates(name: str, warmup: int, total: int, cycles: int = 1, steps: 
     return walk(optimizer, scheduler, total + 2 if steps is None else steps)
 
 
-@pytest.mark.parametrize("name", LR_SCHEDULERS)
+@pytest.mark.parametrize("name", [n for n in LR_SCHEDULERS if n != "sine"])  # sine: SimpleTuner's, below
 def test_without_the_keys_each_schedule_is_diffusers_own(name):
     # diffusers' 'constant' drops a warm-up; difftune's warms up (test_constant_with_a_warmup_warms_up)
     same = "constant_with_warmup" if name == "constant" else name
@@ -132,7 +132,8 @@ def test_without_the_keys_each_schedule_is_diffusers_own(name):
 
 @pytest.mark.parametrize("keys", [{"lr_scheduler": "polynomial", "lr_end": 0.05, "lr_power": 2.0},
                                   {"lr_scheduler": "cosine", "lr_end": 0.05},
-                                  {"lr_scheduler": "cosine_with_restarts", "lr_end": 0.05, "lr_num_cycles": 3}],
+                                  {"lr_scheduler": "cosine_with_restarts", "lr_end": 0.05, "lr_num_cycles": 3},
+                                  {"lr_scheduler": "sine", "lr_end": 0.05}],
                          ids=lambda k: k["lr_scheduler"])
 def test_a_restored_scheduler_continues_the_curve(keys):
     """What a resume does (train/checkpoint.py): the state_dict through torch.save / torch.load(weights_only),
@@ -195,3 +196,19 @@ def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, dataset):
                       "learning_rate and lr_scheduler 'cosine' never starts; lower lr_warmup_steps (e.g. to 1)"]
     run = build_run(load_config(write_config(tmp_path / "fits", dataset, lr_warmup_steps=3, max_train_steps=3)))
     assert "lr_warmup_steps" not in (run.output_dir / "events.jsonl").read_text()
+
+
+def test_sine_is_simpletuners_wave():
+    """lr_end + (learning_rate - lr_end)(1 + sin(pi k / W)) / 2, W = lr_warmup_steps: half-way at 0, the peak at W / 2,
+    lr_end at 1.5 W, and on in waves; no warm-up from 0."""
+    got = rates(config(lr_scheduler="sine", lr_warmup_steps=4, lr_end=0.2), total=12)
+    assert got == pytest.approx([0.2 + 0.8 * 0.5 * (1 + math.sin(math.pi * k / 4)) for k in range(15)])
+    assert got[0] == pytest.approx(0.6) and got[2] == pytest.approx(1.0) and got[6] == pytest.approx(0.2)
+    assert rates(config(lr_scheduler="sine", lr_warmup_steps=4), total=8)[6] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_sine_needs_lr_warmup_steps(tmp_path, dataset):
+    with pytest.raises(ConfigError, match="lr_scheduler 'sine' takes half its wave's period from lr_warmup_steps"):
+        load_config(write_config(tmp_path, dataset, lr_scheduler="sine"))
+    cfg = load_config(write_config(tmp_path, dataset, lr_scheduler="sine", lr_warmup_steps=500, lr_end=4e-7)).train
+    assert cfg.lr_scheduler == "sine" and cfg.lr_end == 4e-7  # SimpleTuner's written default: the wave's bottom

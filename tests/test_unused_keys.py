@@ -56,7 +56,7 @@ def test_flow_shift_beside_auto_shift_gets_a_note(tmp_path, dataset):
 @pytest.mark.parametrize("optimizer", ["lion", "optimi-lion"])
 def test_adam_epsilon_with_lion_gets_a_note(tmp_path, dataset, optimizer):
     path = write_config(tmp_path, dataset, optimizer=optimizer, adam_epsilon=1e-6)
-    assert f"adam_epsilon 1e-06 not used: optimizer {optimizer!r} (Lion) has no epsilon" in notes(path)
+    assert f"adam_epsilon 1e-06 not used: optimizer {optimizer!r} has no epsilon" in notes(path)
     assert "adam_epsilon" not in notes(write_config(tmp_path, dataset, optimizer=optimizer))
     assert "adam_epsilon" not in notes(write_config(tmp_path, dataset, adam_epsilon=1e-6))  # adamw uses it
 

@@ -371,6 +371,11 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
     quiet_libraries()
     import torch
 
+    from difftune.train.plan import cache_everything
+
+    if ondemand := cache_everything(run_cfg):
+        print(f"vae_cache_ondemand ({', '.join(map(repr, ondemand))}): difftune cache encodes every latent now; "
+              "training then reads them all from the cache")
     from difftune.train.events import Events
     from difftune.train.run_lock import (
         OutputDirInUse,

@@ -215,7 +215,8 @@ def crepa_dataset_problems(cfg: Any, datasets: list[Any]) -> list[str]:
         return []
     return [f"dataset {ds.id!r}: {key} encodes its latents during training, but crepa_drop_vae_encoder frees the VAE's "
             f"encoder after caching; remove {key} from the dataset or set crepa_drop_vae_encoder to false"
-            for ds in datasets for key in ("vae_cache_disable", "vae_cache_clear_each_epoch") if getattr(ds, key)]
+            for ds in datasets for key in ("vae_cache_disable", "vae_cache_clear_each_epoch", "vae_cache_ondemand")
+            if getattr(ds, key, False)]
 
 
 def decodes(cfg: Any) -> bool:

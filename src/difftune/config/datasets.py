@@ -15,6 +15,7 @@ from difftune.config.caption_shuffle_keys import CaptionShuffleOptions
 from difftune.config.dataset_window_keys import DatasetSchedule
 from difftune.config.fields import UnsetSpellings, expand_home, field, text_list
 from difftune.config.generated_conditioning import GeneratedConditioning
+from difftune.config.latent_cache_keys import ABOUT
 from difftune.config.source_aws_keys import AwsSource
 from difftune.config.source_csv_keys import CsvSource
 from difftune.config.source_huggingface_keys import HuggingfaceSource
@@ -233,6 +234,10 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, DatasetSchedule, Uns
     vae_cache_disable: bool = field(
         False, "Encode this dataset's images on the fly during training; write no latents.", "data", advanced=True
     )
+    vae_cache_ondemand: bool | None = field(
+        None, ABOUT + " Unset: the config's vae_cache_ondemand. Not with this dataset's vae_cache_disable or "
+        "vae_cache_clear_each_epoch, nor on an eval dataset.", "data", advanced=True,
+    )
     vae_cache_clear_each_epoch: bool = field(
         False, "With crop: true and crop_style 'random': draw a new random crop of every image (or clip) each epoch "
         "of this dataset, instead of one crop per image and seed kept for the whole run. Its latents are then encoded "
@@ -369,6 +374,7 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, DatasetSchedule, Uns
         if self.crop_aspect_buckets and any(a <= 0 for a in self.crop_aspect_buckets):
             raise ValueError("crop_aspect_buckets must be positive width/height ratios")
         self._check_clear_each_epoch()
+        self._check_ondemand()
         lo, hi = self.minimum_aspect_ratio, self.maximum_aspect_ratio
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("minimum_aspect_ratio is larger than maximum_aspect_ratio")
@@ -395,6 +401,18 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, DatasetSchedule, Uns
                 f"{key}: {what}, so every epoch would encode the same crops{aspect}: the latents are cached once "
                 "instead (the same result, without encoding during training); set crop to true and crop_style to "
                 "'random' for a new crop each epoch, or remove vae_cache_clear_each_epoch")
+
+    def _check_ondemand(self) -> None:
+        if not self.vae_cache_ondemand:
+            return
+        key = f"vae_cache_ondemand on dataset {self.id!r}"
+        if self.dataset_type == "eval":
+            raise ValueError(f"{key}: an eval dataset is cached before training (its loss is measured on every item "
+                             "each time); remove it")
+        for other in ("vae_cache_disable", "vae_cache_clear_each_epoch"):
+            if getattr(self, other):
+                raise ValueError(f"{key} with its {other}: that encodes on the fly and writes no latents, "
+                                 "vae_cache_ondemand writes each one as it is first encoded; keep one")
 
     def vae_cache_root(self, family: str) -> str:
         return self.cache_dir_vae or f"cache/vae/{family}/{self.id}"

@@ -14,6 +14,7 @@ optimizer_config is set; here adam_beta1/2 (and their aliases) always set the be
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from typing import Any
 
@@ -21,13 +22,31 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from difftune.config.fields import field
 from difftune.config.pending import coerce
-from difftune.train.optimizers import OPTIMIZER_ALIASES, hyper_parameters, setting_problem
+from difftune.train.optimizer_catalog import FSDP_REFUSED
+from difftune.train.optimizers import OPTIMIZER_ALIASES, hyper_parameters, package_of, setting_problem
 
 SCHEDULE_FREE = "adamw_schedulefree"
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")  # the lr_scheduler values schedule-free takes
 
 
 class OptimizerKeys(BaseModel):
+    adam_beta1: float | None = field(
+        None, "The optimizer's beta1 (first-moment decay; schedule-free: its interpolation). Unset: the optimizer's "
+        "default as in SimpleTuner (0.9; 0.98 for optimi-adan, 0.95 for soap). An optimizer without betas (SGD, "
+        "RMSprop, Adagrad, Adadelta, ASGD, Adafactor, muon) notes it as unused.", "training", advanced=True)
+    adam_beta2: float | None = field(
+        None, "The optimizer's beta2. Unset: the optimizer's default as in SimpleTuner: 0.99 for the optimi-* ones, "
+        "prodigy and bnb-lion*, 0.92 for optimi-adan, 0.95 for soap, 0.999 for the others.", "training", advanced=True)
+    adam_weight_decay: float | None = field(
+        None, "Weight decay (decoupled for the AdamW kinds, added to the gradient for the Adam kinds). Unset: the "
+        "optimizer's default as in SimpleTuner: 0 for optimi-adamw, optimi-lion, prodigy and the torch-*, Adam, "
+        "Lion and Adagrad kinds of SimpleTuner's other names, 0.1 for muon, 2e-2 for optimi-adan, 1e-2 for the "
+        "others.", "training", advanced=True)
+    adam_epsilon: float | None = field(
+        None, "The optimizer's epsilon (the Lion kinds, SGD, ASGD and Adafactor have none). Unset: the optimizer's "
+        "default as in SimpleTuner: 1e-6 for adamw_bf16, the optimi-* ones, adamw8bit, the ao-* ones, bnb-adamw* "
+        "and torch-adadelta, 1e-10 for the Adagrad kinds, 1e-7 for muon, 1e-8 for the others.",
+        "training", advanced=True)
     optimizer_config: str | None = field(
         None, "More settings of the optimizer's constructor, SimpleTuner's format: 'key=value,key2=value2' (for "
         "example 'amsgrad=true' for adamw, 'd_coef=2' for prodigy). Values read as true/false, none, numbers or "
@@ -98,8 +117,15 @@ def optimizer_notes(cfg: Any) -> list[str]:
     optimizer)."""
     notes = []
     if cfg.adam_epsilon is not None and hyper_parameters(cfg.optimizer)[2] is None:
-        notes.append(f"adam_epsilon {cfg.adam_epsilon:g} not used: optimizer {cfg.optimizer!r} (Lion) has no "
-                     "epsilon; remove it")
+        notes.append(f"adam_epsilon {cfg.adam_epsilon:g} not used: optimizer {cfg.optimizer!r} has no epsilon; "
+                     "remove it")
+    if hyper_parameters(cfg.optimizer)[0] is None:
+        for key in ("adam_beta1", "adam_beta2"):
+            if getattr(cfg, key) is not None:
+                momentum = (" (its momentum is optimizer_config momentum=...)"
+                            if "momentum" in setting_keywords(cfg.optimizer) else "")
+                notes.append(f"{key} {getattr(cfg, key):g} not used: optimizer {cfg.optimizer!r} has no betas"
+                             f"{momentum}; remove it")
     if cfg.optimizer == "prodigy" and cfg.learning_rate < 0.1:
         notes.append(f"learning_rate {cfg.learning_rate:g} with optimizer prodigy: Prodigy estimates the step size "
                      "itself and learning_rate multiplies it, so 1.0 is usual; this trains about "
@@ -112,12 +138,36 @@ def optimizer_notes(cfg: Any) -> list[str]:
     return notes
 
 
+def setting_keywords(name: str) -> dict[str, Any]:
+    from difftune.train.optimizers import KEYWORDS
+
+    return KEYWORDS[OPTIMIZER_ALIASES.get(name, name)]
+
+
 def optimizer_checks(cfg: Any) -> None:
-    """Raise ValueError for an optimizer_config keyword the optimizer cannot take, or a decaying lr_scheduler with
-    adamw_schedulefree."""
+    """Raise ValueError for an optimizer_config keyword the optimizer cannot take, a decaying lr_scheduler with
+    adamw_schedulefree, an optimizer whose package is not installed, one that cannot step FSDP2's shards with fsdp_enable, or muon with tensors that are
+    not matrices (a full fine-tune, DoRA, CREPA)."""
     for key, value in cfg.optimizer_settings().items():
         if problem := setting_problem(cfg.optimizer, key, value):
             raise ValueError(f"optimizer_config {key}={value}: {problem}")
+    name = OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer)
+    package, module = package_of(name)
+    if package and importlib.util.find_spec(module.split(".")[0]) is None:
+        extra = " (or `pip install 'difftune[bnb]'`)" if package == "bitsandbytes" else ""
+        raise ValueError(f"optimizer {cfg.optimizer!r} needs the package {package!r}, which is not installed: "
+                         f"`pip install {package}`{extra}, or choose another optimizer ('adamw' if unsure)")
+    if getattr(cfg, "fsdp_enable", False) and name in FSDP_REFUSED:
+        raise ValueError(f"optimizer {cfg.optimizer!r} with fsdp_enable: {FSDP_REFUSED[name]}; choose 'adamw', "
+                         "'adamw_bf16' or 'ao-adamw8bit' (8-bit state), or set fsdp_enable to false")
+    if name == "muon":
+        other = [why for why, on in (("model_type 'full' (norms and biases)", cfg.model_type == "full"),
+                                     ("use_dora (magnitude vectors)", getattr(cfg, "use_dora", False)),
+                                     ("crepa_enabled (the projector's biases)", getattr(cfg, "crepa_enabled", False)))
+                 if on]
+        if other:
+            raise ValueError(f"optimizer 'muon' steps 2-D weights only, and {' and '.join(other)} trains other "
+                             "tensors too; train a LoRA without them, or choose another optimizer ('adamw' if unsure)")
     if cfg.optimizer == SCHEDULE_FREE and cfg.lr_scheduler not in CONSTANT_SCHEDULES:
         raise ValueError(
             f"optimizer 'adamw_schedulefree' takes the place of a decaying learning rate (it averages its weights "

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from difftune.train.optimizers import OPTIMIZERS
-
 # key -> (values that mean "off", what to do instead)
 PENDING_TRAIN_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "crepa_self_flow": (
@@ -182,9 +180,6 @@ PENDING_TRAIN_KEYS |= {
     "override_dataset_config": ((False,), "reusing caches made with other dataset settings; the caches are "
                                 "fingerprinted and rebuilt when a setting changes" + _REMOVE),
     "cache_dir": ((None,), "a download folder for models; set HF_HOME (or HF_HUB_CACHE) in the environment"),
-    "vae_cache_ondemand": ((False,), "encoding latents during training while still writing them to disk; set "
-                           "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
-                           "training"),
     "vae_cache_scan_behaviour": (("recreate", None), "'sync' (rewriting bucket metadata to match stale latents); "
                                  "a latent whose fingerprint changed is encoded again, as with 'recreate'"
                                  + _REMOVE),
@@ -271,9 +266,6 @@ PENDING_DATASET_KEYS |= {
                        "of their inputs (as in SimpleTuner, which ignores hash_filenames): set it to true or remove it"),
     "cache_file_suffix": ((None,), "naming SimpleTuner's bucket-metadata file; the image sizes are kept in "
                           "metadata.json beside the dataset's latents (cache_dir_vae)" + _REMOVE),
-    "vae_cache_ondemand": ((False, None), "encoding latents during training while still writing them to disk; set "
-                           "vae_cache_disable to true to encode on the fly, or leave both out to cache before "
-                           "training"),
     "text_cache_ondemand": ((False, None), "encoding captions during training; every caption is encoded before "
                             "training starts" + _REMOVE),
     "text_cache_disable": ((False, None), "encoding captions during training without caching them; every caption "
@@ -417,32 +409,22 @@ PENDING_VALUES |= {
     for key in ("text_encoder_1_precision", "text_encoder_2_precision")
 }
 
-# SimpleTuner's optimizer names (its optimizer_param.py) that difftune has not, with the closest one it has
-_OPTIMIZER_ELSE = "not implemented yet: optimizer {!r} (SimpleTuner's); the closest here is {}"
-_NO_COUNTERPART = ("optimi-radam", "optimi-ranger", "optimi-adan", "optimi-sgd", "soap", "muon", "torch-sgd",
-                   "torch-radam", "torch-nadam", "torch-rmsprop", "torch-adagrad", "torch-adadelta", "torch-adafactor",
-                   "torch-adamax", "torch-asgd", "torch-sparseadam", "bnb-adagrad", "bnb-adagrad8bit", "bnb-ademamix",
-                   "bnb-ademamix8bit", "bnb-ademamix8bit-paged")
-_SCHEDULE_FREE = "'adamw_schedulefree' with adam_weight_decay 1e-3 and adam_epsilon 1e-6 (this variant's settings"
-PENDING_VALUES |= {("optimizer", name): _OPTIMIZER_ELSE.format(name, closest) for name, closest in {
-    "ao-adamw8bit": "'adamw8bit' (bitsandbytes' 8-bit AdamW rather than torchao's)",
-    **dict.fromkeys(("ao-adamw4bit", "ao-adamfp8", "ao-adamwfp8"), "'adamw8bit' (8-bit optimizer state)"),
-    "bnb-adamw8bit-paged": "'adamw8bit' (not paged)",
-    **dict.fromkeys(("bnb-adamw", "bnb-adamw-paged"), "'adamw' (torch's AdamW, the same update)"),
-    "adamw_schedulefree+aggressive": _SCHEDULE_FREE + "; difftune's has no Kahan summation)",
-    "adamw_schedulefree+no_kahan": _SCHEDULE_FREE + ", and like it without Kahan summation)",
-    **dict.fromkeys(("bnb-lion", "bnb-lion-paged"), "'lion' or 'optimi-lion'"),
-    **dict.fromkeys(("bnb-lion8bit", "bnb-lion8bit-paged"),
-                    "'lion' or 'optimi-lion' (32-bit state: no 8-bit Lion here)"),
-    **dict.fromkeys(("torch-adam", "bnb-adam", "optimi-adam"),
-                    "'adamw' with adam_weight_decay 0 (Adam without weight decay: the same update)"),
-    "bnb-adam8bit": "'adamw8bit' with adam_weight_decay 0 (Adam without weight decay: the same update)",
-}.items()} | {("optimizer", name): f"not implemented yet: optimizer {name!r} (SimpleTuner's), another kind of "
-                f"optimizer with no counterpart here; choose one of {', '.join(OPTIMIZERS)} ('adamw' if unsure)"
-                for name in _NO_COUNTERPART}
+# SimpleTuner's optimizer names (its optimizer_param.py) that difftune has not (train/optimizer_catalog.py has the rest)
 PENDING_VALUES |= {
-    ("lr_scheduler", "sine"): "not implemented yet: lr_scheduler 'sine' (SimpleTuner's learning rate in waves); "
-                              "the closest is 'cosine_with_restarts' (lr_num_cycles cosine cycles)",
+    ("optimizer", "torch-sparseadam"): "not implemented yet: optimizer 'torch-sparseadam' (SimpleTuner's): torch's "
+                                       "SparseAdam takes sparse gradients only (embeddings built with sparse=True), "
+                                       "and every weight trained here gets dense ones; use 'torch-adam' (the same "
+                                       "update on dense gradients) or 'adamw'",
+    **{("optimizer", name): f"not implemented yet: optimizer {name!r} (SimpleTuner's {what}); the closest here is "
+                            f"{closest}" for name, (what, closest) in {
+        "adamw_schedulefree+aggressive": ("schedule-free AdamW with Kahan summation and its own settings",
+                                          "'adamw_schedulefree' with adam_weight_decay 1e-3 and adam_epsilon 1e-6, "
+                                          "without Kahan summation"),
+        "adamw_schedulefree+no_kahan": ("schedule-free AdamW without Kahan summation and its own settings",
+                                        "'adamw_schedulefree' with adam_weight_decay 1e-3 and adam_epsilon 1e-6"),
+    }.items()},
+}
+PENDING_VALUES |= {
     ("mixed_precision", "fp8"): "not implemented yet: mixed_precision 'fp8' (fp8 matrix products in training); use "
                                 "'bf16', with base_model_precision 'fp8-torchao' or 'fp8-quanto' to keep the frozen "
                                 "weights in 8 bits",

@@ -3,7 +3,7 @@
 cross-key checks, this mixin's validator. Import-light: no torch.
 
 SimpleTuner's names. What each acts on follows SimpleTuner: `lr_end` is the end of its polynomial schedule and the
-floor (eta_min) of its cosine ones, `lr_power` the polynomial's power, `lr_num_cycles` the hard restarts of
+floor (eta_min) of its cosine and sine ones, `lr_power` the polynomial's power, `lr_num_cycles` the hard restarts of
 'cosine_with_restarts'. A setting for a schedule it does nothing for is refused, naming both keys, except at
 SimpleTuner's own defaults (lr_end 4e-7, lr_power 0.8), which its configure tool writes into every config whatever
 the schedule: those are notes. Defaults that differ from SimpleTuner's are said in the descriptions.
@@ -18,7 +18,7 @@ from pydantic import BaseModel, field_validator, model_validator
 from difftune.config.fields import default_if_unset, field
 
 # lr_scheduler values each key acts on
-LR_END_SCHEDULERS = ("polynomial", "cosine", "cosine_with_restarts")
+LR_END_SCHEDULERS = ("polynomial", "cosine", "cosine_with_restarts", "sine")
 LR_POWER_SCHEDULERS = ("polynomial",)
 LR_CYCLES_SCHEDULERS = ("cosine_with_restarts",)
 POLYNOMIAL_DEFAULT_END = 1e-7  # diffusers' get_polynomial_decay_schedule_with_warmup default
@@ -29,8 +29,9 @@ class ScheduleKeys(BaseModel):
     lr_end: float | None = field(
         None, "The learning rate the schedule ends at: with lr_scheduler 'polynomial', where the decay lands after "
         "the last step; with 'cosine' and 'cosine_with_restarts', the floor each cosine falls to (after warm-up the "
-        "rate is lr_end + (learning_rate - lr_end) x the cosine). Below learning_rate. Empty: 1e-7 for 'polynomial' "
-        "(diffusers' default), 0 for the cosines. (SimpleTuner's default is 4e-7.)", "training", ge=0,
+        "rate is lr_end + (learning_rate - lr_end) x the cosine); with 'sine', the bottom of its waves. Below "
+        "learning_rate. Empty: 1e-7 for 'polynomial' (diffusers' default), 0 for the others. (SimpleTuner's default "
+        "is 4e-7.)", "training", ge=0,
         advanced=True,
     )
     lr_power: float = field(
@@ -72,6 +73,10 @@ def schedule_checks(cfg: Any) -> None:
     if cfg.lr_end is not None and name in LR_END_SCHEDULERS and cfg.lr_end >= cfg.learning_rate:
         raise ValueError(f"lr_end {cfg.lr_end:g} must be below learning_rate {cfg.learning_rate:g} (the schedule "
                          "decays from learning_rate to lr_end)")
+    if name == "sine" and cfg.lr_warmup_steps == 0:
+        raise ValueError("lr_scheduler 'sine' takes half its wave's period from lr_warmup_steps (SimpleTuner's rule: "
+                         "the rate starts half-way up, peaks at learning_rate after lr_warmup_steps / 2 steps and "
+                         "is lowest at 1.5 x lr_warmup_steps), and it is 0: set lr_warmup_steps (e.g. 500)")
     if name == "polynomial" and cfg.lr_end is None and POLYNOMIAL_DEFAULT_END >= cfg.learning_rate:
         raise ValueError(f"lr_scheduler 'polynomial' decays to lr_end, 1e-7 when unset, which is not below "
                          f"learning_rate {cfg.learning_rate:g}: set lr_end below learning_rate")

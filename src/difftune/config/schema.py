@@ -23,6 +23,7 @@ from difftune.config.extra_output_keys import ExtraOutputKeys
 from difftune.config.extra_train_keys import ExtraTrainKeys
 from difftune.config.fields import UnsetSpellings, default_if_unset, expand_home, field, zero_is_off
 from difftune.config.fsdp_keys import FsdpKeys
+from difftune.config.latent_cache_keys import LatentCacheKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
 from difftune.config.mask_keys import MaskKeys
@@ -40,13 +41,13 @@ from difftune.config.values import parse_resolutions, prompt_library, resolution
 from difftune.config.webhook_keys import WebhookKeys
 from difftune.models.registry import FAMILY_FACTS, family_names
 from difftune.prompt_library import BUILTIN_PROMPTS
-from difftune.train.optimizers import OPTIMIZER_ALIASES, OPTIMIZERS
+from difftune.train.optimizers import MAIN_OPTIMIZERS, OPTIMIZER_ALIASES, OPTIMIZERS
 
 # base_model_precision and text_encoder_{1,2}_precision values that work (models/quantize.py makes them); the
 # spec's others are refused in config/pending.py (PENDING_VALUES) with what to use instead.
 QUANTIZED_PRECISIONS = ("no_change", "int8-quanto", "int8-torchao", "fp8-quanto", "fp8-torchao", "int4-quanto",
                         "nf4-bnb", "int2-quanto", "fp8uz-quanto")
-LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "sine")
 
 
 class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKeys,  # config/*_keys.py
@@ -54,7 +55,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                   ExtraTrainKeys, ExtraOutputKeys, LoraKeys,  # config/extra_*_keys.py, lora_keys.py
                   OptimizerKeys, EvalKeys, MaskKeys,  # config/optimizer_keys.py, eval_keys.py, mask_keys.py
                   WebhookKeys, OffloadKeys, FsdpKeys,  # config/webhook_keys.py, offload_keys.py, fsdp_keys.py
-                  SmallKeys, ModelSourceKeys,  # config/small_keys.py, model_source_keys.py
+                  SmallKeys, ModelSourceKeys, LatentCacheKeys,  # small_keys.py, model_source_keys.py, latent_cache_keys.py
                   UnsetSpellings):  # config/fields.py: "" and "none" as null
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 
@@ -167,11 +168,13 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     lr_scheduler: Literal[LR_SCHEDULERS] = field(  # type: ignore[valid-type]
         "constant", "Learning-rate schedule, after lr_warmup_steps of linear warm-up: "
         "'constant', 'constant_with_warmup', 'linear' (to 0), 'cosine' (to lr_end, else 0), 'cosine_with_restarts' "
-        "(lr_num_cycles cosines, each down to lr_end, else 0) or 'polynomial' (to lr_end with power lr_power).",
-        "training",
+        "(lr_num_cycles cosines, each down to lr_end, else 0), 'polynomial' (to lr_end with power lr_power) or "
+        "'sine' (SimpleTuner's waves, no warm-up: lr_end + (learning_rate - lr_end)(1 + sin(pi k / "
+        "lr_warmup_steps)) / 2 at step k).", "training",
     )
     lr_warmup_steps: int = field(
-        0, "Steps of linear warmup from 0 to learning_rate. With optimizer 'adamw_schedulefree': the schedulefree "
+        0, "Steps of linear warmup from 0 to learning_rate ('sine': half its wave's period). With optimizer "
+        "'adamw_schedulefree': the schedulefree "
         "library's warm-up, learning_rate x (k + 1) / lr_warmup_steps at step k, with lr_scheduler 'constant' too.",
         "training", ge=0,
     )
@@ -197,7 +200,9 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "(SimpleTuner's disable_benchmark is about base-model samples, not this.)", "memory", advanced=True,
     )
     optimizer: str = field(
-        "adamw", "Optimizer. " + " ".join(f"'{k}': {v}" for k, v in OPTIMIZERS.items()), "training",
+        "adamw", "Optimizer. " + " ".join(f"'{k}': {OPTIMIZERS[k]}" for k in MAIN_OPTIMIZERS) + " SimpleTuner's other "
+        "names are taken too, with SimpleTuner's settings for each: " + ", ".join(
+            k for k in OPTIMIZERS if k not in MAIN_OPTIMIZERS) + " (train/optimizer_catalog.py).", "training",
         choices=list(OPTIMIZERS),
     )
     use_ema: bool = field(False, "Keep an exponential moving average of the trained weights.", "training")
@@ -211,19 +216,6 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
         "comparison", "With use_ema: validate with the EMA weights ('ema_only'), both ('comparison'), "
         "or only the live weights ('none').", "validation", advanced=True,
     )
-    adam_beta1: float | None = field(
-        None, "The optimizer's beta1 (first-moment decay; schedule-free: its interpolation). Unset: the optimizer's "
-        "default as in SimpleTuner (0.9 for every optimizer here).", "training", advanced=True)
-    adam_beta2: float | None = field(
-        None, "The optimizer's beta2. Unset: the optimizer's default as in SimpleTuner: 0.99 for optimi-adamw, "
-        "optimi-stableadamw, optimi-lion and prodigy, 0.999 for the others.", "training", advanced=True)
-    adam_weight_decay: float | None = field(
-        None, "Decoupled weight decay. Unset: the optimizer's default as in SimpleTuner: 0 for optimi-adamw, "
-        "optimi-lion and prodigy, 1e-2 for the others.", "training", advanced=True)
-    adam_epsilon: float | None = field(
-        None, "The optimizer's epsilon (lion and optimi-lion have none). Unset: the optimizer's default as in "
-        "SimpleTuner: 1e-6 for adamw_bf16, optimi-adamw, optimi-stableadamw and adamw8bit, 1e-8 for the others.",
-        "training", advanced=True)
     flow_schedule_shift: float = field(
         1.0,
         "Shift of the training timestep distribution: lower favours fine detail, higher favours composition. "

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from difftune.data.cache import DamagedEntry, TensorCache, nonfinite, read_or_drop
+from difftune.data.discovery import Sample
 from difftune.data.images import load_rgb, prepare
 from difftune.data.latents import (
     MEDIA_ERRORS,
@@ -33,6 +35,7 @@ from difftune.data.sampler import BucketSampler
 
 # pixels [B, 3, H, W] (clips: [B, 3, F, H, W]) in [-1, 1] -> latents [B, C, h, w] ([B, C, T, h, w])
 Encoder = Callable[[torch.Tensor], torch.Tensor]
+Fill = Callable[[list[Sample]], list[tuple[Path, str]]]  # writes samples' cache entries; returns the failures
 
 
 @dataclass
@@ -94,11 +97,12 @@ class TrainingData:
         collate_text: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
         caption_dropout: float = 0.0, seed: int = 0, encode: Encoder | None = None,
         on_skip: Callable[[str], None] | None = None, rank: int = 0, ranks: int = 1, first_frame: bool = False,
-        regularisation: frozenset[str] = frozenset(),
+        regularisation: frozenset[str] = frozenset(), ondemand: dict[str, Fill] | None = None,
     ):
         """`text_caches`: dataset id -> its text cache. `encode`: the VAE, for on-the-fly items.
         With `ranks` processes the sampler yields global batches and this process takes slice `rank`.
-        `regularisation`: ids of the datasets marked is_regularisation_data (their samples are flagged)."""
+        `regularisation`: ids of the datasets marked is_regularisation_data (their samples are flagged).
+        `ondemand`: dataset id -> what writes the cache entries of its samples (vae_cache_ondemand)."""
         self.items = items
         self.text_caches = text_caches
         self.sampler = sampler
@@ -110,6 +114,7 @@ class TrainingData:
         self.rank, self.ranks = rank, ranks
         self.first_frame = first_frame  # image-to-video: the first frame encoded alone is the conditioning
         self.regularisation = regularisation
+        self.ondemand = ondemand or {}
         self.dropped: set[int] = set()  # items left out for the rest of the run (damaged cache entries)
 
     def _skip(self, index: int, message: str) -> None:
@@ -129,7 +134,10 @@ class TrainingData:
     def _cached_latents(self, chosen: list[tuple[int, CachedSample]]):
         """Verified latents of cached items: (kept positions, latents, conditioning, loss-mask weights)."""
         kept, latents, cond, masks = [], [], [], []
+        failed = self._write_ondemand(chosen)
         for position, (index, c) in enumerate(chosen):
+            if index in failed:
+                continue
             expect = ("latents", "first_frame") if self.first_frame else ("latents",)
             try:
                 entry = read_or_drop(c.latent_file, expect)
@@ -158,6 +166,23 @@ class TrainingData:
         if not kept:
             return [], torch.empty(0), None, None
         return kept, torch.stack(latents), (torch.stack(cond) if cond else None), (torch.stack(masks) if masks else None)
+
+    def _write_ondemand(self, chosen: list[tuple[int, CachedSample]]) -> set[int]:
+        """vae_cache_ondemand: the items whose cache entries are not written yet are encoded and written now, then
+        read back like every cached item (so a resumed run, reading them from the cache, trains on the same
+        latents). Returns the items that failed: left out for the rest of the run, with the reason."""
+        missing: dict[str, list[tuple[int, CachedSample]]] = {}
+        for index, c in chosen:
+            if c.ondemand is not None and not all(p.is_file() for p in c.entry_files()):
+                missing.setdefault(c.ondemand, []).append((index, c))
+        failed: set[int] = set()
+        for dataset_id, items in missing.items():
+            reasons = dict(self.ondemand[dataset_id]([c.sample for _, c in items]))
+            for index, c in items:
+                if c.sample.path in reasons:
+                    self._skip(index, f"left out {c.sample.path}: {reasons[c.sample.path]}")
+                    failed.add(index)
+        return failed
 
     def _latents(self, chosen: list[tuple[int, CachedSample]], epoch: int = 0):
         """(positions in `chosen` that loaded, their latents, their input-image latents, their loss-mask weights).

@@ -103,7 +103,8 @@ class Discovery:
     held_out: bool = False  # an eval dataset's (dataset_type 'eval'): measured, never trained on
     masks: str | None = None  # the id of its mask dataset (conditioning_type 'mask'), for the report
     regularisation: bool = False  # is_regularisation_data: the memory planner's teacher pass (memory_plan/passes.py)
-    # latents encoded during training (vae_cache_disable, vae_cache_clear_each_epoch): the VAE stays on the accelerator
+    # latents encoded during training (vae_cache_disable, vae_cache_clear_each_epoch, vae_cache_ondemand): the VAE stays
+    # on the accelerator
     on_the_fly: bool = False
     crops_each_epoch: bool = False  # vae_cache_clear_each_epoch: a new random crop each epoch (for the report)
     caption_filter: bool = False  # its captions go through caption_filter_list (for the report)

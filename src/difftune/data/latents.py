@@ -6,6 +6,9 @@ every frame gets the same crop. A sample with a loss mask (conditioning_type 'ma
 exact geometry (`mask_pixels`), averaged over each latent cell (`mask_grid`) and cached beside the latents as
 its own entry, keyed by the mask file, the image's size, bucket and crop.
 
+A dataset with vae_cache_ondemand gets its items `planned`: cached items whose entries are written by
+`fill_latent_cache` when each is first drawn in training (data/batches.py).
+
 A dataset with vae_cache_clear_each_epoch is never cached: its items (`uncached(..., each_epoch=True)`) are encoded
 during training, and their random crop is drawn again for each epoch of the dataset (`crop_position` with an epoch).
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,10 @@ class CachedSample:
     uv: tuple[float, float] = (0.5, 0.5)
     mask_file: Path | None = None  # the cached loss-mask weights on the latent grid, {"mask": [1, h, w]}
     each_epoch: bool = False  # vae_cache_clear_each_epoch: `uv` is drawn again per epoch (`crop_position`)
+    ondemand: str | None = None  # vae_cache_ondemand: its dataset's id; its entries are written when first drawn
+
+    def entry_files(self) -> list[Path]:
+        return [p for p in (self.latent_file, self.conditioning_file, self.mask_file) if p is not None]
 
 
 def crop_position(sample: Sample, crop_style: str, seed: int, epoch: int | None = None) -> tuple[float, float]:
@@ -165,12 +172,8 @@ def fill_latent_cache(
     encoded = 0
 
     for sample in samples:
-        uv = crop_position(sample, crop_style, seed)
         try:  # the key stats the file: one that vanished or broke since discovery is reported, not fatal
-            keys = [(sample.path, latent_key(sample, crop_style, seed))]
-            if sample.conditioning is not None:
-                keys.append((sample.conditioning, conditioning_key(sample, uv)))
-            masked = mask_key(sample, crop_style, seed) if sample.mask is not None else None
+            keys, masked = entry_keys(sample, crop_style, seed)
         except (OSError, RuntimeError) as e:  # RuntimeError: Path.resolve on a symlink loop (Python < 3.13)
             failed.append((sample.path, f"filesystem error: {e}"))
             continue
@@ -235,6 +238,30 @@ def fill_latent_cache(
         stats["encoded"] = encoded
     done.sort(key=lambda c: (c.sample.dataset_id, str(c.sample.path)))
     return done, failed
+
+
+def entry_keys(sample: Sample, crop_style: str, seed: int) -> tuple[list[tuple[Path, str]], str | None]:
+    """The cache keys of a sample's entries: [(its file, the latents' key)] (+ its input image's), and its loss
+    mask's key (None without one). Stats the files: OSError when one vanished."""
+    keys = [(sample.path, latent_key(sample, crop_style, seed))]
+    if sample.conditioning is not None:
+        keys.append((sample.conditioning, conditioning_key(sample, crop_position(sample, crop_style, seed))))
+    return keys, (mask_key(sample, crop_style, seed) if sample.mask is not None else None)
+
+
+def planned(samples: list[Sample], cache: TensorCache, crop_style: str, seed: int,
+            dataset_id: str) -> tuple[list[CachedSample], list[tuple[Path, str]]]:
+    """vae_cache_ondemand: each sample as a cached item whose entries may not be written yet (`ondemand` names its
+    dataset, whose encoder writes them when the item is first drawn: data/batches.py), and the files that failed."""
+    items, failed = [], []
+    for sample in samples:
+        try:
+            keys, masked = entry_keys(sample, crop_style, seed)
+        except (OSError, RuntimeError) as e:
+            failed.append((sample.path, f"filesystem error: {e}"))
+            continue
+        items.append(replace(_cached(sample, cache, keys, crop_style, seed, masked), ondemand=dataset_id))
+    return items, failed
 
 
 def _cached(sample: Sample, cache: TensorCache, keys: list[tuple[Path, str]], crop_style: str, seed: int,

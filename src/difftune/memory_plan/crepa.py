@@ -38,6 +38,7 @@ from difftune.memory_plan.predict import (
     DTYPES,
     Phase,
     _Key,
+    element_count,
     optimizer_bytes,
     vae_bytes,
     vae_dtype_name,
@@ -119,11 +120,11 @@ def encoder_work(name: str, dtype: torch.dtype, size: int) -> tuple[int, int]:
     return encoder_working_set(encoder.config, encoder.dtype, size)
 
 
-def projector_sizes(hidden: int, width: int) -> list[int]:
-    """Element counts of the projector's tensors, from train/crepa.projector itself (built on meta)."""
+def projector_sizes(hidden: int, width: int) -> list[tuple[int, ...]]:
+    """Shapes of the projector's tensors, from train/crepa.projector itself (built on meta)."""
     with torch.device("meta"):
         module = projector(hidden, width, 0)
-    return [p.numel() for p in module.parameters()]
+    return [tuple(p.shape) for p in module.parameters()]
 
 
 def offsets(cfg: Any, frames: int) -> list[int]:
@@ -228,10 +229,11 @@ def add_training(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], tokens
 
 def _projector_lines(cfg: Any, phase: Phase, hidden: int, width: int, batch: int, frames: int, per_frame: int) -> None:
     sizes = projector_sizes(hidden, width)
-    count = sum(sizes)
+    count = element_count(sizes)
     phase.add(f"CREPA: projector ({count / 1e6:.1f}M parameters, fp32)", count * 4, "trained; not in the EMA")
     phase.add("CREPA: projector gradients", count * 4)
-    phase.add(f"CREPA: projector optimizer state ({cfg.optimizer})", optimizer_bytes(cfg.optimizer, sizes, 4))
+    phase.add(f"CREPA: projector optimizer state ({cfg.optimizer})",
+              optimizer_bytes(cfg.optimizer, sizes, 4, cfg.optimizer_settings()))
     phase.add("CREPA: projector and loss, saved activations",
               projector_saved(cfg, batch, frames, per_frame, hidden, width),
               f"{batch * frames * per_frame} tokens, fp32, kept until the backward")
@@ -244,7 +246,7 @@ def add_validation(cfg: Any, arch: A.Architecture, phase: Phase) -> None:
     if cfg.crepa_use_backbone_features:
         sizes = projector_sizes(hidden, hidden)
         phase.add("CREPA: projector and its optimizer state (kept)",
-                  sum(sizes) * 4 + optimizer_bytes(cfg.optimizer, sizes, 4))
+                  element_count(sizes) * 4 + optimizer_bytes(cfg.optimizer, sizes, 4, cfg.optimizer_settings()))
         return
     encoder = encoder_of(cfg.crepa_encoder, encoder_dtype(cfg.weight_dtype_name()))
     if encoder is None:
@@ -252,5 +254,5 @@ def add_validation(cfg: Any, arch: A.Architecture, phase: Phase) -> None:
     size = encoder_size(cfg.crepa_encoder, encoder.dtype)[0]
     sizes = projector_sizes(hidden, encoder.config.hidden_size)
     phase.add("CREPA: DINOv2, projector and its optimizer state (kept)",
-              size + sum(sizes) * 4 + optimizer_bytes(cfg.optimizer, sizes, 4))
+              size + element_count(sizes) * 4 + optimizer_bytes(cfg.optimizer, sizes, 4, cfg.optimizer_settings()))
 

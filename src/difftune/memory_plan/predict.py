@@ -106,8 +106,8 @@ def _cast(model: torch.nn.Module, dtype_name: str) -> None:
             module.to(torch.float32)
 
 
-def trainable_shapes(cfg: Any, arch: A.Architecture) -> tuple[list[int], str]:
-    """(element count of each trainable tensor, how it was counted). LoRA: peft on the meta transformer, with the
+def trainable_shapes(cfg: Any, arch: A.Architecture) -> list[tuple[int, ...]]:
+    """The shape of each trainable tensor. LoRA: peft on the meta transformer, with the
     family's targets, exactly as adapters/kinds.py attaches it. LyCORIS: lycoris-lora's network on the meta
     transformer (adapters/lycoris.py). use_dora: peft's magnitude vectors too (one fp32 value per output row of each
     adapted layer), trained, with gradients and optimizer state like the LoRA matrices."""
@@ -126,10 +126,10 @@ def _targets(cfg: Any) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _trainable(arch: A.Architecture, model_type: str, lora_type: str, rank: int, targets: Any,
-               lycoris_config: str | None, dora: bool = False) -> tuple[int, ...]:
+               lycoris_config: str | None, dora: bool = False) -> tuple[tuple[int, ...], ...]:
     model = A.transformer_on_meta(arch)
     if model_type == "full":
-        return tuple(p.numel() for p in model.parameters())
+        return tuple(tuple(p.shape) for p in model.parameters())
     model.requires_grad_(False)
     if lora_type == "lycoris":
         import json
@@ -139,16 +139,25 @@ def _trainable(arch: A.Architecture, model_type: str, lora_type: str, rank: int,
 
         config = json.loads(Path(lycoris_config).read_text(encoding="utf-8"))  # the schema checked it
         _network, params = attach_lycoris(model, config, family=arch.family)
-        return tuple(p.numel() for p in params)
+        return tuple(tuple(p.shape) for p in params)
     from peft import LoraConfig
 
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, use_dora=dora,
                                  target_modules=targets if isinstance(targets, str) else list(targets)))
-    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
+    return tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
 
 
-def optimizer_bytes(name: str, sizes: list[int], itemsize: int) -> int:
-    """Optimizer state of tensors of `sizes` elements in a dtype of `itemsize` bytes (train/optimizers.py)."""
+def optimizer_bytes(name: str, shapes: list[Any], itemsize: int, settings: dict[str, Any] | None = None) -> int:
+    """Optimizer state of tensors of `shapes` (or element counts: 1-D) in a dtype of `itemsize` bytes
+    (train/optimizers.py; SimpleTuner's other names: optimizer_catalog.state_bytes). `settings`: optimizer_config."""
+    from difftune.train.optimizer_catalog import MORE_SPECS, state_bytes
+    from difftune.train.optimizers import OPTIMIZER_ALIASES
+
+    name = OPTIMIZER_ALIASES.get(name, name)
+    shapes = [(s,) if isinstance(s, int) else tuple(s) for s in shapes]
+    if name in MORE_SPECS:
+        return sum(state_bytes(name, shape, itemsize, settings) for shape in shapes)
+    sizes = [math.prod(shape) for shape in shapes]
     total = sum(sizes)
     kahan = total * itemsize if itemsize < 4 else 0  # Kahan buffer on bf16/fp16 weights (torch-optimi)
     if name == "adamw8bit":  # bitsandbytes: 2 bytes per element (+ one fp32 absmax per 256) from 4096 elements
@@ -159,6 +168,10 @@ def optimizer_bytes(name: str, sizes: list[int], itemsize: int) -> int:
            "prodigy": 4 * total * itemsize,  # Prodigy: exp_avg, exp_avg_sq, s and the initial weights p0
            "adamw_schedulefree": 2 * total * itemsize}  # z and exp_avg_sq (samples keep a copy of y in CPU memory)
     return per[name]
+
+
+def element_count(shapes: list[Any]) -> int:
+    return sum(s if isinstance(s, int) else math.prod(s) for s in shapes)
 
 
 # --- activations ----------------------------------------------------------------------------------------
@@ -326,11 +339,11 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     resident = transformer - streamed + kept
 
     sizes = trainable_shapes(cfg, arch)
-    trainable = sum(sizes)
+    trainable = element_count(sizes)
     train_itemsize = DTYPE_BYTES[dtype] if cfg.model_type == "full" else 4  # adapters train in fp32
     adapter_bytes = 0 if cfg.model_type == "full" else trainable * 4
     grads = trainable * train_itemsize
-    opt = optimizer_bytes(cfg.optimizer, sizes, train_itemsize)
+    opt = optimizer_bytes(cfg.optimizer, sizes, train_itemsize, cfg.optimizer_settings())
     ema = trainable * 4 if cfg.use_ema and cfg.ema_device == "accelerator" else 0
 
     training = Phase("training")
@@ -370,12 +383,12 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
         from difftune.memory_plan import crepa
 
         crepa.add_training(cfg, arch, bucket, tokens, training, notes)
-    if not decodes(cfg) and (getattr(cfg, "vae_cache_disable", False)
+    if not decodes(cfg) and (getattr(cfg, "vae_cache_disable", False) or getattr(cfg, "vae_cache_ondemand", False)
                              or any(getattr(d, "on_the_fly", False) for d in found or [])):
         # train/caching.py keeps the VAE on the accelerator for datasets encoded during training (CREPA's decoding
         # line above counts the same VAE)
         training.add("VAE (latents encoded during training)", vae_bytes(cfg),
-                     "vae_cache_disable or vae_cache_clear_each_epoch: it encodes each batch")
+                     "vae_cache_disable, vae_cache_clear_each_epoch or vae_cache_ondemand: it encodes batches")
 
     caching = caching_phase(cfg, arch, bucket, transformer)
     kept = resident / shards + adapter_bytes / shards + opt / shards + ema

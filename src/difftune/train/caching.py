@@ -7,9 +7,11 @@ the text encoder is still loaded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
 from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
 from difftune.data.images import fit, load_rgb
-from difftune.data.latents import CachedSample, fill_latent_cache, text_jobs, uncached
+from difftune.data.latents import CachedSample, fill_latent_cache, planned, text_jobs, uncached
 from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
 from difftune.models.registry import FAMILY_FACTS
@@ -32,7 +34,7 @@ from difftune.train import long_captions
 from difftune.train.crepa import drop_vae_encoder
 from difftune.train.distributed import Ranks
 from difftune.train.events import Events
-from difftune.train.plan import encoded_in_training
+from difftune.train.plan import encoded_in_training, latents_on_demand
 
 
 @dataclass
@@ -41,7 +43,9 @@ class Cached:
     text_caches: dict[str, TensorCache]  # dataset id -> its text cache
     failed: list[tuple[Path, str]]
     validation: list[SampleRequest]
-    on_the_fly: bool  # some dataset encodes its images during training (vae_cache_disable, vae_cache_clear_each_epoch)
+    on_the_fly: bool  # some dataset encodes its images during training (vae_cache_disable, vae_cache_clear_each_epoch,
+    # vae_cache_ondemand)
+    ondemand: dict[str, Any] = field(default_factory=dict)  # vae_cache_ondemand: dataset id -> writes its entries
 
 
 def negative_cache(text_cache: TensorCache) -> TensorCache:
@@ -235,6 +239,7 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
     cached: list[CachedSample] = []
     failed: list[tuple[Path, str]] = []
     on_the_fly = False
+    ondemand: dict[str, Any] = {}
     latents_encoded = 0  # by this process, in its share
     for ds, disc, rule in zip(datasets, found, rules, strict=True):
         if encoded_in_training(cfg, ds):
@@ -249,6 +254,15 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
                              **({"first_frame": True} if first_frame else {})},
                             _compress(ds.compress_cache, cfg.compress_disk_cache))
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
+        if latents_on_demand(cfg, ds):
+            on_the_fly = True  # the VAE stays loaded: each item's entries are written when it is first drawn
+            items, bad = planned(disc.samples, cache, ds.crop_style, cfg.seed, ds.id)
+            cached, failed = cached + items, failed + bad
+            ondemand[ds.id] = _writer(comps, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size, first_frame)
+            waiting = sum(not all(p.is_file() for p in c.entry_files()) for c in items)
+            events.emit("info", message=f"dataset {ds.id!r}: {waiting} of {len(items)} latents are encoded during "
+                        f"training as each is first drawn, and written to {cache.folder} (vae_cache_ondemand)")
+            continue
         mine = ranks.shard(disc.samples)
         counted: dict[str, Any] = {}
         fill_latent_cache(mine, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
@@ -266,10 +280,13 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
         failed += bad
     per_process = ranks.gather(latents_encoded)
     files, new = sum(len(d.samples) for d in found), sum(per_process)
-    later = sum(len(d.samples) for ds, d in zip(datasets, found, strict=True) if encoded_in_training(cfg, ds))
+    # on the fly, or on demand and not written yet (an on-demand entry already written counts as from the cache)
+    later = sum(c.latent_file is None or (c.ondemand is not None and not all(p.is_file() for p in c.entry_files()))
+                for c in cached)
     events.emit("info", message=f"latent cache: {files} files: "
                 + counts(len(cached) - later - new, new, len(failed), per_process)
-                + (f", {later} encoded during training (vae_cache_disable, vae_cache_clear_each_epoch)"
+                + (f", {later} encoded during training (vae_cache_disable, vae_cache_clear_each_epoch, "
+                   "vae_cache_ondemand)"
                    if later else ""))
     for ds in datasets:
         if ds.vae_cache_clear_each_epoch:
@@ -289,7 +306,30 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
     if decodes(cfg) and cfg.crepa_drop_vae_encoder:  # every start, once its caches are complete: CREPA only
         drop_vae_encoder(comps.vae, events.emit)  # decodes (what would encode later is refused by the config)
     _free(device)
-    return Cached(cached, text_caches, failed, validation, on_the_fly)
+    return Cached(cached, text_caches, failed, validation, on_the_fly, ondemand)
+
+
+def _writer(comps: Components, cache: TensorCache, crop_style: str, seed: int, encode: Any, batch_size: int,
+            first_frame: bool) -> Any:
+    """vae_cache_ondemand: what writes the cache entries of samples drawn in training (data/batches.py), exactly
+    as caching before training writes them: the VAE's tiling is off meanwhile (vae_enable_tiling applies after
+    caching, so cached latents never depend on it). Returns the files that failed, with the reason."""
+    def write(samples: list) -> list[tuple[Path, str]]:
+        with untiled(comps.vae):
+            return fill_latent_cache(samples, cache, crop_style, seed, encode, batch_size, first_frame=first_frame)[1]
+    return write
+
+
+@contextlib.contextmanager
+def untiled(vae: Any) -> Iterator[None]:
+    tiled = bool(getattr(vae, "use_tiling", False))
+    if tiled:
+        vae.use_tiling = False
+    try:
+        yield
+    finally:
+        if tiled:
+            vae.use_tiling = True
 
 
 def counts(reused: int, new: int, failed: int, per_process: list[int]) -> str:

@@ -6,6 +6,9 @@ Every schedule starts with `lr_warmup_steps` of linear warm-up from 0 to learnin
 - 'cosine': diffusers' half cosine, learning_rate * (1 + cos(pi * p)) / 2;
 - 'cosine_with_restarts': diffusers' lr_num_cycles cosines, each restarting at learning_rate:
   learning_rate * (1 + cos(pi * (lr_num_cycles * p mod 1))) / 2, and 0 after the last step;
+- 'sine': SimpleTuner's waves, with no warm-up: lr_warmup_steps W is half the period, and at step k the rate is
+  lr_end + (learning_rate - lr_end) * (1 + sin(pi * k / W)) / 2: half-way up at the start, learning_rate at W / 2,
+  half-way again at W, lr_end (unset: 0) at 1.5 W, and so on to the end of the run;
 - 'linear', 'constant', 'constant_with_warmup': diffusers' own. diffusers' 'constant' has no warm-up, so with
   lr_warmup_steps it is built as 'constant_with_warmup': the warm-up a user set is never dropped.
 With lr_end, the cosines fall to lr_end instead of 0: after warm-up the rate is lr_end + (learning_rate - lr_end) x
@@ -66,6 +69,8 @@ def build_lr_scheduler(cfg: Any, optimizer: Any, total_steps: int, rate: float |
         end = POLYNOMIAL_DEFAULT_END if cfg.lr_end is None else cfg.lr_end
         return get_polynomial_decay_schedule_with_warmup(optimizer, warmup, total_steps, lr_end=end,
                                                          power=cfg.lr_power)
+    if name == "sine":
+        return LambdaLR(optimizer, sine_waves(warmup, (cfg.lr_end or 0.0) / peak))
     if cfg.lr_end is not None and name in ("cosine", "cosine_with_restarts"):
         cycles = cfg.lr_num_cycles if name == "cosine_with_restarts" else None
         return LambdaLR(optimizer, floored_cosine(warmup, total_steps, cfg.lr_end / peak, cycles))
@@ -76,7 +81,7 @@ def build_lr_scheduler(cfg: Any, optimizer: Any, total_steps: int, rate: float |
 def warmup_too_long(cfg: Any, total_steps: int) -> str | None:
     """A warning when lr_warmup_steps outlasts the run: the rate never reaches learning_rate and the schedule never
     starts (easy to get after shortening a run, or with num_train_epochs deciding its length)."""
-    if cfg.lr_warmup_steps <= total_steps:
+    if cfg.lr_warmup_steps <= total_steps or cfg.lr_scheduler == "sine":  # sine: its wave's length, no warm-up
         return None
     return (f"lr_warmup_steps {cfg.lr_warmup_steps} is longer than the run ({total_steps} steps): the learning rate "
             f"never reaches learning_rate and lr_scheduler {cfg.lr_scheduler!r} never starts; lower lr_warmup_steps "
@@ -88,6 +93,11 @@ def schedule_free_warmup(warmup: int) -> Callable[[int], float]:
     step k < warmup (from 0), then 1. Applied here instead of through its `warmup_steps`, the numbers are the same
     and the logged rate is the one that trains."""
     return lambda step: (step + 1) / warmup if step < warmup else 1.0
+
+
+def sine_waves(half_period: int, floor: float) -> Callable[[int], float]:
+    """'sine': the multiplier of learning_rate at step k, floor + (1 - floor) (1 + sin(pi k / half_period)) / 2."""
+    return lambda step: floor + (1.0 - floor) * 0.5 * (1.0 + math.sin(math.pi * step / half_period))
 
 
 def floored_cosine(warmup: int, total: int, floor: float, cycles: int | None) -> Callable[[int], float]:

@@ -51,7 +51,9 @@ that name (`DEFAULTS`), so the same name trains the same way in both. They map o
   bf16 weights (a bf16 full fine-tune) updates below bf16's resolution round away, as with `adamw`.
 
 SimpleTuner's names for the same implementations are accepted as aliases (`OPTIMIZER_ALIASES`):
-`torch-adamw` is `adamw`, `bnb-adamw8bit` is `adamw8bit`.
+`torch-adamw` is `adamw`, `bnb-adamw8bit` is `adamw8bit`. SimpleTuner's other names (torch-*, ao-*, optimi-*, bnb-*,
+soap, muon) are in train/optimizer_catalog.py, with SimpleTuner's settings for each; OPTIMIZERS lists them after
+the names above (`MAIN_OPTIMIZERS`).
 
 `optimizer_config` (config/optimizer_keys.py) passes more constructor arguments: `build_optimizer(...,
 settings=)` adds them over difftune's own (they win), and `setting_problem` says at config time why one cannot
@@ -74,8 +76,18 @@ import importlib
 import io
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from difftune.train.optimizer_catalog import (
+    KAHAN_NAMES,
+    MORE_DEFAULTS,
+    MORE_OPTIMIZERS,
+    MORE_SPECS,
+    OPTIMI_REFUSED,
+    REQUIRED,
+    Spec,
+    settings_of,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -100,35 +112,29 @@ OPTIMIZERS: dict[str, str] = {
     "up); samples, checkpoints and the saved adapter use the averaged weights. Start from 1-10x AdamW's "
     "learning_rate (the library's advice). No Kahan summation (use 'adamw_bf16' for a bf16 full fine-tune).",
 }
+MAIN_OPTIMIZERS = tuple(OPTIMIZERS)  # difftune's own choices; SimpleTuner's other names follow
+OPTIMIZERS |= MORE_OPTIMIZERS
 
 # Optimizers whose updates of bf16/fp16 weights keep what rounding drops (Kahan summation, torch-optimi); every
 # other one loses small updates in a full fine-tune of such weights, and setup warns (with the one to use instead)
-KAHAN = frozenset(("adamw_bf16", "optimi-adamw", "optimi-stableadamw", "optimi-lion"))
-KAHAN_INSTEAD: dict[str, str] = {"lion": "optimi-lion"}  # else 'adamw_bf16'
+KAHAN = frozenset(("adamw_bf16", "optimi-adamw", "optimi-stableadamw", "optimi-lion")) | KAHAN_NAMES
+KAHAN_INSTEAD: dict[str, str] = {  # else 'adamw_bf16'
+    "lion": "optimi-lion", **dict.fromkeys(("bnb-lion", "bnb-lion8bit", "bnb-lion-paged", "bnb-lion8bit-paged"),
+                                           "optimi-lion"),
+    **dict.fromkeys(("torch-adam", "bnb-adam", "bnb-adam8bit", "ao-adamfp8"), "optimi-adam"),
+    "torch-radam": "optimi-radam", "torch-sgd": "optimi-sgd"}
 
 # SimpleTuner's names -> ours (the same library and class)
 OPTIMIZER_ALIASES: dict[str, str] = {"torch-adamw": "adamw", "bnb-adamw8bit": "adamw8bit"}
 
-# Device types each name is known to run on. Others are probed (one real step on a small tensor).
+# Device types each name is known to run on. Others are probed (one real step on a small tensor), and so is CUDA for
+# torchao's fp8 states (SimpleTuner offers them from compute capability 9 only).
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda")
-
-REQUIRED = "<required>"  # a constructor argument without a default (in KEYWORDS)
+_PROBED_ON_CUDA = frozenset(("ao-adamfp8", "ao-adamwfp8"))
 
 # optimizer_config keywords that difftune's own keys set, and the key to use instead
 CLASHES: dict[str, str] = {"lr": "learning_rate", "betas": "adam_beta1 and adam_beta2",
                            "weight_decay": "adam_weight_decay", "eps": "adam_epsilon"}
-
-
-@dataclass(frozen=True)
-class _Spec:
-    package: str  # the pip distribution that provides it ("" for torch itself)
-    module: str
-    cls: str  # the class: an attribute path inside `module`
-    # difftune's constructor arguments from (params, lr, betas, weight_decay, eps)
-    settings: Callable[..., dict[str, Any]]
-    keywords: dict[str, Any]  # the constructor's arguments after `params`, with their defaults
-    clashes: dict[str, str] = field(default_factory=dict)  # more keywords that a difftune key sets
-    refused: dict[str, str] = field(default_factory=dict)  # keywords optimizer_config may not set, and why
 
 
 def _adam_settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
@@ -136,18 +142,7 @@ def _adam_settings(params: list, lr: float, betas: tuple, weight_decay: float, e
 
 
 def _optimi_settings(kahan_sum: bool | None) -> Callable[..., dict[str, Any]]:
-    def settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
-        return {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps, "kahan_sum": kahan_sum,
-                **_no_triton_off_cuda(params)}
-    return settings
-
-
-def _no_triton_off_cuda(params: list) -> dict[str, bool]:
-    """optimi's StableAdamW (0.3) decides on Triton before it has looked at any parameter, so with a
-    CUDA build of torch (which ships Triton) it takes the Triton kernel for CPU tensors and fails ("0
-    active drivers"). Off CUDA the for-loop is the only path anyway: say so."""
-    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    return {} if tensors and all(t.is_cuda for t in tensors) else {"triton": False}
+    return settings_of(True, True, {"kahan_sum": kahan_sum}, optimi=True)
 
 
 def _lion_settings(params: list, lr: float, betas: tuple, weight_decay: float, eps: float) -> dict[str, Any]:
@@ -166,8 +161,7 @@ _OPTIMI_TAIL = {"decouple_lr": False, "max_lr": None, "kahan_sum": None, "foreac
                 "gradient_release": False}
 _OPTIMI_ADAMW = {"lr": REQUIRED, "betas": (0.9, 0.99), "weight_decay": 1e-2, "eps": 1e-6, **_OPTIMI_TAIL}
 _OPTIMI_LION = {"lr": REQUIRED, "betas": (0.9, 0.99), "weight_decay": 0, **_OPTIMI_TAIL}
-_OPTIMI_REFUSED = {"gradient_release": "releasing gradients during the backward pass needs the training loop's "
-                   "hooks (SimpleTuner's optimizer_release_gradients), which difftune does not have"}
+_OPTIMI_REFUSED = OPTIMI_REFUSED
 _LION = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0, "use_triton": False, "decoupled_weight_decay": False}
 _PRODIGY = {"lr": 1.0, "betas": (0.9, 0.999), "beta3": None, "eps": 1e-8, "weight_decay": 0, "decouple": True,
             "use_bias_correction": False, "safeguard_warmup": False, "d0": 1e-6, "d_coef": 1.0,
@@ -177,30 +171,31 @@ _BNB_ADAMW8BIT = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay"
 _SCHEDULEFREE = {"lr": 0.0025, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "warmup_steps": 0, "r": 0.0,
                  "weight_lr_power": 2.0, "foreach": True}
 
-_SPECS: dict[str, _Spec] = {
-    "adamw": _Spec("", "torch", "optim.AdamW", _adam_settings, _TORCH_ADAMW),
-    "adamw_bf16": _Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(True), _OPTIMI_ADAMW,
+_SPECS: dict[str, Spec] = {
+    "adamw": Spec("", "torch", "optim.AdamW", _adam_settings, _TORCH_ADAMW),
+    "adamw_bf16": Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(True), _OPTIMI_ADAMW,
                         refused=_OPTIMI_REFUSED),
-    "lion": _Spec("lion-pytorch", "lion_pytorch", "Lion", _lion_settings, _LION),
-    "optimi-stableadamw": _Spec("torch-optimi", "optimi", "StableAdamW", _optimi_settings(None), _OPTIMI_ADAMW,
+    "lion": Spec("lion-pytorch", "lion_pytorch", "Lion", _lion_settings, _LION),
+    "optimi-stableadamw": Spec("torch-optimi", "optimi", "StableAdamW", _optimi_settings(None), _OPTIMI_ADAMW,
                                 refused=_OPTIMI_REFUSED),
-    "optimi-adamw": _Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(None), _OPTIMI_ADAMW,
+    "optimi-adamw": Spec("torch-optimi", "optimi", "AdamW", _optimi_settings(None), _OPTIMI_ADAMW,
                           refused=_OPTIMI_REFUSED),
-    "optimi-lion": _Spec("torch-optimi", "optimi", "Lion", _lion_settings, _OPTIMI_LION, refused=_OPTIMI_REFUSED),
-    "prodigy": _Spec("prodigyopt", "prodigyopt", "Prodigy", _prodigy_settings, _PRODIGY, refused={
+    "optimi-lion": Spec("torch-optimi", "optimi", "Lion", _lion_settings, _OPTIMI_LION, refused=_OPTIMI_REFUSED),
+    "prodigy": Spec("prodigyopt", "prodigyopt", "Prodigy", _prodigy_settings, _PRODIGY, refused={
         "fsdp_in_use": "difftune sums Prodigy's step-size estimate over the processes itself with fsdp_enable "
                        "(train/prodigy_fsdp.py); prodigyopt's fsdp_in_use, written for torch's older FSDP, fails "
                        "without CUDA or a process group and counts tensors every process holds whole once per "
                        "process"}),
-    "adamw8bit": _Spec("bitsandbytes", "bitsandbytes", "optim.AdamW8bit", _adam_settings, _BNB_ADAMW8BIT, refused={
+    "adamw8bit": Spec("bitsandbytes", "bitsandbytes", "optim.AdamW8bit", _adam_settings, _BNB_ADAMW8BIT, refused={
         "amsgrad": "bitsandbytes' AdamW8bit has no AMSGrad; use optimizer 'adamw' with amsgrad=true",
         "optim_bits": "AdamW8bit always keeps 8-bit state (it takes only its placeholder optim_bits=32); use "
                       "optimizer 'adamw' for 32-bit state",
         "args": "args is bitsandbytes' internal settings object"}),
     # warm-up: lr_warmup_steps, through the LR scheduler (train/lr_schedule.py), with the library's own formula
-    "adamw_schedulefree": _Spec("schedulefree", "schedulefree", "AdamWScheduleFree", _adam_settings, _SCHEDULEFREE,
+    "adamw_schedulefree": Spec("schedulefree", "schedulefree", "AdamWScheduleFree", _adam_settings, _SCHEDULEFREE,
                                 clashes={"warmup_steps": "lr_warmup_steps"}),
 }
+_SPECS |= MORE_SPECS
 assert set(_SPECS) == set(OPTIMIZERS)
 
 # Each name's (betas, weight_decay, eps) where adam_beta1, adam_beta2, adam_weight_decay or adam_epsilon is unset:
@@ -209,7 +204,7 @@ assert set(_SPECS) == set(OPTIMIZERS)
 # defaults outside DeepSpeed). `adamw8bit` is SimpleTuner's `bnb-adamw8bit`; `prodigy` takes SimpleTuner's `prodigy`
 # entry (a different class there, ProdigyPlusScheduleFree). SimpleTuner has no `lion` (lion-pytorch): it keeps the
 # values difftune always used. eps None: the optimizer has none (Lion).
-DEFAULTS: dict[str, tuple[tuple[float, float], float, float | None]] = {
+DEFAULTS: dict[str, tuple[tuple[float, ...] | None, float, float | None]] = {
     "adamw": ((0.9, 0.999), 1e-2, 1e-8),
     "adamw_bf16": ((0.9, 0.999), 1e-2, 1e-6),
     "lion": ((0.9, 0.999), 1e-2, None),
@@ -219,25 +214,27 @@ DEFAULTS: dict[str, tuple[tuple[float, float], float, float | None]] = {
     "prodigy": ((0.9, 0.99), 0.0, 1e-8),
     "adamw8bit": ((0.9, 0.999), 1e-2, 1e-6),
     "adamw_schedulefree": ((0.9, 0.999), 1e-2, 1e-8),
-}
+} | MORE_DEFAULTS
 assert set(DEFAULTS) == set(OPTIMIZERS)
 
 
 def hyper_parameters(name: str, beta1: float | None = None, beta2: float | None = None,
                      weight_decay: float | None = None, eps: float | None = None,
-                     ) -> tuple[tuple[float, float], float, float | None]:
-    """(betas, weight_decay, eps) that optimizer `name` trains with: each value given, else the name's DEFAULTS."""
+                     ) -> tuple[tuple[float, ...] | None, float, float | None]:
+    """(betas, weight_decay, eps) that optimizer `name` trains with: each value given, else the name's DEFAULTS.
+    betas None: the optimizer has none (SGD); beta1 and beta2 are the first two of three (Adan, AdEMAMix)."""
     name = OPTIMIZER_ALIASES.get(name, name)
     _check_name(name)
-    (b1, b2), decay, epsilon = DEFAULTS[name]
-    return ((b1 if beta1 is None else beta1, b2 if beta2 is None else beta2),
-            decay if weight_decay is None else weight_decay, epsilon if eps is None else eps)
+    default_betas, decay, epsilon = DEFAULTS[name]
+    betas = None if default_betas is None else (
+        (default_betas[0] if beta1 is None else beta1, default_betas[1] if beta2 is None else beta2, *default_betas[2:]))
+    return betas, decay if weight_decay is None else weight_decay, epsilon if eps is None else eps
 
 
 KEYWORDS: dict[str, dict[str, Any]] = {name: spec.keywords for name, spec in _SPECS.items()}
 
 
-def _check_name(name: str) -> _Spec:
+def _check_name(name: str) -> Spec:
     name = OPTIMIZER_ALIASES.get(name, name)
     if name not in _SPECS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -248,6 +245,12 @@ def class_name(name: str) -> str:
     """The class `name` builds, as written in Python ('torch.optim.AdamW')."""
     spec = _check_name(name)
     return f"{spec.module}.{spec.cls}"
+
+
+def package_of(name: str) -> tuple[str, str]:
+    """(the pip distribution `name` needs, "" for torch itself; the module it imports) without importing it."""
+    spec = _check_name(name)
+    return spec.package, spec.module
 
 
 def optimizer_class(name: str) -> type:
@@ -272,7 +275,8 @@ def setting_problem(name: str, key: str, value: Any) -> str | None:
         return None if isinstance(value, bool) else f"{key} takes true or false, got {value!r}"
     if isinstance(default, int | float) and (isinstance(value, bool) or not isinstance(value, int | float)):
         return f"{key} takes a number, got {value!r}"
-    if isinstance(default, int) and not isinstance(value, int):
+    # torch writes 0 for float settings (momentum, dampening, lr_decay): only a non-zero whole default means a count
+    if isinstance(default, int) and default != 0 and not isinstance(value, int):
         return f"{key} takes a whole number, got {value!r}"
     return None
 
@@ -299,7 +303,7 @@ def _construct(name: str, params: list, lr: float, betas: tuple, weight_decay: f
             if problem := prodigy_fsdp.uneven_problem(params):
                 raise ValueError(problem)
             cls = prodigy_fsdp.sharded_class(cls)
-    kwargs = spec.settings(params, lr, tuple(betas), weight_decay, eps) | (settings or {})
+    kwargs = spec.settings(params, lr, betas and tuple(betas), weight_decay, eps) | (settings or {})
     with contextlib.redirect_stdout(io.StringIO()):  # prodigy prints "Using decoupled weight decay"
         optimizer = cls(params, **kwargs)
     if schedule_free(optimizer):
@@ -337,12 +341,27 @@ def build_optimizer(
         if problem := setting_problem(name, key, value):
             raise ValueError(f"optimizer_config {key}={value}: {problem}")
     _import(name)
+    if name == "muon":
+        _only_matrices(params)
     for device in sorted({str(p.device) for p in params}):
-        reason = _probe(name, device) if device.split(":")[0] not in _KNOWN_DEVICE_TYPES else None
+        known = device.split(":")[0] in _KNOWN_DEVICE_TYPES and not (name in _PROBED_ON_CUDA and device != "cpu")
+        reason = _probe(name, device) if not known else None
         if reason:
             raise RuntimeError(f"optimizer {name!r} cannot run on {device}: {reason}")
     betas, weight_decay, eps = hyper_parameters(name, *betas, weight_decay, eps)
     return _construct(name, params, lr, betas, weight_decay, eps, settings)
+
+
+def _only_matrices(params: list) -> None:
+    """Muon orthogonalises matrices: any other trained tensor is a ValueError naming how many and their shapes."""
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    other = [tuple(p.shape) for p in tensors if p.dim() != 2]
+    if other:
+        shapes = ", ".join(sorted({str(s) for s in other})[:5])
+        raise ValueError(f"optimizer 'muon' steps 2-D weights only, and {len(other)} of the {len(tensors)} trained "
+                         f"tensors are not (shapes {shapes}): DoRA's magnitude vectors, CREPA's projector biases, a "
+                         "LyCORIS algorithm's vectors or a full fine-tune's norms and biases; train a LoRA without "
+                         "them, or choose another optimizer ('adamw' if unsure)")
 
 
 @functools.cache
@@ -354,7 +373,10 @@ def _probe(name: str, device: str) -> str | None:
         # 4096 elements: the smallest tensor bitsandbytes gives 8-bit state, so its 8-bit kernel runs.
         p = torch.nn.Parameter(torch.zeros(64, 64, device=device))
         p.grad = torch.ones_like(p)
-        _construct(name, [p], 1.0, (0.9, 0.999), 0.0, 1e-8).step()
+        betas, _decay, eps = hyper_parameters(name)
+        optimizer = _construct(name, [p], 1.0, betas, 0.0, eps)
+        for _ in range(2):  # SOAP's first step only sets up its preconditioner
+            optimizer.step()
         if not bool(torch.isfinite(p).all()) or bool((p == 0).all()):
             return "a test step gave no update"
     except Exception as e:  # any failure means "not usable here"; the reason is reported

@@ -203,6 +203,24 @@ def encoded_in_training(train: TrainConfig, ds: ImageDataset) -> bool:
     return train.vae_cache_disable or ds.vae_cache_disable or ds.vae_cache_clear_each_epoch
 
 
+def latents_on_demand(train: TrainConfig, ds: ImageDataset) -> bool:
+    """Whether a dataset's latents are encoded during training as each item is first drawn, and written to its cache
+    (vae_cache_ondemand, its own or else the config's: config/latent_cache_keys.py)."""
+    own = ds.vae_cache_ondemand
+    wanted = own if own is not None else train.vae_cache_ondemand
+    return bool(wanted) and ds.dataset_type != "eval" and not encoded_in_training(train, ds)
+
+
+def cache_everything(run_cfg: RunConfig) -> list[str]:
+    """`difftune cache`: the datasets with vae_cache_ondemand are encoded now like the others (the command's purpose);
+    returns their ids."""
+    ids = [ds.id for ds in run_cfg.datasets.images if latents_on_demand(run_cfg.train, ds)]
+    run_cfg.train.vae_cache_ondemand = False
+    for ds in run_cfg.datasets.images:
+        ds.vae_cache_ondemand = False
+    return ids
+
+
 def bucket_counts(run_cfg: RunConfig, samples: Iterable[Sample]) -> dict[Bucket, int]:
     """Items per (dataset, bucket group) of each training dataset (an eval dataset's are never trained on)."""
     trained = {ds.id for ds in run_cfg.datasets.images}
@@ -348,7 +366,7 @@ def discover_datasets(run_cfg: RunConfig, write_metadata: bool = True, fetch: bo
         d.held_out = ds.dataset_type == "eval"
         d.regularisation = ds.is_regularisation_data
         d.crops_each_epoch = ds.vae_cache_clear_each_epoch
-        d.on_the_fly = encoded_in_training(run_cfg.train, ds)
+        d.on_the_fly = encoded_in_training(run_cfg.train, ds) or latents_on_demand(run_cfg.train, ds)
         d.masks = ds.conditioning_data if run_cfg.datasets.mask_dir(ds) else None
     empty = [d for d in found if not d.samples]
     if empty:

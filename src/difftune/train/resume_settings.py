@@ -208,5 +208,6 @@ class Fresh:
         """(config key, then, now) for each config key a changed param-group value holds (betas: two)."""
         names = _NAMES[key]
         if isinstance(names, tuple):
-            return [(n, o, v) for n, o, v in zip(names, old, new, strict=True) if not _same(o, v)]
+            # Adan's and AdEMAMix's third beta is no config key's (adam_beta1/2 set the first two)
+            return [(n, o, v) for n, o, v in zip(names, old[:2], new[:2], strict=True) if not _same(o, v)]
         return [(names, old, new)]

@@ -158,7 +158,7 @@ def build_data(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
         encode=encode, on_skip=lambda message: events.emit("warning", message=message),
         rank=ranks.index, ranks=ranks.count, first_frame=family.facts.first_frame(cfg.flavour()),
-        regularisation=frozenset(ds.id for ds in datasets if ds.is_regularisation_data),
+        regularisation=frozenset(ds.id for ds in datasets if ds.is_regularisation_data), ondemand=cached.ondemand,
     )
     return data, plan
 
