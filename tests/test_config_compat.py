@@ -273,7 +273,7 @@ SIMPLETUNER_PENDING = [
     ("set_grads_to_none", False, "sometimes"), ("disable_segmented_timestep_sampling", False, "sometimes"),
     ("fuse_optimizer", False, True),
     ("optimizer_release_gradients", False, True), ("gradient_precision", None, "fp32"),
-    ("prodigy_steps", None, 100), ("ema_cpu_only", False, "sometimes"), ("ema_foreach_disable", False, True),
+    ("ema_cpu_only", False, "sometimes"), ("ema_foreach_disable", False, True),
     ("conditioning_multidataset_sampling", "random", "combined"), ("ignore_missing_files", False, True),
     ("delete_unwanted_images", False, True), ("delete_problematic_images", False, True),
     ("override_dataset_config", False, True), ("cache_dir", None, "/models"),

@@ -212,3 +212,61 @@ def test_changed_betas_of_a_three_beta_optimizer_take_effect_on_resume(tmp_path,
     assert tuple(group["betas"]) == pytest.approx((0.8, 0.999, 0.9999))
     (info,) = [m for m in messages(out, "info") if "changed since it was saved" in m]
     assert "adam_beta1 0.9 -> 0.8" in info
+
+
+def test_prodigy_steps_keeps_the_step_size_after_n_steps() -> None:
+    """prodigy_steps 3: d adapts during steps 1-3, then stays exactly; the state_dict carries it into a resumed
+    optimizer (built again with the same setting), which continues the same steps."""
+    from test_optimizers import roundtrip, toy_data, toy_model, train_step, weights
+
+    def run(steps, split=None):
+        model, x_y = toy_model(), toy_data()
+        build = lambda m: build_optimizer("prodigy", list(m.parameters()), 1.0, (None, None), None, None,  # noqa: E731
+                                          prodigy_steps=steps)
+        opt, ds = build(model), []
+        for k in range(8):
+            if k == split:  # a resume: weights and state through torch.save, into a fresh model and optimizer
+                saved_w, saved_o = roundtrip(weights(model)), roundtrip(opt.state_dict())
+                model = toy_model()
+                with torch.no_grad():
+                    for p, w in zip(model.parameters(), saved_w, strict=True):
+                        p.copy_(w)
+                opt = build(model)
+                opt.load_state_dict(saved_o)
+            train_step(model, opt, *x_y)
+            ds.append(opt.param_groups[0]["d"])
+        return ds, weights(model)
+
+    free, _ = run(None)
+    held, final = run(3)
+    assert held[:3] == free[:3] and len(set(free[2:])) > 1
+    assert set(held[2:]) == {held[2]}  # d after step 3, kept through step 8
+    resumed, final_resumed = run(3, split=5)
+    assert resumed == held and all(torch.equal(a, b) for a, b in zip(final, final_resumed, strict=True))
+
+
+def test_prodigy_steps_is_prodigys(tmp_path, dataset) -> None:
+    assert "prodigy_steps applies to optimizer 'prodigy', and optimizer is 'adamw'" in problems(
+        write_config(tmp_path, dataset, prodigy_steps=100))
+    cfg = load_config(write_config(tmp_path, dataset, optimizer="prodigy", learning_rate=1.0, prodigy_steps=100)).train
+    assert cfg.prodigy_steps == 100
+    assert load_config(write_config(tmp_path, dataset, prodigy_steps=0)).train.prodigy_steps == 0  # off: any optimizer
+
+
+def test_amsgrad_is_refused_for_bitsandbytes() -> None:
+    for name in ("bnb-adamw", "bnb-adam8bit"):
+        with pytest.raises(ValueError, match="bitsandbytes' Adam and AdamW have no AMSGrad"):
+            group_of(name, settings={"amsgrad": True})
+
+
+@pytest.mark.parametrize(("settings", "advice"), [
+    ("", "optimizer_config bf16_stochastic_round=true"), ("bf16_stochastic_round=true", None)])
+def test_torchaos_stochastic_rounding_keeps_small_updates(tmp_path, dataset, settings, advice) -> None:
+    from difftune.memory_plan.levers import lossless_optimizer
+    from difftune.train.optimizers import small_update_advice
+
+    cfg = load_config(write_config(tmp_path, dataset, optimizer="ao-adamw8bit", model_type="full",
+                                   mixed_precision="bf16", optimizer_config=settings or None)).train
+    got = small_update_advice(cfg)
+    assert (got is None) if advice is None else got.startswith(advice)
+    assert lossless_optimizer(cfg) == {}  # never swapped for adamw_bf16's 4x larger state

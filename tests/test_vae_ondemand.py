@@ -95,3 +95,38 @@ def test_difftune_cache_encodes_everything(tmp_path, dataset, capsys) -> None:
     assert main(["cache", "--config", str(path)]) == 0
     assert "vae_cache_ondemand ('train'): difftune cache encodes every latent now" in capsys.readouterr().out
     assert len(entries(tmp_path)) == 4
+
+
+def test_a_damaged_entry_is_encoded_again_and_a_complete_cache_keeps_no_vae(tmp_path, dataset) -> None:
+    """A start checks the entries as caching does: a damaged one is written again when drawn (not read, deleted and
+    left out); once every entry is whole, a start is a cached run (no VAE kept, read-ahead on)."""
+    common = dict(vae_cache_ondemand=True)
+    train(build_run(load_config(write_config(tmp_path, dataset, **common, max_train_steps=4))))
+    victim = entries(tmp_path)[0]
+    victim.write_bytes(victim.read_bytes()[:40])
+    run = build_run(load_config(write_config(tmp_path, dataset, **common, max_train_steps=8)))
+    said = [e["message"] for e in events(tmp_path) if e["event"] == "info"]
+    assert any("dataset 'train': 1 of 4 latents are encoded during training" in m for m in said)
+    train(run)
+    assert not [e for e in events(tmp_path) if e["event"] == "warning" and "left out" in e["message"]]
+    assert sorted(losses(tmp_path / "output")) == list(range(1, 9))  # every step trained, nothing left out
+    complete = build_run(load_config(write_config(tmp_path, dataset, **common, max_train_steps=9)))
+    assert complete.data.encode is None
+    assert complete.comps.vae is None or complete.comps.vae.device.type == "cpu"
+
+
+def test_a_datasets_ondemand_beside_the_configs_vae_cache_disable_is_refused(tmp_path, dataset) -> None:
+    text = problems(write_config(tmp_path, dataset, vae_cache_disable=True, dataset={"vae_cache_ondemand": True}))
+    assert "dataset 'train': vae_cache_ondemand, but the config's vae_cache_disable encodes every dataset" in text
+
+
+def test_the_plan_counts_the_encoding_beside_training(real_cfg) -> None:
+    from difftune.memory_plan.predict import predict
+
+    plain = predict(real_cfg, None)
+    ondemand = predict(real_cfg.model_copy(update={"vae_cache_ondemand": True}), None)
+    assert "training: encoding latents" not in [p.name for p in plain.phases]
+    phase = ondemand.phase("training: encoding latents")
+    assert [line.label.split(" (")[0] for line in phase.lines] == ["weights, adapter, optimizer state and EMA",
+                                                                    "VAE", "VAE encode"]
+    assert ondemand.phase("training").total > plain.phase("training").total  # the VAE stays

@@ -41,6 +41,15 @@ class LatentCacheKeys(BaseModel):
         return self
 
 
+def ondemand_dataset_problems(cfg: Any, datasets: list[Any]) -> list[str]:
+    """A dataset's own vae_cache_ondemand against the config's vae_cache_disable (config/load.py, before any model
+    loads): that encodes every dataset on the fly and writes nothing, so the dataset's setting could not act."""
+    if not getattr(cfg, "vae_cache_disable", False):
+        return []
+    return [f"dataset {ds.id!r}: vae_cache_ondemand, but the config's vae_cache_disable encodes every dataset on "
+            "the fly and writes no latents; remove one of them" for ds in datasets if ds.vae_cache_ondemand]
+
+
 def ondemand_checks(cfg: Any) -> None:
     if not cfg.vae_cache_ondemand:
         return

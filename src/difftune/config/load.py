@@ -43,6 +43,7 @@ from difftune.config.datasets import (
 from difftune.config.eval_keys import check_eval_datasets
 from difftune.config.generated_conditioning import GeneratedConditioning
 from difftune.config.jsonfile import JsonFileError, read_json
+from difftune.config.latent_cache_keys import ondemand_dataset_problems
 from difftune.config.mask_keys import mask_checks
 from difftune.config.model_source_keys import check_model_sources
 from difftune.config.pending import (
@@ -525,6 +526,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         mask_checks(train, plan, Path(train.data_backend_config), where_of, problems)  # config/mask_keys.py
         check_eval_datasets(train, plan, Path(train.data_backend_config), where_of, problems)  # dataset_type 'eval'
         problems += [f"{train.data_backend_config}: {p}" for p in crepa_dataset_problems(train, plan.discovered())]
+        problems += [f"{train.data_backend_config}: {p}" for p in ondemand_dataset_problems(train, plan.images)]
         problems += [f"{train.data_backend_config}: {p}" for p in schedule_problems(plan.images)]
         problems += [f"{train.data_backend_config}: {p}" for p in regularisation_problems(train, plan)]
     if problems or train is None or plan is None:

@@ -57,6 +57,12 @@ class OptimizerKeys(BaseModel):
         "convenience; SimpleTuner documents the string).", "training", advanced=True,
     )
 
+    prodigy_steps: int | None = field(
+        None, "With optimizer 'prodigy': adapt the step size during the first N optimizer steps, then keep it "
+        "(SimpleTuner's key; its ProdigyPlus also frees the estimate's memory, prodigyopt keeps it). Unset or 0: "
+        "adapt throughout.", "training", ge=0, advanced=True,
+    )
+
     @field_validator("optimizer_config", mode="before")
     @classmethod
     def _optimizer_config_object(cls, value: Any) -> Any:
@@ -130,9 +136,10 @@ def optimizer_notes(cfg: Any) -> list[str]:
         notes.append(f"learning_rate {cfg.learning_rate:g} with optimizer prodigy: Prodigy estimates the step size "
                      "itself and learning_rate multiplies it, so 1.0 is usual; this trains about "
                      f"{1 / cfg.learning_rate:.0f}x slower (used as given)")
-    if cfg.optimizer_cpu_offload_method == "cpu" and OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer) == "adamw8bit":
+    name = OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer)
+    if cfg.optimizer_cpu_offload_method == "cpu" and (name == "adamw8bit" or name.startswith("bnb-") and "8bit" in name):
         # bitsandbytes' CPU path: 82 M weights/s on 2 cores against 694 for adamw_bf16 (BENCHMARKS.md)
-        notes.append("optimizer adamw8bit with optimizer_cpu_offload_method cpu: bitsandbytes steps about 8x slower "
+        notes.append(f"optimizer {cfg.optimizer} with optimizer_cpu_offload_method cpu: bitsandbytes steps about 8x slower "
                      "on the CPU than adamw_bf16 (make bench-host-optimizer), and CPU memory is rarely short; "
                      "adamw_bf16 or adamw with optimizer_config fused=true step much faster there")
     return notes
@@ -152,6 +159,9 @@ def optimizer_checks(cfg: Any) -> None:
         if problem := setting_problem(cfg.optimizer, key, value):
             raise ValueError(f"optimizer_config {key}={value}: {problem}")
     name = OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer)
+    if cfg.prodigy_steps and name != "prodigy":
+        raise ValueError(f"prodigy_steps applies to optimizer 'prodigy', and optimizer is {cfg.optimizer!r}: remove "
+                         "prodigy_steps, or use optimizer 'prodigy'")
     package, module = package_of(name)
     if package and importlib.util.find_spec(module.split(".")[0]) is None:
         extra = " (or `pip install 'difftune[bnb]'`)" if package == "bitsandbytes" else ""

@@ -165,7 +165,6 @@ PENDING_TRAIN_KEYS |= {
     "optimizer_release_gradients": ((False,), "releasing gradients inside the optimizer step" + _REMOVE),
     "gradient_precision": ((None, "unmodified"), "a forced gradient precision; each gradient keeps its "
                            "parameter's dtype" + _REMOVE),
-    "prodigy_steps": ((None,), "limiting Prodigy's adaptation to a number of steps" + _REMOVE),
     # EMA: difftune's CPU EMA is updated on the CPU (as with ema_cpu_only: true); the result is the same
     "ema_cpu_only": ((False, True, None), "ema_cpu_only takes true or false"),
     "ema_foreach_disable": ((False,), "EMA updates without torch._foreach kernels" + _REMOVE),

@@ -115,6 +115,7 @@ class TrainingData:
         self.first_frame = first_frame  # image-to-video: the first frame encoded alone is the conditioning
         self.regularisation = regularisation
         self.ondemand = ondemand or {}
+        self.written: set[int] = set()  # on-demand items written (or found whole) since the start
         self.dropped: set[int] = set()  # items left out for the rest of the run (damaged cache entries)
 
     def _skip(self, index: int, message: str) -> None:
@@ -168,12 +169,14 @@ class TrainingData:
         return kept, torch.stack(latents), (torch.stack(cond) if cond else None), (torch.stack(masks) if masks else None)
 
     def _write_ondemand(self, chosen: list[tuple[int, CachedSample]]) -> set[int]:
-        """vae_cache_ondemand: the items whose cache entries are not written yet are encoded and written now, then
-        read back like every cached item (so a resumed run, reading them from the cache, trains on the same
-        latents). Returns the items that failed: left out for the rest of the run, with the reason."""
+        """vae_cache_ondemand: the items whose cache entries were not written at the start are encoded and written
+        when first drawn (the writer checks each entry as caching does, so another process's or a repeat's entry is
+        not encoded twice), then read back like every cached item (so a resumed run, reading them from the cache,
+        trains on the same latents). Returns the items that failed: left out for the rest of the run, with the
+        reason."""
         missing: dict[str, list[tuple[int, CachedSample]]] = {}
         for index, c in chosen:
-            if c.ondemand is not None and not all(p.is_file() for p in c.entry_files()):
+            if c.ondemand is not None and index not in self.written:
                 missing.setdefault(c.ondemand, []).append((index, c))
         failed: set[int] = set()
         for dataset_id, items in missing.items():
@@ -182,6 +185,8 @@ class TrainingData:
                 if c.sample.path in reasons:
                     self._skip(index, f"left out {c.sample.path}: {reasons[c.sample.path]}")
                     failed.add(index)
+                else:
+                    self.written.add(index)
         return failed
 
     def _latents(self, chosen: list[tuple[int, CachedSample]], epoch: int = 0):

@@ -58,9 +58,6 @@ class CachedSample:
     each_epoch: bool = False  # vae_cache_clear_each_epoch: `uv` is drawn again per epoch (`crop_position`)
     ondemand: str | None = None  # vae_cache_ondemand: its dataset's id; its entries are written when first drawn
 
-    def entry_files(self) -> list[Path]:
-        return [p for p in (self.latent_file, self.conditioning_file, self.mask_file) if p is not None]
-
 
 def crop_position(sample: Sample, crop_style: str, seed: int, epoch: int | None = None) -> tuple[float, float]:
     """Where a 'random' crop sits: drawn once per file from the seed, so the cache is reproducible; with `epoch`
@@ -251,8 +248,10 @@ def entry_keys(sample: Sample, crop_style: str, seed: int) -> tuple[list[tuple[P
 
 def planned(samples: list[Sample], cache: TensorCache, crop_style: str, seed: int,
             dataset_id: str) -> tuple[list[CachedSample], list[tuple[Path, str]]]:
-    """vae_cache_ondemand: each sample as a cached item whose entries may not be written yet (`ondemand` names its
-    dataset, whose encoder writes them when the item is first drawn: data/batches.py), and the files that failed."""
+    """vae_cache_ondemand: each sample as a cached item, and the files that failed. An item whose entries are not all
+    in the cache, whole (`TensorCache.has`, the check caching makes: a damaged or outdated entry is encoded again),
+    gets `ondemand`, its dataset's id: the dataset's writer writes them when the item is first drawn
+    (data/batches.py)."""
     items, failed = [], []
     for sample in samples:
         try:
@@ -260,7 +259,9 @@ def planned(samples: list[Sample], cache: TensorCache, crop_style: str, seed: in
         except (OSError, RuntimeError) as e:
             failed.append((sample.path, f"filesystem error: {e}"))
             continue
-        items.append(replace(_cached(sample, cache, keys, crop_style, seed, masked), ondemand=dataset_id))
+        item = _cached(sample, cache, keys, crop_style, seed, masked)
+        written = all(cache.has(key) for _, key in keys) and (masked is None or cache.has(masked))
+        items.append(item if written else replace(item, ondemand=dataset_id))
     return items, failed
 
 

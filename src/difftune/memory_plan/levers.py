@@ -148,11 +148,13 @@ def _main_stack_size(cfg: Any) -> int:
 def lossless_optimizer(cfg: Any) -> dict[str, Any]:
     """{'optimizer': the one to use} when the trainer would warn that this full fine-tune loses small updates (its
     bf16/fp16 weights and an optimizer without Kahan summation: train/setup.py), else {}."""
-    from difftune.train.optimizers import KAHAN, KAHAN_INSTEAD
+    from difftune.train.optimizer_catalog import STOCHASTIC_ROUNDING
+    from difftune.train.optimizers import KAHAN_INSTEAD, OPTIMIZER_ALIASES, small_update_advice
 
-    if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer not in KAHAN:
-        return {"optimizer": KAHAN_INSTEAD.get(cfg.optimizer, "adamw_bf16")}
-    return {}
+    name = OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer)
+    if small_update_advice(cfg) is None or name in STOCHASTIC_ROUNDING:  # torchao's: stochastic rounding (its
+        return {}  # optimizer_config, which the warning names) keeps its small state; adamw_bf16 would multiply it
+    return {"optimizer": KAHAN_INSTEAD.get(name, "adamw_bf16")}
 
 
 def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int = 1,

@@ -383,8 +383,9 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
         from difftune.memory_plan import crepa
 
         crepa.add_training(cfg, arch, bucket, tokens, training, notes)
-    if not decodes(cfg) and (getattr(cfg, "vae_cache_disable", False) or getattr(cfg, "vae_cache_ondemand", False)
-                             or any(getattr(d, "on_the_fly", False) for d in found or [])):
+    encodes = (getattr(cfg, "vae_cache_disable", False) or getattr(cfg, "vae_cache_ondemand", False)
+               or any(getattr(d, "on_the_fly", False) for d in found or []))
+    if not decodes(cfg) and encodes:
         # train/caching.py keeps the VAE on the accelerator for datasets encoded during training (CREPA's decoding
         # line above counts the same VAE)
         training.add("VAE (latents encoded during training)", vae_bytes(cfg),
@@ -393,11 +394,25 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
     caching = caching_phase(cfg, arch, bucket, transformer)
     kept = resident / shards + adapter_bytes / shards + opt / shards + ema
     validation = validation_phase(cfg, arch, blocks, coefficients, kept, text)
+    encoding = [encoding_phase(cfg, bucket, kept)] if encodes else []
     from difftune.memory_plan import passes
 
     # the regularisation teacher and the evaluation loss (no-grad passes)
     extra = passes.add(cfg, arch, blocks, coefficients, found, bucket, training, kept, notes)
-    return Prediction([*caching, training, validation, *extra], notes, processes)
+    return Prediction([*caching, training, validation, *encoding, *extra], notes, processes)
+
+
+def encoding_phase(cfg: Any, bucket: tuple[int, ...], kept: float) -> Phase:
+    """Latents encoded during training (vae_cache_disable and vae_cache_clear_each_epoch: each micro-batch's;
+    vae_cache_ondemand: the unwritten ones of a batch, vae_batch_size at a time): the VAE's work beside what training
+    keeps. It runs before the step's forward pass, so the step's activations are not there."""
+    n = max(cfg.train_batch_size, cfg.vae_batch_size)
+    phase = Phase("training: encoding latents")
+    phase.add("weights, adapter, optimizer state and EMA (kept)", kept)
+    phase.add("VAE", vae_bytes(cfg))
+    phase.add(f"VAE encode ({'x'.join(map(str, bucket))} x {n})", vae_work(cfg, "encode", bucket) * n,
+              "vae_cache_disable, vae_cache_clear_each_epoch or vae_cache_ondemand")
+    return phase
 
 
 def streaming(cfg: Any, blocks: A.Blocks) -> tuple[int, int, str]:

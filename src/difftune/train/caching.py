@@ -255,11 +255,13 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
                             _compress(ds.compress_cache, cfg.compress_disk_cache))
         encode = lambda px: family.encode_images(comps, px)  # noqa: E731
         if latents_on_demand(cfg, ds):
-            on_the_fly = True  # the VAE stays loaded: each item's entries are written when it is first drawn
             items, bad = planned(disc.samples, cache, ds.crop_style, cfg.seed, ds.id)
             cached, failed = cached + items, failed + bad
-            ondemand[ds.id] = _writer(comps, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size, first_frame)
-            waiting = sum(not all(p.is_file() for p in c.entry_files()) for c in items)
+            waiting = sum(c.ondemand is not None for c in items)
+            if waiting:  # the VAE stays loaded until a start finds every entry written
+                on_the_fly = True
+                ondemand[ds.id] = _writer(comps, cache, ds, cfg.seed, encode, cfg.vae_batch_size, first_frame,
+                                          events)
             events.emit("info", message=f"dataset {ds.id!r}: {waiting} of {len(items)} latents are encoded during "
                         f"training as each is first drawn, and written to {cache.folder} (vae_cache_ondemand)")
             continue
@@ -269,10 +271,7 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
                           on_progress=progress(events, f"latents ({ds.id})", len(mine)), first_frame=first_frame,
                           stats=counted)
         latents_encoded += counted["encoded"]
-        if black := counted.get("black_masks"):  # a common slip: masks saved as 0/1 values, or inverted
-            events.emit("warning", message=f"dataset {ds.id!r}: {len(black)} loss mask(s) black over the whole "
-                        f"trained crop, e.g. {black[0]}: those samples add nothing to the loss. White (255) marks "
-                        "the area to train; a mask saved with values 0 and 1 looks black (scale it to 0 and 255)")
+        black_masks(events, ds.id, counted)
         ranks.barrier()
         done, bad = fill_latent_cache(disc.samples, cache, ds.crop_style, cfg.seed, encode, cfg.vae_batch_size,
                                       first_frame=first_frame)
@@ -280,9 +279,7 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
         failed += bad
     per_process = ranks.gather(latents_encoded)
     files, new = sum(len(d.samples) for d in found), sum(per_process)
-    # on the fly, or on demand and not written yet (an on-demand entry already written counts as from the cache)
-    later = sum(c.latent_file is None or (c.ondemand is not None and not all(p.is_file() for p in c.entry_files()))
-                for c in cached)
+    later = sum(c.latent_file is None or c.ondemand is not None for c in cached)  # on the fly, or not written yet
     events.emit("info", message=f"latent cache: {files} files: "
                 + counts(len(cached) - later - new, new, len(failed), per_process)
                 + (f", {later} encoded during training (vae_cache_disable, vae_cache_clear_each_epoch, "
@@ -309,14 +306,25 @@ def _fill_latents(run_cfg: RunConfig, family: Family, comps: Components, found: 
     return Cached(cached, text_caches, failed, validation, on_the_fly, ondemand)
 
 
-def _writer(comps: Components, cache: TensorCache, crop_style: str, seed: int, encode: Any, batch_size: int,
-            first_frame: bool) -> Any:
+def black_masks(events: Events, dataset_id: str, counted: dict[str, Any]) -> None:
+    if black := counted.get("black_masks"):  # a common slip: masks saved as 0/1 values, or inverted
+        events.emit("warning", message=f"dataset {dataset_id!r}: {len(black)} loss mask(s) black over the whole "
+                    f"trained crop, e.g. {black[0]}: those samples add nothing to the loss. White (255) marks "
+                    "the area to train; a mask saved with values 0 and 1 looks black (scale it to 0 and 255)")
+
+
+def _writer(comps: Components, cache: TensorCache, ds: Any, seed: int, encode: Any, batch_size: int,
+            first_frame: bool, events: Events) -> Any:
     """vae_cache_ondemand: what writes the cache entries of samples drawn in training (data/batches.py), exactly
     as caching before training writes them: the VAE's tiling is off meanwhile (vae_enable_tiling applies after
     caching, so cached latents never depend on it). Returns the files that failed, with the reason."""
     def write(samples: list) -> list[tuple[Path, str]]:
+        counted: dict[str, Any] = {}
         with untiled(comps.vae):
-            return fill_latent_cache(samples, cache, crop_style, seed, encode, batch_size, first_frame=first_frame)[1]
+            failed = fill_latent_cache(samples, cache, ds.crop_style, seed, encode, batch_size,
+                                       first_frame=first_frame, stats=counted)[1]
+        black_masks(events, ds.id, counted)
+        return failed
     return write
 
 

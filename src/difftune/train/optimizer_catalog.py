@@ -160,7 +160,9 @@ _BNB = {
     "bnb-ademamix8bit-paged": ("PagedAdEMAMix8bit", _without(_BNB_ADEMAMIX, "optim_bits", "is_paged")),
 }
 _BNB_REFUSED = {"optim_bits": "the name chooses the state's bits (the *8bit names keep 8-bit state); choose the "
-                              "name instead", "args": "args is bitsandbytes' internal settings object"}
+                              "name instead", "args": "args is bitsandbytes' internal settings object",
+                "amsgrad": "bitsandbytes' Adam and AdamW have no AMSGrad (the 32-bit ones ignore amsgrad, the 8-bit "
+                           "ones fail on it); use optimizer 'adamw' or 'torch-adam' with amsgrad=true"}
 _SOAP = {"lr": 3e-3, "betas": (0.95, 0.95), "shampoo_beta": None, "weight_decay": 0.01, "precondition_frequency": 10,
          "max_precondition_dim": 10000, "merge_dims": False, "precondition_1d": False, "correct_bias": True,
          "normalize_gradient": False, "data_format": "channels_first", "eps": 1e-8, "maximize": False}
@@ -256,6 +258,9 @@ MORE_OPTIMIZERS: dict[str, str] = {
 assert set(MORE_OPTIMIZERS) == set(MORE_SPECS)
 
 KAHAN_NAMES = frozenset(("optimi-radam", "optimi-ranger", "optimi-adan", "optimi-adam", "optimi-sgd"))
+# torchao's low-bit optimizers keep small updates of bf16 weights on average with optimizer_config
+# bf16_stochastic_round=true (stochastic rounding) instead
+STOCHASTIC_ROUNDING = frozenset(("ao-adamw8bit", "ao-adamw4bit", "ao-adamfp8", "ao-adamwfp8"))
 
 # Optimizers that cannot step FSDP2's sharded weights (DTensors), and why. Element-wise ones (torch's, optimi's,
 # torchao's 8-bit AdamW) step each shard on its own process as they would the whole tensor.

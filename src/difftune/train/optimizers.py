@@ -85,6 +85,7 @@ from difftune.train.optimizer_catalog import (
     MORE_SPECS,
     OPTIMI_REFUSED,
     REQUIRED,
+    STOCHASTIC_ROUNDING,
     Spec,
     settings_of,
 )
@@ -123,6 +124,20 @@ KAHAN_INSTEAD: dict[str, str] = {  # else 'adamw_bf16'
                                            "optimi-lion"),
     **dict.fromkeys(("torch-adam", "bnb-adam", "bnb-adam8bit", "ao-adamfp8"), "optimi-adam"),
     "torch-radam": "optimi-radam", "torch-sgd": "optimi-sgd"}
+
+
+
+def small_update_advice(cfg: Any) -> str | None:
+    """What keeps a full fine-tune's small updates of bf16/fp16 weights, when its optimizer rounds them away (None:
+    it keeps them, or the weights are fp32, or only an adapter trains)."""
+    name = OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer)
+    if cfg.model_type != "full" or cfg.weight_dtype_name() == "fp32" or name in KAHAN:
+        return None
+    if name in STOCHASTIC_ROUNDING:  # torchao: rounded stochastically, small updates kept on average
+        return None if cfg.optimizer_settings().get("bf16_stochastic_round") else \
+            "optimizer_config bf16_stochastic_round=true (torchao's stochastic rounding)"
+    return f"optimizer '{KAHAN_INSTEAD.get(name, 'adamw_bf16')}' (Kahan summation)"
+
 
 # SimpleTuner's names -> ours (the same library and class)
 OPTIMIZER_ALIASES: dict[str, str] = {"torch-adamw": "adamw", "bnb-adamw8bit": "adamw8bit"}
@@ -323,10 +338,12 @@ def build_optimizer(
     weight_decay: float | None,
     eps: float | None,
     settings: dict[str, Any] | None = None,
+    prodigy_steps: int | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer `name` (a key of OPTIMIZERS) over `params`, with one parameter group. A beta, weight_decay or
     eps of None is the name's default (DEFAULTS: SimpleTuner's for that name). `settings` (from optimizer_config)
-    are more constructor arguments; they replace difftune's own of the same name.
+    are more constructor arguments; they replace difftune's own of the same name. `prodigy_steps` (prodigy only):
+    the step size d stays as it is after that many steps (`freeze_after`).
 
     Raises ValueError for an unknown name, no parameters or a setting `setting_problem` refuses, ImportError
     when the library is missing, and RuntimeError when the parameters live on a device the optimizer cannot
@@ -349,7 +366,27 @@ def build_optimizer(
         if reason:
             raise RuntimeError(f"optimizer {name!r} cannot run on {device}: {reason}")
     betas, weight_decay, eps = hyper_parameters(name, *betas, weight_decay, eps)
-    return _construct(name, params, lr, betas, weight_decay, eps, settings)
+    optimizer = _construct(name, params, lr, betas, weight_decay, eps, settings)
+    if prodigy_steps:
+        if name != "prodigy":
+            raise ValueError(f"prodigy_steps applies to optimizer 'prodigy', not {name!r}")
+        freeze_after(optimizer, prodigy_steps)
+    return optimizer
+
+
+def freeze_after(optimizer: Any, steps: int) -> None:
+    """prodigy_steps: Prodigy adapts its step size d during the first `steps` steps, then keeps it. Before each later
+    step the group's growth_rate is 1, so d = min(d_max, d) = d, and d0 (read only to tell whether d ever moved)
+    no longer equals d, so d = max(d, d_hat) cannot raise it either: d is exact and constant. Both values live in
+    the parameter groups, which checkpoints save: a resumed run keeps d too (the hook is registered again at
+    each start). Prodigy still computes its estimate (prodigyopt keeps its state; SimpleTuner's ProdigyPlus frees
+    it)."""
+    def hold(opt: Any, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            if group["k"] >= steps:
+                group["growth_rate"] = 1.0
+                group["d0"] = -1.0  # d is positive: never equal
+    optimizer.register_step_pre_hook(hold)
 
 
 def _only_matrices(params: list) -> None:

@@ -48,7 +48,7 @@ from difftune.train.memory import record_peak_memory
 from difftune.train.objective import TimestepSampling
 from difftune.train.offload import BlockStreamer, stream_blocks
 from difftune.train.optimizer_offload import host_step
-from difftune.train.optimizers import KAHAN, KAHAN_INSTEAD, build_optimizer
+from difftune.train.optimizers import build_optimizer, small_update_advice
 from difftune.train.plan import (
     DataError,
     discover_all,
@@ -288,14 +288,14 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
     streamer = stream_blocks(cfg, family.facts.block_stacks, comps.transformer, params, accelerator.device,
                              events.emit)  # enable_group_offload, musubi_blocks_to_swap: blocks visit in turn
     offload_activations(cfg, comps.transformer, accelerator.device, events.emit)  # gradient_checkpointing_backend
-    if cfg.model_type == "full" and cfg.weight_dtype_name() != "fp32" and cfg.optimizer not in KAHAN:
-        instead = KAHAN_INSTEAD.get(cfg.optimizer, "adamw_bf16")
+    if (advice := small_update_advice(cfg)) is not None:
         events.emit("warning", message=f"full fine-tune of bf16/fp16 weights with optimizer '{cfg.optimizer}' loses "
-                                       f"small updates to rounding; use optimizer '{instead}' (Kahan summation)")
+                                       f"small updates to rounding; use {advice}")
     aligner = crepa.attach(cfg, family, comps, accelerator.device)  # crepa_enabled: its projector trains too
     rate = learning_rate(cfg, ranks.count, events.emit)  # lr_scale, lr_scale_sqrt: the rate that trains
     build = lambda trained: build_optimizer(cfg.optimizer, trained, rate, (cfg.adam_beta1, cfg.adam_beta2),  # noqa: E731
-                                            cfg.adam_weight_decay, cfg.adam_epsilon, cfg.optimizer_settings())
+                                            cfg.adam_weight_decay, cfg.adam_epsilon, cfg.optimizer_settings(),
+                                            prodigy_steps=cfg.prodigy_steps)
     # optimizer_config above; optimizer_cpu_offload_method 'cpu': built over CPU copies, stepping there
     optimizer = host_step(cfg, params + (aligner.parameters() if aligner else []), build, accelerator.device,
                           events.emit, ranks.count)
