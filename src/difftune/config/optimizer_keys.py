@@ -23,7 +23,13 @@ from pydantic import BaseModel, field_validator, model_validator
 from difftune.config.fields import field
 from difftune.config.pending import coerce
 from difftune.train.optimizer_catalog import FSDP_REFUSED
-from difftune.train.optimizers import OPTIMIZER_ALIASES, hyper_parameters, package_of, setting_problem
+from difftune.train.optimizers import (
+    KEYWORDS,
+    OPTIMIZER_ALIASES,
+    hyper_parameters,
+    package_of,
+    setting_problem,
+)
 
 SCHEDULE_FREE = "adamw_schedulefree"
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")  # the lr_scheduler values schedule-free takes
@@ -129,7 +135,7 @@ def optimizer_notes(cfg: Any) -> list[str]:
         for key in ("adam_beta1", "adam_beta2"):
             if getattr(cfg, key) is not None:
                 momentum = (" (its momentum is optimizer_config momentum=...)"
-                            if "momentum" in setting_keywords(cfg.optimizer) else "")
+                            if "momentum" in KEYWORDS[OPTIMIZER_ALIASES.get(cfg.optimizer, cfg.optimizer)] else "")
                 notes.append(f"{key} {getattr(cfg, key):g} not used: optimizer {cfg.optimizer!r} has no betas"
                              f"{momentum}; remove it")
     if cfg.optimizer == "prodigy" and cfg.learning_rate < 0.1:
@@ -143,12 +149,6 @@ def optimizer_notes(cfg: Any) -> list[str]:
                      "on the CPU than adamw_bf16 (make bench-host-optimizer), and CPU memory is rarely short; "
                      "adamw_bf16 or adamw with optimizer_config fused=true step much faster there")
     return notes
-
-
-def setting_keywords(name: str) -> dict[str, Any]:
-    from difftune.train.optimizers import KEYWORDS
-
-    return KEYWORDS[OPTIMIZER_ALIASES.get(name, name)]
 
 
 def optimizer_checks(cfg: Any) -> None:
