@@ -155,18 +155,23 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
     return load_config(args.config, parse_overrides(rest))
 
 
+def _check_blocks(cfg: Any) -> None:
+    """A TREAD route, a CREPA or LayerSync block past the transformer's last block, refused before any model loads
+    as train refuses them."""
+    from difftune.train import crepa, layersync, tread
+
+    tread.check_before_load(cfg)
+    crepa.check_before_load(cfg)
+    layersync.check_before_load(cfg)
+
+
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
     from difftune.train.plan import DataError, check_data
     from difftune.train.run_lock import check_writable
 
     check_writable(Path(run_cfg.train.output_dir))  # as train does before any model loads
-    from difftune.train.tread import check_before_load
-
-    check_before_load(run_cfg.train)  # a TREAD route past the transformer's last block, as train does
-    from difftune.train import crepa
-
-    crepa.check_before_load(run_cfg.train)  # a CREPA block past it, as train does
+    _check_blocks(run_cfg.train)
     from difftune.train.hub import HubAccessError, login_missing
 
     if (problem := login_missing(run_cfg.train)) is not None:  # train asks the hub itself; check stays offline
@@ -334,10 +339,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     or exit 3 when nothing fits."""
     run_cfg = _load(args, rest)
     quiet_libraries()
-    from difftune.train import crepa, tread
-
-    tread.check_before_load(run_cfg.train)  # blocks past the transformer's last, as check and train refuse them
-    crepa.check_before_load(run_cfg.train)
+    _check_blocks(run_cfg.train)
     from difftune.config.resume_check import world_size
     from difftune.memory_plan.levers import choose, reserve_for
     from difftune.memory_plan.predict import predict

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from difftune.config.crepa_keys import crepa_checks, crepa_notes
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
+from difftune.config.layersync_keys import layersync_checks
 from difftune.config.lora_keys import DEFAULT_LYCORIS_CONFIG, lora_notes
 from difftune.config.offload_keys import offload_checks
 from difftune.config.optimizer_keys import optimizer_notes
@@ -106,6 +107,7 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
         fsdp_checks(cfg)
     offload_checks(cfg)
     crepa_checks(cfg)
+    layersync_checks(cfg)
     reporting_checks(cfg)
     speed_checks(cfg)
     if cfg.max_train_steps == 0 and cfg.num_train_epochs == 0:

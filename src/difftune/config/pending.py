@@ -244,7 +244,6 @@ PENDING_TRAIN_KEYS |= {
                         + _REMOVE),
     "print_sampler_statistics": ((False,), "SimpleTuner's debug printing" + _REMOVE),
     "distillation_method": ((None,), "distillation (LCM, DCM, ...)" + _REMOVE),
-    "layersync_enabled": ((False,), "LayerSync (hidden-state self-alignment); set layersync_enabled to false"),
 }
 
 PENDING_DATASET_KEYS |= {
@@ -332,7 +331,6 @@ DEPENDS_ON |= {key: switch for switch, keys in {
     "validation_adapter_path": ["validation_adapter_name", "validation_adapter_strength", "validation_adapter_mode"],
     "validation_preview": ["validation_preview_steps"],
     "distillation_method": ["distillation_config"],
-    "layersync_enabled": ["layersync_student_block", "layersync_teacher_block", "layersync_lambda"],
 }.items() for key in keys}
 
 # Found in configs saved by SimpleTuner's configure tool, which writes every default of its field registry whatever the

@@ -24,6 +24,7 @@ from difftune.config.extra_train_keys import ExtraTrainKeys
 from difftune.config.fields import UnsetSpellings, default_if_unset, expand_home, field, zero_is_off
 from difftune.config.fsdp_keys import FsdpKeys
 from difftune.config.latent_cache_keys import LatentCacheKeys
+from difftune.config.layersync_keys import LayerSyncKeys
 from difftune.config.lora_keys import LoraKeys
 from difftune.config.loss_keys import LossKeys
 from difftune.config.mask_keys import MaskKeys
@@ -56,6 +57,7 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
                   OptimizerKeys, EvalKeys, MaskKeys,  # config/optimizer_keys.py, eval_keys.py, mask_keys.py
                   WebhookKeys, OffloadKeys, FsdpKeys,  # config/webhook_keys.py, offload_keys.py, fsdp_keys.py
                   SmallKeys, ModelSourceKeys, LatentCacheKeys,  # small_keys.py, model_source_keys.py, latent_cache_keys.py
+                  LayerSyncKeys,  # config/layersync_keys.py
                   UnsetSpellings):  # config/fields.py: "" and "none" as null
     """All keys of config.json. Unknown keys are rejected by `config.load` with a suggestion."""
 

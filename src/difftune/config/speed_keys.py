@@ -192,6 +192,7 @@ def compile_checks(cfg: Any) -> None:
     # torch.compile traces each block without them (measured: TREAD then routed no token, silently); CREPA's
     # capture and FSDP2's all-gathers are block hooks too, and are not tested traced.
     hooked = [k for k, on in (("crepa_enabled", getattr(cfg, "crepa_enabled", False)),
+                              ("layersync_enabled", getattr(cfg, "layersync_enabled", False)),
                               ("fsdp_enable", getattr(cfg, "fsdp_enable", False)),
                               ("tread_config with gradient_checkpointing",
                                getattr(cfg, "tread_config", None) is not None and cfg.gradient_checkpointing),

@@ -22,11 +22,9 @@ frame t stands for pixel frames 4t-3..4t: the last of them (frame 4t; frame 0 fo
 Each frame is resized to crepa_encoder_image_size square, and DINOv2's patch grid is interpolated
 (bilinearly) to the frame's token grid.
 
-Hooked from outside diffusers' classes, never by copying their code: a forward pre-hook on the
-transformer arms a capture only while training with gradients on (validation, sampling and the no-grad
-rollouts never capture); a forward hook on block `crepa_block_index` of the image/video blocks
-(`tread.LAYOUTS`: Lumina2's joint `layers`, Kandinsky 5's visual blocks) keeps its output once per call,
-so gradient checkpointing's recomputation captures nothing. `add_term` then adds the alignment term to the
+Hooked from outside diffusers' classes, never by copying their code (train/block_taps.py): block
+`crepa_block_index`'s output of each training call is taken (validation, sampling and the no-grad rollouts
+capture nothing; gradient checkpointing's recomputation is not captured again). `add_term` then adds the alignment term to the
 flow loss, weighted by `weight`: crepa_lambda, or its warm-up, decay (`crepa_scheduler`) and cut-off; a step
 whose weight is 0 skips the term's VAE decode and DINOv2 pass.
 
@@ -57,7 +55,8 @@ from safetensors.torch import load_file, save_file
 
 from difftune.config.crepa_keys import ENCODER_ALIASES
 from difftune.models.hub import ComponentError
-from difftune.train.tread import LAYOUTS, resolve_routes
+from difftune.train.block_taps import Taps, check_indexes, spatial_patch, token_grid
+from difftune.train.tread import LAYOUTS
 
 PROJECTOR_WIDTH = 2048
 PROJECTOR_FILE = "crepa_projector.safetensors"
@@ -130,16 +129,7 @@ def _aligned_blocks(cfg: Any) -> list[str]:
 
 def _check_indexes(cfg: Any, count: int) -> None:
     """The aligned blocks against a model of `count` blocks and TREAD's routes there (resolved as TREAD does)."""
-    routes = [(r.start, r.end) for r in resolve_routes(getattr(cfg.tread_config, "routes", None) or [], count)]
-    for key in _aligned_blocks(cfg):
-        index = getattr(cfg, key)
-        if index >= count:
-            raise CrepaError(f"{key} {index} is out of range: this model has {count} image/video blocks (0 to "
-                             f"{count - 1})")
-        for start, end in routes:
-            if start <= index <= end:  # inside a route the block sees only the tokens TREAD kept
-                raise CrepaError(f"{key} {index} lies inside the TREAD route of blocks {start}-{end}, whose blocks "
-                                 "see only part of the tokens; choose a block outside the route")
+    check_indexes(cfg, {key: getattr(cfg, key) for key in _aligned_blocks(cfg)}, count, CrepaError)
 
 
 def check_before_load(cfg: Any) -> None:
@@ -177,14 +167,11 @@ def check_block(cfg: Any, family: Any, transformer: torch.nn.Module) -> None:
 class Crepa:
     def __init__(self, cfg: Any, family: Any, comps: Any, device: torch.device):
         self.cfg, self.family, self.comps, self.device = cfg, family, comps, device
-        self.joint = family.tread_layout == "joint"
         transformer = comps.transformer
         check_block(cfg, family, transformer)
-        blocks, index = LAYOUTS[family.tread_layout].blocks(transformer), cfg.crepa_block_index
         config = transformer.config
         hidden = getattr(config, "hidden_size", None) or config.model_dim
-        patch = config.patch_size
-        self.patch = (patch, patch) if isinstance(patch, int) else tuple(patch[-2:])
+        self.patch = spatial_patch(transformer)
         # backbone mode: the teacher is block crepa_teacher_block_index of the same call, of the same width
         self.backbone = bool(cfg.crepa_use_backbone_features)
         self.encoder = None if self.backbone else load_encoder(cfg.crepa_encoder, device,
@@ -192,16 +179,13 @@ class Crepa:
         width = hidden if self.encoder is None else self.encoder.config.hidden_size
         self.module = projector(hidden, width, cfg.seed).to(device)
         self.forward_module: Any = self.module  # accelerate's prepared (DDP) module with several processes
-        self.armed, self.captured, self.captions = False, None, None
-        self.teacher_armed, self.teacher = False, None
         self.processes = 1
         # crepa_similarity_threshold: the moving average and the permanent cut, kept on the device (no host read)
         self.similarity: torch.Tensor | None = None
         self.cut = torch.zeros((), dtype=torch.bool, device=device)
-        self.handles = [transformer.register_forward_pre_hook(self._on_call, with_kwargs=True),
-                        blocks[index].register_forward_hook(self._on_block)]
-        if self.backbone:
-            self.handles.append(blocks[cfg.crepa_teacher_block_index].register_forward_hook(self._on_teacher))
+        # backbone mode: the teacher block's output is a frozen target, taken without gradient
+        teacher = [cfg.crepa_teacher_block_index] if self.backbone else []
+        self.taps = Taps(transformer, family.tread_layout, [cfg.crepa_block_index, *teacher], detached=teacher)
         vae = comps.vae
         if not self.backbone and vae is not None and vae.device != device:  # decoded every step: on the accelerator
             vae.to(device)
@@ -215,36 +199,21 @@ class Crepa:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.module.parameters())
 
-    def _on_call(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.armed = self.teacher_armed = module.training and torch.is_grad_enabled()
-        self.captured = self.teacher = None
-        if self.armed and self.joint:  # Lumina2: sample i's image tokens follow its caption_i tokens
-            self.captions = kwargs["encoder_attention_mask"].sum(dim=1).tolist()
+    @property
+    def captured(self) -> torch.Tensor | None:
+        """The student block's output in the last training call (None once `term` took it, or outside training)."""
+        return self.taps.output(self.cfg.crepa_block_index)
 
-    def _on_block(self, module: Any, args: tuple, output: Any) -> None:
-        if self.armed:  # once per call: gradient checkpointing's recomputation is not captured again
-            self.captured = output[0] if isinstance(output, tuple) else output
-            self.armed = False
-
-    def _on_teacher(self, module: Any, args: tuple, output: Any) -> None:
-        if self.teacher_armed:  # a frozen teacher: no gradient flows into the deeper block through the alignment
-            self.teacher = (output[0] if isinstance(output, tuple) else output).detach()
-            self.teacher_armed = False
-
-    def _tokens(self, hidden: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """A captured block output's image/video tokens as [B, T, h*w, hidden]."""
-        t, h, w = grid
-        if self.joint:
-            hidden = torch.stack([hidden[i, c : c + h * w] for i, c in enumerate(self.captions)])
-        return hidden.reshape(hidden.shape[0], t, h * w, hidden.shape[-1])
+    @property
+    def teacher(self) -> torch.Tensor | None:
+        return self.taps.output(self.cfg.crepa_teacher_block_index) if self.backbone else None
 
     def _targets(self, x0: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """What the projected tokens align with, on the token grid: [B, T, h*w, D]."""
         if not self.backbone:
             return self._encoded(x0, grid)
-        if self.teacher is None:
-            raise RuntimeError("CREPA: block crepa_teacher_block_index did not run in this training step")
-        return self._tokens(self.teacher, grid).float()
+        return self.taps.tokens(self.cfg.crepa_teacher_block_index, grid,
+                                "CREPA: block crepa_teacher_block_index").float()
 
     @torch.no_grad()
     def _encoded(self, x0: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -274,18 +243,17 @@ class Crepa:
 
     def term(self, x0: torch.Tensor) -> torch.Tensor:
         """The alignment loss of the last training call of the transformer (unweighted: see `weight`)."""
-        if self.captured is None:
-            raise RuntimeError("CREPA: block crepa_block_index did not run in this training step")
-        frames = x0.shape[2] if x0.dim() == 5 else 1
-        grid = (frames, x0.shape[-2] // self.patch[0], x0.shape[-1] // self.patch[1])
-        tokens = self.forward_module(self._tokens(self.captured, grid).float())
+        grid = token_grid(x0, self.patch)
+        frames = grid[0]
+        tokens = self.forward_module(self.taps.tokens(self.cfg.crepa_block_index, grid,
+                                                      "CREPA: block crepa_block_index").float())
         targets = self._targets(x0, grid).to(tokens.device)
         if not self.cfg.crepa_spatial_align:  # one vector per frame on each side
             tokens, targets = tokens.mean(dim=2, keepdim=True), targets.mean(dim=2, keepdim=True)
         distance = self.cfg.crepa_adjacent_distance if frames > 1 else 0
         loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames,
                          self.cfg.crepa_cumulative_neighbors)
-        self.captured = self.teacher = None
+        self.taps.clear()
         if self.cfg.crepa_similarity_threshold is not None:
             loss = loss * self._gate(F.cosine_similarity(tokens, targets, dim=-1).mean().detach())
         return loss
@@ -426,6 +394,6 @@ def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         return loss
     w = weight(run.cfg, run.state.step, run.total_steps)
     if w == 0.0:
-        crepa.captured = crepa.teacher = None
+        crepa.taps.clear()
         return loss
     return loss + w * crepa.term(x0).to(loss.device)

@@ -18,6 +18,7 @@ from difftune.train import (
     crepa,
     eval_loss,
     evaluation,
+    layersync,
     masked_loss,
     noise_levels,
     objective,
@@ -77,7 +78,8 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     element = objective.pointwise(run.cfg, sigmas)  # loss_type: squared error, pseudo-Huber or smooth L1
     element = masked_loss.weighted(run, batch, element)  # loss masks (conditioning_type 'mask'), when the batch has them
     loss = rollout.loss(run.cfg, pred, target, weights, rolled, first, element)  # ReflexFlow on rolled-out samples
-    return crepa.add_term(run, loss, x0)  # crepa_enabled: + alignment
+    loss = crepa.add_term(run, loss, x0)  # crepa_enabled: + alignment
+    return layersync.add_term(run, loss, x0)  # layersync_enabled: + self-alignment
 
 
 class NonFiniteError(RuntimeError):

@@ -30,6 +30,7 @@ from difftune.train import (
     eval_loss,
     evaluation,
     hub,
+    layersync,
     scripts,
     throughput,
     trackers,
@@ -98,6 +99,7 @@ class Run:
     evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded before the caches fill
     eval_set: Any = None  # the eval datasets' batches (train/eval_loss.py), when the run has some
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
+    layersync: layersync.LayerSync | None = None  # LayerSync (train/layersync.py), when layersync_enabled
     hub: Any = None  # push_to_hub's uploader (train/hub.py) on process 0: whether the result reached the hub
     # TFLOP/s, tokens/s, MFU and peak memory of each step (train/throughput.py); loop.optimizer_step adds batches
     throughput: Throughput = field(default_factory=lambda: Throughput(lambda *_: Flops(), full=False))
@@ -219,6 +221,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
                            device, emit=events.emit)
     tread.check(cfg.tread_config, family, comps.transformer)  # a route that does not fit fails now, not after caching
     crepa.check_block(cfg, family, comps.transformer)  # so does a CREPA block out of range or inside a route
+    layersync.check_blocks(cfg, family, comps.transformer)  # and a LayerSync block
     # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights;
     # fsdp_cpu_ram_efficient_loading keeps it where it is (process 0's CPU, or meta) until fsdp.shard.
     if not park and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap or ram_efficient(cfg, ranks)):
@@ -251,6 +254,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
     tread.check_before_load(cfg)  # so does a TREAD route past the transformer's last block
     crepa.check_before_load(cfg)  # and a CREPA block past it
+    layersync.check_before_load(cfg)  # and a LayerSync block
     if cfg.lora_type == "lycoris":  # so does a LyCORIS algo this device's autocast cannot serve
         from difftune.adapters.lycoris import check_device
 
@@ -327,6 +331,7 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
         sampling=TimestepSampling.of(cfg),  # timestep_sampling, flow_use_beta_schedule, flow_custom_timesteps
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
         streamer=streamer, fsdp=sharded, crepa=aligner, eval_set=prepared.eval_set,
+        layersync=layersync.attach(cfg, family, comps.transformer),  # layersync_enabled: its blocks tapped
     )
     if aligner is not None:
         aligner.prepare(accelerator, ranks.count)
