@@ -3,6 +3,8 @@ of the transformer itself, without DINOv2 or a VAE decode."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -95,6 +97,10 @@ def test_trains_without_an_encoder_or_a_decode(tmp_path, dataset, monkeypatch):
     adapter = train(run)
     off, on = losses(tmp_path / "off" / "output"), losses(tmp_path / "on" / "output")
     assert on[1] != off[1] and all(map(torch.isfinite, map(torch.tensor, on.values())))
+    # the unweighted term in each step's event (the progress bar and trackers show it too)
+    steps = [e for e in map(json.loads, (tmp_path / "on" / "output" / "events.jsonl").read_text().splitlines())
+             if e["event"] == "step"]
+    assert len(steps) == 2 and all(-1 <= e["crepa_loss"] <= 1 for e in steps)
     assert load_file(adapter).keys() == load_file(plain).keys()  # the projector is not in the adapter
     projector = load_file(tmp_path / "on" / "output" / "checkpoints" / "checkpoint-0000002" / crepa.PROJECTOR_FILE)
     assert projector["4.weight"].shape == (48, crepa.PROJECTOR_WIDTH)  # back to the hidden size: the teacher's width

@@ -3,6 +3,7 @@ the same forward pass (the teacher taken without gradient), blocks counted from 
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace as NS
 
 import pytest
@@ -111,8 +112,10 @@ def test_the_term_on_kandinsky5_video_reaches_the_student_only():
                                    seen[3].reshape(1, -1, seen[3].shape[-1]).detach(), dim=-1).mean()
     assert seen[1].reshape(1, -1, seen[1].shape[-1]).shape[1] == 2 * 16  # 2 latent frames of 4x4 tokens
     transformer.zero_grad(set_to_none=True)
-    loss = layersync.add_term(NS(layersync=sync), torch.zeros(()), x0)
+    recorded = {}
+    loss = layersync.add_term(NS(layersync=sync, record=recorded.__setitem__), torch.zeros(()), x0)
     torch.testing.assert_close(loss.detach(), -0.2 * expected)
+    torch.testing.assert_close(recorded["layersync_similarity"].detach(), expected)
     loss.backward()
 
     def reached(block):
@@ -164,6 +167,10 @@ def test_trains_and_saves_only_the_adapter(tmp_path, dataset):
     off, on = losses(tmp_path / "off" / "output"), losses(tmp_path / "on" / "output")
     # the logged loss includes the term: -0.2 times a similarity in (0, 1] here
     assert on[1] != off[1] and all(map(torch.isfinite, map(torch.tensor, on.values())))
+    steps = [e for e in map(json.loads, (tmp_path / "on" / "output" / "events.jsonl").read_text().splitlines())
+             if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2] and all(0 < e["layersync_similarity"] <= 1 for e in steps)
+    assert "layersync_similarity" not in (tmp_path / "off" / "output" / "events.jsonl").read_text()
     assert load_file(adapter).keys() == load_file(plain).keys()
     saved = {p.name for p in (tmp_path / "on" / "output" / "checkpoints" / "checkpoint-0000002").iterdir()}
     assert saved == {p.name for p in (tmp_path / "off" / "output" / "checkpoints" / "checkpoint-0000002").iterdir()}

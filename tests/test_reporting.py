@@ -103,7 +103,8 @@ def tracked_run(tmp_path_factory, tiny_clip):
                         tracker_run_name="run-a", validation_prompt="a red circle", validation_resolution="32x32",
                         validation_num_inference_steps=1, validation_step_interval=1,
                         validation_disable_unconditional=True, evaluation_type="clip",
-                        evaluation_clip_model=str(tiny_clip))
+                        evaluation_clip_model=str(tiny_clip), layersync_enabled=True, layersync_student_block=1,
+                        layersync_teacher_block=2)
     try:
         run = build_run(load_config(path))
         train(run)
@@ -123,6 +124,8 @@ def test_tensorboard_has_the_event_log_values(tracked_run):
     assert loss == pytest.approx({e["step"]: e["loss"] for e in log if e["event"] == "step"}, rel=1e-6)
     assert [e.step for e in acc.Scalars("train/lr")] == [1, 2]
     assert [e.step for e in acc.Scalars("train/step_time_s")] == [1, 2]
+    synced = {e.step: e.value for e in acc.Scalars("train/layersync_similarity")}  # a regularizer's figure
+    assert synced == pytest.approx({e["step"]: e["layersync_similarity"] for e in log if e["event"] == "step"})
     phases = {e["phase"].replace(" ", "_") for e in log if e["event"] == "memory"}
     assert phases >= {"model_load", "caching", "first_optimizer_step"}
     assert {f"memory/{p}/rss_peak_gib" for p in phases} <= set(tags["scalars"])

@@ -396,4 +396,6 @@ def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
     if w == 0.0:
         crepa.taps.clear()
         return loss
-    return loss + w * crepa.term(x0).to(loss.device)
+    term = crepa.term(x0).to(loss.device)
+    run.record("crepa_loss", term)  # unweighted, for the step's event (a step of weight 0 has none)
+    return loss + w * term

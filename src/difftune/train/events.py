@@ -19,6 +19,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+# The regularizers' figures a "step" event may carry (loop.optimizer_step: their mean over the step), with their
+# label on the progress bar; trackers log them as train/<name>.
+TERM_FIELDS = {"crepa_loss": "CREPA", "layersync_similarity": "sync"}
+
 
 def finite(value: Any) -> Any:
     """`value` with NaN and infinities as null: the log is strict JSON (a loss that went NaN written as `NaN`
@@ -82,6 +86,7 @@ class Events:
                 shown["tok/s"] = f"{data['tokens_per_s']:.4g}"
             if "mfu" in data:
                 shown["MFU"] = f"{100 * data['mfu']:.1f}%"
+            shown |= {label: f"{data[name]:.4f}" for name, label in TERM_FIELDS.items() if name in data}
             self._bar(data["step"]).set_postfix(shown, refresh=False)
             self.bar.update(data["step"] - self.bar.n)
         elif kind in ("info", "warning", "error", "eval_loss"):  # eval_loss: train/eval_loss.py

@@ -79,8 +79,11 @@ def attach(cfg: Any, family: Any, transformer: torch.nn.Module) -> LayerSync | N
 
 
 def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """The loss plus lambda times minus the student's similarity to the teacher (unchanged when LayerSync is off)."""
+    """The loss plus lambda times minus the student's similarity to the teacher (unchanged when LayerSync is off);
+    the similarity goes into the step's event as `layersync_similarity`."""
     sync = getattr(run, "layersync", None)
     if sync is None:
         return loss
-    return loss - sync.weight * sync.similarity(x0).to(loss.device)
+    similarity = sync.similarity(x0).to(loss.device)
+    run.record("layersync_similarity", similarity)
+    return loss - sync.weight * similarity

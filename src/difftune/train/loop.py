@@ -91,6 +91,7 @@ class StepLoss(float):
     the data, not the learning rate, is to blame."""
 
     data_problem: str | None = None
+    terms: dict[str, float] = {}  # noqa: RUF012 - replaced, never changed in place: the regularizers' figures
 
 
 def input_problem(batch: Batch) -> str | None:
@@ -137,8 +138,12 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     # leaves the position of the step before, which the checkpoint's step count matches)
     run.state.position = seen[-1].position
     norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method, run.optimizer)
-    read = torch.stack([*losses, _scalar(norm, losses[0].device)])
-    *values, norm_value = read.tolist()  # the step's one device sync
+    terms = {name: torch.stack(values).mean().to(losses[0].device) for name, values in run.terms.items()}
+    run.terms.clear()
+    read = torch.stack([*losses, _scalar(norm, losses[0].device), *terms.values()])
+    listed = read.tolist()  # the step's one device sync
+    *values, norm_value = listed[: accum + 1]
+    figures = dict(zip(terms, listed[accum + 1 :], strict=True))
     total = run.ranks.mean(sum(values) / accum)  # every process logs, and decides on non-finite steps, alike
     if not math.isfinite(total) or (norm is not None and not math.isfinite(norm_value)):
         run.optimizer.zero_grad(set_to_none=True)
@@ -149,7 +154,9 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     run.optimizer.step()
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return total
+    result = StepLoss(total)
+    result.terms = {name: float(f"{run.ranks.mean(value):.6g}") for name, value in figures.items()}
+    return result
 
 
 def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
@@ -337,7 +344,8 @@ def _steps(run: Run, batches: Iterator[Batch]) -> bool:
                 continue  # a skipped step triggers nothing; an epoch it ended triggers at the next step
             if run.ema is not None:
                 run.ema.step(step)
-            run.events.emit("step", step=step, loss=loss, lr=lr, elapsed=time.perf_counter() - started, **speed)
+            run.events.emit("step", step=step, loss=float(loss), lr=lr, elapsed=time.perf_counter() - started,
+                            **speed, **loss.terms)
         # Validation before the checkpoint of the same step: a kill while sampling then resumes
         # from the previous checkpoint and samples again, instead of losing these images.
         due, before = triggers.due(run, before), run.state.position  # step and epoch intervals

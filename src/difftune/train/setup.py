@@ -103,6 +103,12 @@ class Run:
     hub: Any = None  # push_to_hub's uploader (train/hub.py) on process 0: whether the result reached the hub
     # TFLOP/s, tokens/s, MFU and peak memory of each step (train/throughput.py); loop.optimizer_step adds batches
     throughput: Throughput = field(default_factory=lambda: Throughput(lambda *_: Flops(), full=False))
+    # the regularizers' figures of this step's micro-batches (device scalars, read with the losses: no sync each)
+    terms: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        """A figure of this micro-batch for the step's event (its mean over the step and the processes)."""
+        self.terms.setdefault(name, []).append(value.detach().float().reshape(()))
 
 
 def resolve_source(cfg: TrainConfig) -> str:

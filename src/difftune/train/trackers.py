@@ -17,7 +17,7 @@ from typing import Any
 from difftune.config.reporting_keys import TRACKERS
 from difftune.config.schema import TrainConfig
 from difftune.config.webhook_keys import public_value
-from difftune.train.events import Events
+from difftune.train.events import TERM_FIELDS, Events
 
 
 def log_with(cfg: TrainConfig) -> list[str] | None:
@@ -82,8 +82,8 @@ class TrackerForwarder:
         elif kind == "step":
             values = {"train/loss": record["loss"], "train/lr": record["lr"]}
             # train/throughput.py's figures, when the step has them (MFU only where the device's peak is known)
-            values |= {f"train/{k}": record[k] for k in ("tflops", "tokens_per_s", "mfu", "peak_memory_gib")
-                       if k in record}
+            values |= {f"train/{k}": record[k] for k in ("tflops", "tokens_per_s", "mfu", "peak_memory_gib",
+                                                           *TERM_FIELDS) if k in record}
             if self.last is not None and record["step"] > self.last[0]:
                 values["train/step_time_s"] = (record["elapsed"] - self.last[1]) / (record["step"] - self.last[0])
             self.last = (record["step"], record["elapsed"])
