@@ -5,10 +5,12 @@ clips. Discovery and the config only: no model loads."""
 
 import json
 
+import pytest
+
 from conftest import write_config
 from difftune.config import load_config
-from difftune.train.caching import validation_image
 from difftune.train.plan import discover_all
+from difftune.train.validation_input import candidates
 from families import make_clips, make_pairs
 
 I2I = dict(model_family="kandinsky5-image", model_flavour="tiny-random-i2i", max_train_steps=1)
@@ -65,7 +67,7 @@ def test_i2i_validation_inputs_from_a_plain_image_folder_and_never_from_a_held_o
                                      extra_datasets=[{"id": "probes", "type": "local",
                                                       "instance_data_dir": str(probes)}], **I2I))
     assert "probes" in plain.datasets.validation_only
-    assert validation_image(plain, discover_all(plain)).parent == probes
+    assert candidates(plain, discover_all(plain))[0].parent == probes
 
     held = tmp_path / "held"
     make_pairs(dataset, held / "a-inputs")  # sorts before "inputs"
@@ -81,7 +83,7 @@ def test_i2i_validation_inputs_from_a_plain_image_folder_and_never_from_a_held_o
                  "instance_data_dir": str(held / "a-inputs")}]
     (tmp_path / "second" / "config" / "multidatabackend.json").write_text(json.dumps(backend))
     run = load_config(path)
-    assert validation_image(run, discover_all(run)).parent == tmp_path / "inputs"
+    assert candidates(run, discover_all(run))[0].parent == tmp_path / "inputs"
 
 
 def test_i2v_validation_input_from_the_training_clips_named_by_eval_dataset_id(tmp_path, dataset):
@@ -93,7 +95,7 @@ def test_i2v_validation_input_from_the_training_clips_named_by_eval_dataset_id(t
                                                                "video": {"num_frames": 9}},
                                    validation_num_video_frames=17, validation_prompt="a square",
                                    validation_using_datasets=True, eval_dataset_id="train"))
-    assert validation_image(run, discover_all(run)) == clips / "clip0.mp4"
+    assert candidates(run, discover_all(run))[0] == clips / "clip0.mp4"
 
 
 def test_eval_dataset_id_naming_the_pairs_dataset_takes_an_input_image_not_a_target(tmp_path, dataset):
@@ -103,7 +105,7 @@ def test_eval_dataset_id_naming_the_pairs_dataset_takes_an_input_image_not_a_tar
     run = load_config(write_config(tmp_path, dataset, dataset={"conditioning_data": "inputs"},
                                    conditioning_dir=tmp_path / "inputs", validation_using_datasets=True,
                                    eval_dataset_id="train", validation_prompt="swap it", **I2I))
-    assert validation_image(run, discover_all(run)).parent == tmp_path / "inputs"
+    assert candidates(run, discover_all(run))[0].parent == tmp_path / "inputs"
 
 
 def test_i2i_validation_input_is_fitted_to_each_validation_size(tmp_path, dataset):
@@ -138,3 +140,44 @@ def test_an_input_image_without_its_training_image_is_named(tmp_path, dataset):
                                                      conditioning_dir=tmp_path / "inputs", **I2I)))
     assert [why for path, why in found.notes if path == tmp_path / "inputs"] == [
         f"1 input image(s) with no file of the same name in {dataset} to train: not used (orphan)"]
+
+
+def test_an_unreadable_validation_input_is_skipped_and_none_readable_fails_before_any_model_loads(
+        tmp_path, dataset, monkeypatch, capsys):
+    """eval_dataset_id naming a folder whose first image is truncated: check said OK and training died after caching
+    with a traceback naming no file. Now the next image is taken with a warning, and a folder of broken images fails
+    in check and before any model loads, naming them."""
+    from difftune.cli import main
+    from difftune.train.setup import build_run
+    from difftune.train.validation_input import ValidationInputError, pick
+
+    make_pairs(dataset, tmp_path / "inputs")
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    good = sorted((tmp_path / "inputs").glob("*.png"))
+    (probes / "a.png").write_bytes(good[0].read_bytes()[:300])  # truncated, first in order
+    (probes / "b.png").write_bytes(good[1].read_bytes())
+    keys = dict(dataset={"conditioning_data": "inputs"}, conditioning_dir=tmp_path / "inputs",
+                validation_using_datasets=True, eval_dataset_id="probes", validation_prompt="swap it",
+                extra_datasets=[{"id": "probes", "type": "local", "instance_data_dir": str(probes)}], **I2I)
+    path = write_config(tmp_path, dataset, **keys)
+    run = load_config(path)
+    chosen, image, skipped = pick(run, discover_all(run))
+    assert chosen == probes / "b.png" and image is not None
+    assert len(skipped) == 1 and str(probes / "a.png") in skipped[0] and "truncated" in skipped[0]
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: validation input image {probes / 'a.png'} cannot be read" in out
+    (probes / "b.png").write_bytes(b"not an image")
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no validation input image can be read (eval_dataset_id 'probes')" in err
+    assert str(probes / "a.png") in err and str(probes / "b.png") in err
+    from difftune.models.kandinsky5_image import Kandinsky5ImageFamily
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded, but this error must come before any model loads")
+
+    monkeypatch.setattr(Kandinsky5ImageFamily, "load", boom)
+    with pytest.raises(ValidationInputError, match="no validation input image can be read"):
+        build_run(load_config(path))

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from tqdm import tqdm
 
 from difftune.config import RunConfig
@@ -24,13 +23,11 @@ from difftune.config.crepa_keys import decodes
 from difftune.config.dataset_entry_keys import validation_video_fps, validation_video_frames
 from difftune.data.buckets import SizeRule
 from difftune.data.cache import TensorCache, TextJob, fill_text_cache
-from difftune.data.discovery import VIDEO_SUFFIXES, Discovery, image_files
-from difftune.data.images import fit, load_rgb
+from difftune.data.discovery import VIDEO_SUFFIXES, Discovery
+from difftune.data.images import fit
 from difftune.data.latents import CachedSample, fill_latent_cache, planned, text_jobs, uncached
-from difftune.data.video import decode_frames
 from difftune.models.base import Components, Family, SampleRequest
-from difftune.models.registry import FAMILY_FACTS
-from difftune.train import long_captions
+from difftune.train import long_captions, validation_input
 from difftune.train.crepa import drop_vae_encoder
 from difftune.train.distributed import Ranks
 from difftune.train.events import Events
@@ -53,39 +50,6 @@ def negative_cache(text_cache: TensorCache) -> TensorCache:
     return TensorCache(text_cache.folder / "negative", {"role": "negative"}, text_cache.compress)
 
 
-def validation_image(run_cfg: RunConfig, found: list[Discovery]) -> Path | None:
-    """Validation input: the first image of eval_dataset_id, or the first training pair's input image, or
-    (image-to-video) the first training clip, whose first frame is taken."""
-    cfg = run_cfg.train
-    trained = [d for d in found if not d.held_out]  # not an eval dataset's input (they sort among the others)
-    if cfg.validation_using_datasets:
-        plan = run_cfg.datasets
-        named = [d for d in found if d.dataset_id == cfg.eval_dataset_id]
-        if named:  # a discovered dataset (a training set of clips, for image-to-video): its first usable file
-            # a dataset of image-to-image pairs holds the targets: its first pair's input image is the input
-            files = sorted(s.conditioning if s.conditioning is not None else s.path for s in named[0].samples)
-            return files[0] if files else None
-        roots = {ds.id: ds.instance_data_dir for ds in [*plan.images, *plan.validation_only.values()]} | {
-            cid: c.instance_data_dir for cid, c in plan.conditioning.items()
-        }
-        files = image_files(Path(roots[cfg.eval_dataset_id]))
-        if not files:
-            raise FileNotFoundError(f"eval_dataset_id {cfg.eval_dataset_id!r}: no image in {roots[cfg.eval_dataset_id]}")
-        return files[0]
-    if FAMILY_FACTS[cfg.model_family].first_frame(cfg.flavour()):
-        clips = sorted(s.path for d in trained for s in d.samples if s.frames)
-        return clips[0] if clips else None
-    pairs = sorted(s.conditioning for d in trained for s in d.samples if s.conditioning is not None)
-    return pairs[0] if pairs else None
-
-
-def load_input_image(path: Path) -> Image.Image:
-    """An image file, or the first frame of a clip."""
-    if path.suffix.lower() in VIDEO_SUFFIXES:
-        return decode_frames(path, [0.0])[0]
-    return load_rgb(path)
-
-
 def encode_validation(
     run_cfg: RunConfig, family: Family, comps: Components, text_cache: TensorCache, found: list[Discovery],
     events: Events | None = None,
@@ -96,8 +60,9 @@ def encode_validation(
         return []
     if not cfg.validation_disable_unconditional:  # what the model draws from no prompt at all
         prompts.append(("unconditional", ""))
-    path = validation_image(run_cfg, found) if family.facts.takes_input_image(cfg.flavour()) else None
-    image: Image.Image | None = load_input_image(path) if path is not None else None
+    path, image, skipped = validation_input.pick(run_cfg, found)  # image-conditioned flavours: the first readable
+    for message in skipped if events is not None else []:
+        events.emit("warning", message=message)
     if path is not None and events is not None:
         first = " (its first frame)" if path.suffix.lower() in VIDEO_SUFFIXES else ""
         events.emit("info", message=f"validation input image: {path}{first}")

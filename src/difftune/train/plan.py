@@ -316,7 +316,11 @@ def check_data(run_cfg: RunConfig, every_line: bool = False) -> str:
                         plan_note=plan_note(run_cfg, processes),
                         incomplete=incomplete(run_cfg, found, plan, processes)).render(
         None if every_line else LIST_LIMIT, "difftune check --all lists them all")
-    return report + "".join(f"\n{line}" for line in planned_windows(run_cfg, found, plan, processes))
+    from difftune.train import validation_input
+
+    _, _, skipped = validation_input.pick(run_cfg, found)  # fails as training would when none is readable
+    lines = planned_windows(run_cfg, found, plan, processes) + [f"warning: {line}" for line in skipped]
+    return report + "".join(f"\n{line}" for line in lines)
 
 
 def planned_windows(run_cfg: RunConfig, found: list[Discovery], plan: RepeatsPlan, processes: int) -> list[str]:

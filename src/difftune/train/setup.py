@@ -35,6 +35,7 @@ from difftune.train import (
     throughput,
     trackers,
     tread,
+    validation_input,
     webhooks,
 )
 from difftune.train.activation_offload import offload_activations
@@ -202,6 +203,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
         events.emit("warning", quiet=True, message=f"skipped {path}: {reason}")  # the data report lists them
     events.emit("info", message=f"discovery: {sum(len(d.samples) for d in found)} usable files "
                                 f"({sum(d.probed for d in found)} read now, the rest from the metadata cache)")
+    validation_input.pick(run_cfg, found)  # no readable validation input image fails before any model loads
 
     if ranks.main:  # a tiny model is built once, by one process (libraries save weights from process 0 only)
         resolve_source(cfg)
