@@ -127,7 +127,7 @@ def test_commands_save_sample_stop(tmp_path, dataset):
     from difftune.train.commands import send_command
 
     path = write_config(tmp_path, dataset, max_train_steps=50, validation_prompt="a red circle",
-                        validation_resolution="32x32", validation_num_inference_steps=2)
+                        validation_resolution="32x32", validation_num_inference_steps=2, checkpoint_step_interval=1)
     run = build_run(load_config(path))
     for command in ("save", "sample", "stop"):  # queued before the run: picked up after step 1
         send_command(run.output_dir, command)
@@ -137,6 +137,8 @@ def test_commands_save_sample_stop(tmp_path, dataset):
     events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
     assert kinds.count("command") == 3 and "stopped" in kinds and "done" not in kinds
+    # step 1's interval checkpoint, then the save and the stop find it written: one checkpoint, listed once by the UI
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1]
     assert "stopped by a stop command at step 1 of 50; resume_from_checkpoint 'latest' goes on from here" in [
         e.get("message") for e in events]  # on the console too: "LoRA saved" alone read as a finished run
     assert run.state.step == 1

@@ -32,6 +32,7 @@ from difftune.train.checkpoint import (
     CheckpointError,
     checkpoints_dir,
     clean_partial,
+    is_rolling,
     load_checkpoint,
     resolve_resume,
     save_adapter,
@@ -161,7 +162,10 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
 
 def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
     """Process 0 writes (into the rolling series with `rolling`); every process waits, so none runs ahead of a
-    checkpoint."""
+    checkpoint. A step already checkpointed (a stop or a save command right after the interval's checkpoint, the end
+    of a run resumed at its last step) is not written again."""
+    if not rolling and run.state.checkpointed == run.state.step:
+        return
     # schedule-free: its averaged weights and eval-mode state are saved (eval_weights); FSDP: every process
     # gathers, process 0 writes
     with eval_weights(run, for_checkpoint=True), gathered(run, optimizer=True, step=run.state.step):
@@ -170,6 +174,8 @@ def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
             run.events.emit("checkpoint", step=run.state.step, path=str(path), pruned=pruned,
                             **({"rolling": True} if rolling else {}), **extra)
     run.ranks.barrier()
+    if not rolling:
+        run.state.checkpointed = run.state.step
 
 
 def sample(run: Run, label: str, base: bool = False) -> list[Path]:
@@ -283,6 +289,8 @@ def _start_point(run: Run) -> None:
         except ValueError as e:  # the checkpoint does not fit this run: said as an `error:`, not a traceback
             raise CheckpointError(str(e) if str(ckpt) in str(e) else f"{ckpt}: {e}") from e
         run.events.emit("info", message=f"resumed from {ckpt} at step {run.state.step}")
+        if ckpt.parent == checkpoints_dir(run.output_dir) and not is_rolling(ckpt):  # this run's regular series
+            run.state.checkpointed = run.state.step
         if run.state.step >= run.total_steps:
             warn(f"{ckpt.name} is at step {run.state.step}, already at or past this run's {run.total_steps} steps: "
                  f"nothing is trained, and the result saved is step {run.state.step}'s. For an earlier step, set "

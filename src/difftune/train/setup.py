@@ -71,6 +71,7 @@ class TrainState:
     step: int = 0  # optimizer steps completed
     position: dict | None = None  # the sampler's state after the last batch consumed (what a checkpoint saves)
     micro: int = 0  # the micro-batch of the step being trained (round-robin noise levels: train/noise_levels.py)
+    checkpointed: int | None = None  # the step of the last checkpoint this run wrote or resumed (not a rolling one)
 
 
 @dataclass
