@@ -33,7 +33,13 @@ def _open(path: Path) -> Image.Image:
         raise BadImage(f"too many pixels (over {2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6:.0f} MP, PIL's "
                        f"decompression bomb guard): {e}") from e
     except Exception as e:  # noqa: BLE001 - PIL raises many types for non-images
-        raise BadImage(f"not a readable image: {type(e).__name__}: {e}") from e
+        # PIL names the file by its full path: the reason is shown beside the path already, and kept in the metadata
+        # cache, where a dataset folder moved elsewhere would replay the old path
+        why = str(e).replace(f" '{path}'", "").replace(str(path), path.name)
+        raise BadImage(f"not a readable image: {type(e).__name__}: {why}") from e
+
+
+_CHECKED_AT_OPEN = ("WEBP", "AVIF", "HEIF")  # PIL's plugins for these decode or parse the whole file in open()
 
 
 def probe_size(path: Path) -> tuple[int, int]:
@@ -54,18 +60,22 @@ def probe_size(path: Path) -> tuple[int, int]:
                     exif.load(exif_data if exif_data.startswith(b"Exif") else b"Exif\x00\x00" + exif_data)
                 elif "exif" in img.info:
                     exif = img.getexif()
-            else:
-                complete = img.format not in ("JPEG", "MPO") or _jpeg_ends_with_eoi(path)
+            elif img.format in ("JPEG", "MPO"):
+                complete = _jpeg_ends_with_eoi(path)
+            else:  # WEBP, AVIF, HEIF: their decoders read the whole file when it opens. TIFF, BMP, GIF, ...: no
+                # cheap end marker, so decoded in full once (the metadata cache keeps the answer)
+                complete = img.format in _CHECKED_AT_OPEN
         except (SyntaxError, ValueError, struct.error) as e:  # what PIL raises for EXIF that is not TIFF data
             raise BadImage(f"damaged EXIF data ({type(e).__name__}: {e}); remove it (e.g. exiftool -all= FILE) or "
                            "re-save the image") from e
         if not complete:
-            marker = "its IEND chunk" if img.format == "PNG" else "its EOI marker"
+            marker = {"PNG": "its IEND chunk", "JPEG": "its EOI marker", "MPO": "its EOI marker"}.get(img.format)
             try:
                 img.load()  # ImageFile.LOAD_TRUNCATED_IMAGES is left False: a short file raises
             except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ... for damaged data
-                raise BadImage(f"truncated: the file ends before {marker} and does not decode ({type(e).__name__}: "
-                               f"{e}); re-copy or re-download it") from e
+                where = f"the file ends before {marker} and " if marker else ""
+                raise BadImage(f"truncated or damaged: {where}it does not decode ({type(e).__name__}: {e}); re-copy or "
+                               "re-download it") from e
         orientation = exif.get(0x0112, 1) if exif is not None else 1
     return (height, width) if orientation in _ROTATED else (width, height)
 

@@ -162,7 +162,14 @@ def build_data(
                         "decoded" + (":" + "".join(shown) + more if shown else ""))
     # the same plan `difftune check` and discover_all make before any model loads (train/plan.py), now on the
     # files that decoded; it raises when every bucket holds fewer items than one global batch
-    plan = plan_buckets(run_cfg, [c.sample for c in cached.samples], ranks.count)
+    try:
+        plan = plan_buckets(run_cfg, [c.sample for c in cached.samples], ranks.count)
+    except DataError as e:  # files that failed while caching may be why (the data report naming them comes later)
+        if not cached.failed:
+            raise
+        shown = "".join(f"\n  {path}: {reason}" for path, reason in cached.failed[:5])
+        more = f"\n  ... and {len(cached.failed) - 5} more (events.jsonl has each)" if len(cached.failed) > 5 else ""
+        raise DataError(f"{e}\n{len(cached.failed)} file(s) could not be decoded while caching:{shown}{more}") from e
     sampler, items = bucket_sampler(run_cfg, cached.samples, plan, ranks.count)
     data = TrainingData(
         items, cached.text_caches, sampler, family.collate_text, cfg.caption_dropout_probability, cfg.seed,
