@@ -124,7 +124,7 @@ def test_preset_targets_replace_the_default_and_class_state_is_restored():
 
 def test_bad_configs_are_refused(tmp_path):
     _, comps = load("lumina2")
-    with pytest.raises(ValueError, match="unknown lycoris_config key"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \[.linera_dim.\]"):
         attach_lycoris(comps.transformer, {"algo": "lokr", "linera_dim": 4})
     with pytest.raises(ValueError, match="matched no module"):
         attach_lycoris(comps.transformer, {"algo": "lokr", "apply_preset": {"target_name": ["nothing_here"]}})
@@ -212,3 +212,62 @@ def test_fp16_glora_and_full_on_the_cpu_are_refused_before_any_model_loads(tmp_p
         with pytest.raises(ValueError, match=f"LyCORIS algo '{algo}' with mixed_precision 'fp16' on the CPU"):
             build_run(load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(config),
                                                mixed_precision="fp16", validation_prompt=None)))
+
+
+def test_the_files_algorithms_are_lycoris_own():
+    import lycoris.wrapper
+
+    from difftune.config.lycoris_file import ALGOS
+
+    assert sorted(ALGOS) == sorted(lycoris.wrapper.network_module_dict)
+
+
+SIMPLETUNER_GENERIC = {"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 4,
+                       "apply_preset": {"target_module": ["Attention", "FeedForward"],
+                                        "module_algo_map": {"Attention": {"factor": 4}, "FeedForward": {"factor": 4}}}}
+
+
+def test_a_lycoris_config_that_cannot_build_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """An unknown algo (a KeyError inside lycoris), an unknown key, and a preset that matches no module of the
+    transformer (SimpleTuner's generic example on Kandinsky 5, whose classes are Kandinsky5Attention, ...) passed
+    check and failed with a traceback once the caches had filled."""
+    from conftest import write_config
+    from difftune.adapters.lycoris import LycorisConfigError
+    from difftune.cli import main
+    from difftune.config import ConfigError, load_config
+    from difftune.demo import make_dataset
+    from difftune.train.setup import build_run
+
+    make_dataset(tmp_path / "images", count=2)
+
+    def config(name, content, **keys):
+        (tmp_path / f"{name}.json").write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+        return write_config(tmp_path / name, tmp_path / "images", lora_type="lycoris",
+                            lycoris_config=str(tmp_path / f"{name}.json"), **keys)
+
+    with pytest.raises(ConfigError, match=r"foo.json: algo 'foo' is not a LyCORIS algorithm; use one of boft, "):
+        load_config(config("foo", {"algo": "foo", "linear_dim": 4}))
+    with pytest.raises(ConfigError, match=r"bogus.json: unknown key\(s\) \['bogus_key'\]"):
+        load_config(config("bogus", {"algo": "lokr", "bogus_key": 1}))
+    # saved by a Windows editor: a byte-order mark is read as without it, at load and when the network is built
+    (tmp_path / "prompts.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"cat": "a cat"}).encode())
+    bom = config("bom", b"\xef\xbb\xbf" + json.dumps(SIMPLETUNER_GENERIC).encode(),
+                 user_prompt_library=str(tmp_path / "prompts.json"))
+    assert load_config(bom).train.validation_prompts() == [("cat", "a cat")]
+    assert main(["check", "--config", str(bom)]) == 0  # Lumina2's attention class is diffusers' own Attention
+    generic = config("generic", SIMPLETUNER_GENERIC, model_family="kandinsky5-video")
+    assert main(["check", "--config", str(generic)]) == 2
+    err = capsys.readouterr().err
+    assert "generic.json: its apply_preset matches no module of the kandinsky5-video transformer" in err
+    assert "(this transformer's classes of that name: Kandinsky5Attention, Kandinsky5FeedForward)" in err
+
+    def no_caching(*args, **kwargs):
+        raise AssertionError("the preset is checked before the caches fill")
+
+    monkeypatch.setattr("difftune.train.setup.fill_caches", no_caching)
+    with pytest.raises(LycorisConfigError, match="matches no module"):
+        build_run(load_config(generic))
+    # the real Kandinsky 5 Pro (known architecture, built on the meta device: no weights, no download)
+    pro = config("pro", SIMPLETUNER_GENERIC, model_family="kandinsky5-video", model_flavour="t2v-pro-sft-5s-hd")
+    assert main(["check", "--config", str(pro)]) == 2
+    assert "matches no module of the kandinsky5-video transformer" in capsys.readouterr().err

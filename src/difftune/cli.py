@@ -156,13 +156,17 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
 
 
 def _check_blocks(cfg: Any) -> None:
-    """A TREAD route, a CREPA or LayerSync block past the transformer's last block, refused before any model loads
-    as train refuses them."""
+    """A TREAD route, a CREPA or LayerSync block past the transformer's last block, a LyCORIS preset that matches
+    nothing, refused before any model loads as train refuses them."""
     from difftune.train import crepa, layersync, tread
 
     tread.check_before_load(cfg)
     crepa.check_before_load(cfg)
     layersync.check_before_load(cfg)
+    if cfg.model_type == "lora" and cfg.lora_type == "lycoris":
+        from difftune.adapters.lycoris import check_preset
+
+        check_preset(cfg)
 
 
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:

@@ -111,7 +111,7 @@ class LycorisAdapter:
         from difftune.adapters.lycoris import attach_lycoris
 
         self.cfg, self.transformer = cfg, transformer
-        self.config = json.loads(Path(cfg.lycoris_config).read_text())
+        self.config = json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig"))
         self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family,
                                                    bypass=cfg.base_model_precision != "no_change")
         self.warnings: list[str] = self.network.difftune_warnings  # LyCORIS's own (setup emits them as events)

@@ -55,15 +55,11 @@ from lycoris import LycorisNetwork, create_lycoris, create_lycoris_from_weights
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from difftune.config.lycoris_file import POSITIONAL
+from difftune.config.lycoris_file import problem as file_problem
+from difftune.models.hub import ComponentError
+
 METADATA_KEY = "lycoris_config"  # SimpleTuner's metadata key for the config
-POSITIONAL = {"multiplier": 1.0, "linear_dim": 4, "linear_alpha": 1.0}
-# Keywords create_lycoris (lycoris-lora 4.1.3, lycoris/wrapper.py) reads; anything else it would silently drop.
-CREATE_KWARGS = frozenset({
-    "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker", "use_cp",
-    "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint", "constrain", "rescaled",
-    "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "unbalanced_factorization", "train_llm_adapter",
-    "preset", "decompose_both", "factor",
-})
 TARGET_KEYS = ("target_module", "target_name", "module_algo_map", "name_algo_map")
 # Class attributes LycorisNetwork.apply_preset writes (lycoris/wrapper.py), and their values as the library defines
 # them, captured when this module is first imported.
@@ -159,19 +155,14 @@ def resolve_preset(transformer: torch.nn.Module, preset: Mapping[str, Any] | Non
 def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(positional args, create_lycoris keywords, apply_preset) of a lycoris_config."""
     config = dict(config)
-    unknown = sorted(set(config) - set(POSITIONAL) - CREATE_KWARGS - {"apply_preset"})
-    if unknown:
-        raise ValueError(f"unknown lycoris_config key(s) {unknown}; known: "
-                         f"{sorted(set(POSITIONAL) | CREATE_KWARGS | {'apply_preset'})}")
+    if (why := file_problem(config)) is not None:
+        raise ValueError(f"lycoris_config: {why}")
     positional = {
         "multiplier": float(config.pop("multiplier", POSITIONAL["multiplier"])),
         "linear_dim": int(config.pop("linear_dim", POSITIONAL["linear_dim"])),
         "linear_alpha": float(config.pop("linear_alpha", POSITIONAL["linear_alpha"])),
     }
-    preset = config.pop("apply_preset", None) or {}
-    if not isinstance(preset, Mapping):
-        raise ValueError("lycoris_config apply_preset must be an object")
-    return positional, config, dict(preset)
+    return positional, config, dict(config.pop("apply_preset", None) or {})
 
 
 def _with_class_hint(message: str, transformer: torch.nn.Module) -> str:
@@ -272,13 +263,53 @@ def base_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
+class LycorisConfigError(ComponentError):
+    """A lycoris_config whose network does not fit the model (exit code 2 with the message)."""
+
+
+def check_preset(cfg: Any) -> None:
+    """Before any model loads (`difftune check` too): the network is built on the transformer on the meta device (no
+    weights), so an apply_preset that matches no module (SimpleTuner's generic 'Attention', 'FeedForward' classes)
+    fails now, naming the file and this transformer's classes, instead of after the caches fill. A transformer whose
+    architecture is not known before it loads is checked when it loads (attach_lycoris)."""
+    if not (cfg.model_type == "lora" and cfg.lora_type == "lycoris"):
+        return
+    from difftune.memory_plan.architecture import architecture_of, transformer_on_meta
+
+    try:
+        transformer = transformer_on_meta(architecture_of(cfg))
+    except (ValueError, OSError):
+        return
+    positional, kwargs, preset = split_config(json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")))
+    applied = resolve_preset(transformer, preset, cfg.model_family)
+    logger = logging.getLogger("LyCORIS")
+    level, _ = logger.level, logger.setLevel(logging.WARNING)  # its INFO lines belong to training, not a check
+    try:
+        with torch.device("meta"), preset_applied(applied), warnings_kept() as warned:
+            network = create_lycoris(transformer, positional["multiplier"], positional["linear_dim"],
+                                     positional["linear_alpha"], **kwargs)
+    except Exception:  # noqa: BLE001 - an algo that reads the weights it wraps (full) cannot build on meta: checked at load
+        return
+    finally:
+        logger.setLevel(level)
+    if network.loras:
+        return
+    hints = [_with_class_hint(w, transformer) for w in dict.fromkeys(warned) if "target module classes" in w]
+    classes = sorted({type(m).__name__ for m in transformer.modules()} - {"ModuleList", "Sequential", "ModuleDict"})
+    raise LycorisConfigError(
+        f"{cfg.lycoris_config}: its apply_preset matches no module of the {cfg.model_family} transformer "
+        f"({type(transformer).__name__})" + (f": {'; '.join(hints)}" if hints else "") + ". Name its classes in "
+        f"target_module (they are {', '.join(classes)}), module paths in target_name, or leave apply_preset out to "
+        "train the attention projections")
+
+
 def check_device(cfg: Any, device: torch.device) -> None:
     """Before any model loads: LyCORIS `full` and `glora` multiply their own fp32 weights with the activations, and
     with mixed_precision 'fp16' on the CPU there is no autocast to cast them (accelerate's CPU autocast is bf16)."""
     if not (cfg.model_type == "lora" and cfg.lora_type == "lycoris" and cfg.mixed_precision == "fp16"
             and device.type == "cpu"):
         return
-    algo = json.loads(Path(cfg.lycoris_config).read_text()).get("algo")
+    algo = json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")).get("algo")
     if algo in ("full", "glora"):
         raise ValueError(f"LyCORIS algo {algo!r} with mixed_precision 'fp16' on the CPU: there is no fp16 autocast "
                          "there to cast its fp32 weights to the fp16 activations; use mixed_precision 'bf16' (or 'no') "

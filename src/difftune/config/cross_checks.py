@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from difftune.config import lycoris_file
 from difftune.config.crepa_keys import crepa_checks, crepa_notes
 from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
@@ -70,8 +71,8 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
                          "gradient_checkpointing to true, or remove gradient_checkpointing_interval")
     if cfg.lycoris_config is not None and cfg.lora_type == "lycoris" and cfg.model_type == "lora":
         data = read_json_file(cfg.lycoris_config, "lycoris_config")  # only read when used (SimpleTuner's configs
-        if not isinstance(data, dict) or "algo" not in data:    # name a default file whatever lora_type is)
-            raise ValueError(f"{cfg.lycoris_config} must be a JSON object with at least 'algo' (lokr, loha, locon, ...)")
+        if (why := lycoris_file.problem(data)) is not None:     # name a default file whatever lora_type is)
+            raise ValueError(f"{cfg.lycoris_config}: {why}")
         if data["algo"] == "full" and cfg.base_model_precision != "no_change":
             # it replaces each weight it trains; on a quantized base LyCORIS runs its modules beside the frozen
             # weights (bypass mode), which its full algo does not have

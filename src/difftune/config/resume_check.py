@@ -41,7 +41,7 @@ def lycoris_problem(train: Any, folder: Path) -> str | None:
     try:
         with safe_open(str(folder / "pytorch_lora_weights.safetensors"), framework="numpy") as f:
             then = json.loads((f.metadata() or {})["lycoris_config"])
-        now = json.loads(Path(train.lycoris_config).read_text())
+        now = json.loads(Path(train.lycoris_config).read_text(encoding="utf-8-sig"))
     except Exception:  # noqa: BLE001 - an older checkpoint, or an unreadable file: the resume reports what misfits
         return None
     changed = [f"{k} {then.get(k)!r} then, {now.get(k)!r} now" for k in LYCORIS_SHAPE if then.get(k) != now.get(k)]

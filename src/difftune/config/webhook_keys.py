@@ -78,7 +78,7 @@ def read_webhooks(value: str) -> list[Webhook]:
             raise ValueError(f"{value}: no such file; give the path of a JSON file holding a webhook object or a "
                              "list of them (or write the JSON itself)")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read {value}: {e}") from None
         except json.JSONDecodeError as e:

@@ -137,7 +137,7 @@ def _trainable(arch: A.Architecture, model_type: str, lora_type: str, rank: int,
 
         from difftune.adapters.lycoris import attach_lycoris
 
-        config = json.loads(Path(lycoris_config).read_text(encoding="utf-8"))  # the schema checked it
+        config = json.loads(Path(lycoris_config).read_text(encoding="utf-8-sig"))  # the schema checked it
         _network, params = attach_lycoris(model, config, family=arch.family)
         return tuple(tuple(p.shape) for p in params)
     from peft import LoraConfig

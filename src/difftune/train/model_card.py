@@ -133,7 +133,7 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
 
 
 def _lycoris_multiplier(cfg: Any) -> float:
-    return float(json.loads(Path(cfg.lycoris_config).read_text()).get("multiplier", 1.0))
+    return float(json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")).get("multiplier", 1.0))
 
 
 def _comfyui(cfg: Any) -> str:

@@ -272,9 +272,10 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     crepa.check_before_load(cfg)  # and a CREPA block past it
     layersync.check_before_load(cfg)  # and a LayerSync block
     if cfg.lora_type == "lycoris":  # so does a LyCORIS algo this device's autocast cannot serve
-        from difftune.adapters.lycoris import check_device
+        from difftune.adapters.lycoris import check_device, check_preset
 
         check_device(cfg, accelerator.device)
+        check_preset(cfg)  # and an apply_preset that matches no module of the transformer
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last

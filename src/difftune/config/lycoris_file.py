@@ -1,0 +1,37 @@
+"""What a lycoris_config file may hold, checked when the config loads (before any model): the algorithm, the keys
+create_lycoris reads and apply_preset's shape. Import-light (no torch, no lycoris); adapters/lycoris.py builds the
+network from the same facts, and tests/test_lycoris.py checks them against the installed lycoris-lora."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+POSITIONAL = {"multiplier": 1.0, "linear_dim": 4, "linear_alpha": 1.0}
+# Keywords create_lycoris (lycoris-lora 4.1.3, lycoris/wrapper.py) reads; anything else it would silently drop.
+CREATE_KWARGS = frozenset({
+    "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker", "use_cp",
+    "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint", "constrain", "rescaled",
+    "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "unbalanced_factorization", "train_llm_adapter",
+    "preset", "decompose_both", "factor",
+})
+# lycoris/wrapper.py's network_module_dict: the algorithms create_lycoris builds
+ALGOS = ("boft", "diag-oft", "dylora", "full", "glora", "ia3", "locon", "loha", "lokr", "lora", "tlora")
+
+
+def known_keys() -> list[str]:
+    return sorted(set(POSITIONAL) | CREATE_KWARGS | {"apply_preset"})
+
+
+def problem(data: Any) -> str | None:
+    """Why a lycoris_config's content cannot build a network (None when it can, as far as the file alone tells)."""
+    if not isinstance(data, Mapping) or "algo" not in data:
+        return "must be a JSON object with at least 'algo' (lokr, loha, locon, ...)"
+    if data["algo"] not in ALGOS:
+        return f"algo {data['algo']!r} is not a LyCORIS algorithm; use one of {', '.join(ALGOS)}"
+    unknown = sorted(set(data) - set(known_keys()))
+    if unknown:
+        return f"unknown key(s) {unknown}; known: {known_keys()}"
+    if not isinstance(data.get("apply_preset") or {}, Mapping):
+        return "apply_preset must be an object (target_module, target_name, module_algo_map, ...)"
+    return None
