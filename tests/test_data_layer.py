@@ -89,6 +89,77 @@ def test_parquet_captions(tmp_path, kind):
     assert missing.captions == ("four five",) and "file name" in missing.note
 
 
+def test_table_sizes_are_checked_against_the_file(tmp_path):
+    """metadata_backend parquet's width/height columns hold the stored size: a photo turned by its EXIF rotation got a
+    landscape bucket and lost two thirds of its picture to the crop, and a damaged file passed check."""
+    from difftune.train.plan import discover_all
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 160x96, displayed 96x160
+    Image.new("RGB", (160, 96), "red").save(folder / "rot.jpg", exif=exif.tobytes())
+    Image.new("RGB", (96, 96), "blue").save(folder / "plain.jpg")
+    (folder / "fake.jpg").write_text("not an image")
+    rows = [{"file": "rot.jpg", "text": "turned", "w": 160, "h": 96}, {"file": "plain.jpg", "text": "plain", "w": 96,
+            "h": 96}, {"file": "fake.jpg", "text": "fake", "w": 96, "h": 96}]
+    (tmp_path / "meta.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    table = {"path": str(tmp_path / "meta.jsonl"), "filename_column": "file", "caption_column": "text",
+             "width_column": "w", "height_column": "h"}
+    run = load_config(write_config(tmp_path, folder, dataset={"caption_strategy": "parquet", "parquet": table,
+                                                              "metadata_backend": "parquet", "resolution_type": "pixel",
+                                                              "resolution": 64, "crop": False}))
+    (found,) = discover_all(run)
+    samples = {s.path.name: s for s in found.samples}
+    assert set(samples) == {"rot.jpg", "plain.jpg"} and samples["rot.jpg"].bucket[0] < samples["rot.jpg"].bucket[1]
+    assert [p.name for p, _ in found.skipped] == ["fake.jpg"]
+    (note,) = [n for p, n in found.notes if p.name == "rot.jpg"]
+    assert "the parquet table's size 160x96 is not the image's 96x160 as displayed (its EXIF rotation" in note
+
+
+def test_the_enlargement_note_of_a_downsampled_image_names_the_downsample(tmp_path):
+    """A 2000x100 strip shrunk by target_downsample_size, then enlarged to a square bucket: the note blamed the
+    original size and advised minimum_image_size, which would not leave it out."""
+    from difftune.train.plan import discover_all
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.new("RGB", (2000, 100), "red").save(folder / "strip.png")
+    (folder / "strip.txt").write_text("a strip")
+    run = load_config(write_config(tmp_path, folder, dataset={
+        "resolution": 64, "resolution_type": "pixel_area", "crop": True, "crop_aspect": "square",
+        "minimum_image_size": 32, "maximum_image_size": 256, "target_downsample_size": 128}))
+    (found,) = discover_all(run)
+    ((_, note),) = found.notes
+    assert note.startswith("2000x100 is shrunk to 572x29 by target_downsample_size, then enlarged") and \
+        "minimum_image_size" not in note, note
+
+
+@pytest.mark.parametrize("with_extension", [False, True])
+def test_caption_table_rows_named_by_path_in_subfolders(tmp_path, with_extension):
+    """a/cat and b/cat in the table (identifier_includes_extension false): both files got the last row's caption,
+    since the rows were kept by their bare stem."""
+    from difftune.config.datasets import ParquetCaptions
+
+    ext = ".png" if with_extension else ""
+    rows = [{"file": f"a/cat{ext}", "text": "cat in a"}, {"file": f"b\\cat{ext}", "text": "cat in b"},
+            {"file": f"dog{ext}", "text": "a dog"}]
+    table_path = tmp_path / "meta.jsonl"
+    table_path.write_text("\n".join(json.dumps(r) for r in rows))
+    columns = ParquetCaptions(path=str(table_path), filename_column="file", caption_column="text",
+                              identifier_includes_extension=with_extension)
+    table, rule = CaptionTable(table_path, columns), CaptionRule("parquet")
+    assert caption(tmp_path / "a" / "cat.png", tmp_path, rule, table).captions == ("cat in a",)
+    assert caption(tmp_path / "b" / "cat.png", tmp_path, rule, table).captions == ("cat in b",)  # Windows separator
+    assert caption(tmp_path / "x" / "dog.png", tmp_path, rule, table).captions == ("a dog",)  # a bare name: one row
+    ambiguous = caption(tmp_path / "c" / "cat.png", tmp_path, rule, table)
+    assert ambiguous.captions == ("cat",) and "2 rows of the parquet table are named" in ambiguous.note
+    if not with_extension:  # a table that writes the extension anyway still matches
+        (tmp_path / "ext.jsonl").write_text(json.dumps({"file": "a/cat.png", "text": "with ext"}))
+        loose = CaptionTable(tmp_path / "ext.jsonl", columns.model_copy(update={"path": str(tmp_path / "ext.jsonl")}))
+        assert caption(tmp_path / "a" / "cat.png", tmp_path, rule, loose).captions == ("with ext",)
+
+
 def test_multiple_captions_drawn_per_sample_and_dropout(tmp_path, dataset):
     for txt in dataset.glob("*.txt"):
         txt.write_text("alpha\nbeta\ngamma")

@@ -160,15 +160,29 @@ class CaptionTable:
         missing = [c for c in (columns.filename_column, columns.caption_column) if rows and c not in rows[0]]
         if missing:
             raise ValueError(f"{path}: no column {', '.join(missing)}; columns are {', '.join(rows[0])}")
+        # each row by its identifier as written (a path below the dataset, or a bare name), and by the bare name
+        # alone: a bare name that several rows share (a/cat, b/cat) is taken only by the path that names one of them
         self.rows: dict[str, dict[str, Any]] = {}
+        self.bare: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
-            name = str(row[columns.filename_column])
-            self.rows[name if columns.identifier_includes_extension else Path(name).stem] = row
+            name = str(row[columns.filename_column]).replace("\\", "/").removeprefix("./")
+            self.rows[name] = row
+            bare = Path(name).name if columns.identifier_includes_extension else Path(name).stem
+            self.bare.setdefault(bare, []).append(row)
 
     def lookup(self, path: Path, root: Path, empty: str = "an empty prompt") -> CaptionResult:
         rel = path.relative_to(root)
-        keys = [str(rel), path.name] if self.columns.identifier_includes_extension else [str(rel.with_suffix("")), path.stem]
+        if self.columns.identifier_includes_extension:
+            keys, bare = [rel.as_posix()], path.name
+        else:  # the identifier without the extension (a table that writes it anyway matches too)
+            keys, bare = [rel.with_suffix("").as_posix(), rel.as_posix()], path.stem
         row = next((self.rows[k] for k in keys if k in self.rows), None)
+        if row is None and len(self.bare.get(bare, [])) > 1:
+            return CaptionResult(from_filename(path).captions, note=f"{len(self.bare[bare])} rows of the parquet table "
+                                 f"are named {bare!r} and none {keys[0]!r}: used the file name as caption; name each "
+                                 "file by its path below the dataset in the table")
+        if row is None and bare in self.bare:
+            row = self.bare[bare][0]
         if row is None:
             return CaptionResult(from_filename(path).captions, note="no row in the parquet table: used the file name as caption")
         captions = _as_captions(row.get(self.columns.caption_column))

@@ -515,14 +515,20 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
             return None  # clip_frames recorded why
         (width, height), frames, fps = clip
     else:
-        if captioned.size is not None:  # the table's width/height columns: no need to open the file
-            size, problem, probed = captioned.size, None, False
-        else:
-            size, problem, probed = metadata.size(path, rel)
+        # The file is probed even where the table has width/height columns (SimpleTuner's metadata_backend parquet,
+        # read instead of the file): a table holds the stored size, not the displayed one (EXIF rotation), and
+        # knows nothing of a damaged file. The metadata cache keeps the probe, so later runs open no file.
+        size, problem, probed = metadata.size(path, rel)
         result.probed += probed
         if size is None:
             return problem or "unreadable"
         width, height = size
+        if captioned.size is not None and tuple(captioned.size) != (width, height):
+            table = f"{captioned.size[0]}x{captioned.size[1]}"
+            turned = tuple(captioned.size) == (height, width)
+            result.notes.append((path, f"the parquet table's size {table} is not the image's {width}x{height}"
+                                 + (" as displayed (its EXIF rotation turns it)" if turned else "")
+                                 + ": the image's is used"))
     if not_generated is not None:
         return not_generated
     if width < 1 or height < 1:
@@ -556,7 +562,11 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
             return f"its conditioning image {conditioning}: {e}"
         if (note := input_aspect_note(input_size, (width, height), bucket)) is not None:
             notes.append(note)
-    if factor > NOTE_UPSCALE:
+    if factor > NOTE_UPSCALE and down is not None:  # shrunk by target_downsample_size first, then enlarged
+        notes.append(f"{width}x{height} is shrunk to {down[0]}x{down[1]} by target_downsample_size, then enlarged "
+                     f"{factor:.1f}x to its {bucket[0]}x{bucket[1]} bucket: it will look blurry (a larger "
+                     "target_downsample_size avoids it)")
+    elif factor > NOTE_UPSCALE:
         notes.append(f"{width}x{height} is enlarged {factor:.1f}x to its {bucket[0]}x{bucket[1]} bucket: it will "
                      "look blurry (minimum_image_size leaves such images out)")
     if notes:
