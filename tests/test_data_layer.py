@@ -106,15 +106,30 @@ def test_table_sizes_are_checked_against_the_file(tmp_path):
     (tmp_path / "meta.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     table = {"path": str(tmp_path / "meta.jsonl"), "filename_column": "file", "caption_column": "text",
              "width_column": "w", "height_column": "h"}
-    run = load_config(write_config(tmp_path, folder, dataset={"caption_strategy": "parquet", "parquet": table,
-                                                              "metadata_backend": "parquet", "resolution_type": "pixel",
-                                                              "resolution": 64, "crop": False}))
+    entry = {"caption_strategy": "parquet", "parquet": table, "resolution_type": "pixel", "resolution": 64,
+             "crop": False}
+    # metadata_backend 'discovery' (the default) measures the files: the table's size is checked against each
+    run = load_config(write_config(tmp_path / "measured", folder, dataset=entry))
     (found,) = discover_all(run)
     samples = {s.path.name: s for s in found.samples}
     assert set(samples) == {"rot.jpg", "plain.jpg"} and samples["rot.jpg"].bucket[0] < samples["rot.jpg"].bucket[1]
     assert [p.name for p, _ in found.skipped] == ["fake.jpg"]
     (note,) = [n for p, n in found.notes if p.name == "rot.jpg"]
     assert "the parquet table's size 160x96 is not the image's 96x160 as displayed (its EXIF rotation" in note
+    # metadata_backend 'parquet' trusts the table (no file opened); caching leaves out what does not match it
+    from difftune.data.images import BadImage
+    from difftune.data.latents import sample_pixels
+
+    run = load_config(write_config(tmp_path / "table", folder, dataset={**entry, "metadata_backend": "parquet"}))
+    (found,) = discover_all(run, write_metadata=False)
+    assert found.probed == 0 and {s.path.name for s in found.samples} == {"rot.jpg", "plain.jpg", "fake.jpg"}
+    samples = {s.path.name: s for s in found.samples}
+    with pytest.raises(BadImage, match="decodes as 96x160 .* but its size was given as 160x96, which chose its "
+                                       "bucket; correct the size in the caption table"):
+        sample_pixels(samples["rot.jpg"], "center", (0.5, 0.5))
+    with pytest.raises(BadImage, match="not a readable image"):
+        sample_pixels(samples["fake.jpg"], "center", (0.5, 0.5))
+    assert sample_pixels(samples["plain.jpg"], "center", (0.5, 0.5)).shape == (3, 64, 64)
 
 
 def test_the_enlargement_note_of_a_downsampled_image_names_the_downsample(tmp_path):

@@ -183,6 +183,14 @@ def test_conditioning_data_as_a_list(tmp_path, images):
     text = problems(write_config(tmp_path, images, dataset={"conditioning_data": ["masks", "more"]},
                                  extra_datasets=[mask_entry(images)]))
     assert "conditioning_data: ['masks', 'more']" in text and "name one" in text
+    # an i2i flavour: only that error, not also "set conditioning_data" (it is set, to several)
+    from families import make_pairs
+
+    make_pairs(images, tmp_path / "inputs")
+    text = problems(write_config(tmp_path / "i2i", images, dataset={"conditioning_data": ["inputs", "more"]},
+                                 conditioning_dir=tmp_path / "inputs", model_family="kandinsky5-image",
+                                 model_flavour="tiny-random-i2i"))
+    assert "name one" in text and "set conditioning_data" not in text, text
 
 
 def test_source_dataset_id_names_the_dataset_that_pairs(tmp_path, images):

@@ -98,8 +98,8 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
             del out["conditioning_data"]
         elif len(ids) == 1:
             out["conditioning_data"] = ids[0]
-        else:
-            del out["conditioning_data"]
+        else:  # the first kept, so that the checks of the pairing that follow do not also say it is unset
+            out["conditioning_data"] = ids[0]
             problems.append(f"{where}: conditioning_data: {ids!r}: a dataset pairs with one conditioning dataset "
                             "(SimpleTuner's several, drawn at random or stitched, are not implemented yet); name one")
     return out

@@ -253,7 +253,8 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, DatasetSchedule, Uns
         "discovery", "How sizes are found: 'discovery' scans the files (their sizes are kept in a metadata file, so "
         "a second start reads only changed files); 'json' is SimpleTuner's older name for it. 'parquet' (with "
         "caption_strategy 'parquet'): sizes come from the table's parquet.width_column and parquet.height_column, "
-        "so the files are not opened to measure them. 'huggingface' (type 'huggingface' only, as SimpleTuner "
+        "so the files are not opened to measure them (the sizes as displayed: a file that decodes to another size, an "
+        "EXIF-rotated photo's stored size, is left out while caching). 'huggingface' (type 'huggingface' only, as SimpleTuner "
         "writes it) is 'discovery' here: the dataset is downloaded first and its files are scanned.",
         "data", advanced=True,
     )

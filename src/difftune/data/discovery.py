@@ -383,6 +383,7 @@ class DatasetSpec:
     # without its input image is taken as if it had one (the web UI's and the wizard's scans write no file)
     conditioning_pending: bool = False
     conditioning_generated: bool = False  # conditioning_root is made by data/generated_conditioning.py
+    sizes_from_table: bool = False  # metadata_backend 'parquet': the caption table's width/height, the files unopened
 
 
 def first_frame_problem(available: int, own: int, rule: FrameRule) -> str:
@@ -515,15 +516,15 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
             return None  # clip_frames recorded why
         (width, height), frames, fps = clip
     else:
-        # The file is probed even where the table has width/height columns (SimpleTuner's metadata_backend parquet,
-        # read instead of the file): a table holds the stored size, not the displayed one (EXIF rotation), and
-        # knows nothing of a damaged file. The metadata cache keeps the probe, so later runs open no file.
-        size, problem, probed = metadata.size(path, rel)
+        if spec.sizes_from_table and captioned.size is not None:  # metadata_backend 'parquet': no file opened;
+            size, problem, probed = captioned.size, None, False  # caching leaves out a file not of this size
+        else:  # the file's header: the displayed size (EXIF rotation) and a first look at its data, kept in the
+            size, problem, probed = metadata.size(path, rel)  # metadata cache, so later runs open no file
         result.probed += probed
         if size is None:
             return problem or "unreadable"
         width, height = size
-        if captioned.size is not None and tuple(captioned.size) != (width, height):
+        if not spec.sizes_from_table and captioned.size is not None and tuple(captioned.size) != (width, height):
             table = f"{captioned.size[0]}x{captioned.size[1]}"
             turned = tuple(captioned.size) == (height, width)
             result.notes.append((path, f"the parquet table's size {table} is not the image's {width}x{height}"

@@ -38,7 +38,13 @@ MEDIA_ERRORS = (BadImage, BadVideo, OSError)  # a file that fails with these is 
 def sample_pixels(sample: Sample, crop_style: str, uv: tuple[float, float]) -> torch.Tensor:
     """An image as [3, H, W], a clip as [3, F, H, W], in [-1, 1], fitted to the sample's bucket."""
     if not sample.frames:
-        return prepare(load_rgb(sample.path), sample.bucket, crop_style, uv, sample.downsample)
+        image = load_rgb(sample.path)
+        if image.size != (sample.width, sample.height):  # a size from a caption table (metadata_backend 'parquet')
+            raise BadImage(f"decodes as {image.width}x{image.height} (as displayed, EXIF rotation applied), but its "
+                           f"size was given as {sample.width}x{sample.height}, which chose its bucket; correct the "
+                           "size in the caption table's width/height columns (or use metadata_backend 'discovery', "
+                           "which measures the files)")
+        return prepare(image, sample.bucket, crop_style, uv, sample.downsample)
     frames = decode_frames(sample.path, frame_times(sample.frames, sample.fps))
     return torch.stack([prepare(f, sample.bucket, crop_style, uv, sample.downsample) for f in frames], dim=1)
 

@@ -178,6 +178,7 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
         mask_root=Path(masks) if masks else None, frames_as_set=frame_rule_as_set(run_cfg, ds),
         conditioning_pending=not generated and ds.conditioning_data in run_cfg.datasets.generated,
         conditioning_generated=ds.conditioning_data in run_cfg.datasets.generated,
+        sizes_from_table=ds.metadata_backend == "parquet",
     )
 
 
