@@ -222,7 +222,15 @@ def test_group_offload_keys_are_settings(tmp_path, dataset):
     assert cfg.enable_group_offload and cfg.group_offload_blocks_per_group == 3 and cfg.group_offload_use_stream
     # Settings of a switched-off feature are accepted (they change nothing).
     off = dict(enable_group_offload=False, group_offload_type="leaf_level", group_offload_to_disk_path="/x")
-    assert not load_config(write_config(tmp_path / "off", dataset, **off)).train.enable_group_offload
+    run = load_config(write_config(tmp_path / "off", dataset, **off))
+    assert not run.train.enable_group_offload
+    # with a note for each one that differs from its default (SimpleTuner's configure tool writes the defaults)
+    notes = [n for n in run.notes() if "enable_group_offload is off" in n]
+    assert [n.split()[0] for n in notes] == ["group_offload_type", "group_offload_to_disk_path"]
+    defaults = dict(enable_group_offload=False, group_offload_type="block_level", group_offload_blocks_per_group=1,
+                    group_offload_use_stream=False)
+    assert not any("enable_group_offload is off" in n
+                   for n in load_config(write_config(tmp_path / "defaults", dataset, **defaults)).notes())
 
 
 @pytest.mark.parametrize("overrides,needles", [

@@ -14,7 +14,7 @@ from difftune.config.datasets import four_k_plus_one
 from difftune.config.fsdp_keys import fsdp_checks
 from difftune.config.layersync_keys import layersync_checks
 from difftune.config.lora_keys import DEFAULT_LYCORIS_CONFIG, lora_notes
-from difftune.config.offload_keys import offload_checks
+from difftune.config.offload_keys import offload_checks, offload_notes
 from difftune.config.optimizer_keys import optimizer_notes
 from difftune.config.reporting_keys import TRACKERS, reporting_checks
 from difftune.config.rollout_keys import rollout_checks
@@ -118,7 +118,8 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
 def cross_notes(cfg: TrainConfig) -> list[str]:
     """Keys set to a value their combination with another key leaves unused. SimpleTuner's configs carry such
     values (it ignores them too), so they are notes printed before the run, not errors."""
-    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg) + schedule_notes(cfg)
+    notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg) + schedule_notes(cfg) \
+        + offload_notes(cfg)
     # Any value the file sets, 1.0 included: the Kandinsky 5 guides say to copy config.json.example (auto shift on)
     # and set flow_schedule_shift 1.0, which would otherwise train at ~3.2 at 1024² without a word. 0 is
     # SimpleTuner's spelling of "no fixed shift" beside auto shift.

@@ -437,8 +437,9 @@ def check_conditioning(train: TrainConfig, plan: DatasetPlan, path: Path, proble
     flavour = train.flavour()
     ids = {ds.id for ds in plan.images} | set(plan.conditioning) | set(plan.validation_only)
     if train.validation_using_datasets and train.eval_dataset_id not in ids:
-        problems.append(f"{path}: eval_dataset_id {train.eval_dataset_id!r} names no enabled image or "
-                        f"conditioning dataset; choose one of {', '.join(sorted(ids))}")
+        kinds = "image, video or conditioning" if facts.first_frame(flavour) else "image or conditioning"
+        problems.append(f"{path}: eval_dataset_id {train.eval_dataset_id!r} names no enabled {kinds} dataset; "
+                        f"choose one of {', '.join(sorted(ids))}")
     for ds in plan.images:
         masks = plan.mask_dir(ds) is not None  # a loss-mask dataset (train/masked_loss.py) is no input image
         if facts.needs_conditioning(flavour) and (ds.conditioning_data is None or masks):

@@ -79,6 +79,19 @@ class OffloadKeys(BaseModel):
 
 
 
+def offload_notes(cfg: Any) -> list[str]:
+    """group_offload_* set to something else than its default while enable_group_offload is off: it streams nothing
+    (SimpleTuner's configure tool writes their defaults into every config, which say nothing)."""
+    if cfg.enable_group_offload:
+        return []
+    keys = ("group_offload_type", "group_offload_blocks_per_group", "group_offload_use_stream",
+            "group_offload_to_disk_path")
+    fields = type(cfg).model_fields
+    unused = [k for k in keys if k in cfg.model_fields_set and getattr(cfg, k) not in (fields[k].default, "")]
+    return [f"{k} not used: enable_group_offload is off, so no block is streamed; set enable_group_offload to true "
+            "(or remove it)" for k in unused]
+
+
 def offload_checks(cfg: Any) -> None:
     """Raise ValueError for a block-streaming or activation-offload setting difftune cannot run."""
     if cfg.gradient_checkpointing_backend == "unsloth":
