@@ -255,6 +255,27 @@ def test_short_clips_get_a_num_frames_that_keeps_them(tmp_path, monkeypatch):
     assert datasets[0]["video"] == {"num_frames": 9}  # the review (difftune check's checks and scan) accepted it
 
 
+def test_small_files_get_a_resolution_that_fits_them(tmp_path, monkeypatch):
+    """96x64 clips: Enter at the resolution question took 1024, and every clip was left out ("enlarged 13x"), so the
+    wizard refused to write its own suggestion. It now offers what the probed files fit."""
+    from difftune.data.video import synthetic_clip
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i in range(2):
+        synthetic_clip(clips / f"c{i}.mp4", width=96, height=64, frames=17, seed=i)
+        (clips / f"c{i}.txt").write_text("a moving square")
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["3"], "model_flavour": ["tiny-random"],
+                                   "instance_data_dir": ["clips"], "max_train_steps": ["5"]}, {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert "the median of 2 file(s) probed is 78.4 in pixel_area units: resolution 64 fits them" in transcript
+    assert "resolution [64]: " in asked
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert datasets[0]["resolution"] == 64
+
+
 def test_a_dataset_list_of_one_object_is_wrapped_only_when_asked(tmp_path, dataset, monkeypatch):
     path = write_config(tmp_path, dataset)
     data = tmp_path / "config" / "multidatabackend.json"

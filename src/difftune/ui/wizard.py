@@ -24,12 +24,13 @@ from difftune.config.datasets import DATASET_MODELS, VideoOptions
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.load import _validate, split_problem
 from difftune.data.discovery import CLIP_SUFFIXES, count_files
-from difftune.data.frames import resampled_count, vae_frames
+from difftune.data.frames import vae_frames
 from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
 from difftune.ui.terminal import Cancelled, _input, _show, _yes
 from difftune.ui.wizard_memory import MemoryQuestions
+from difftune.ui.wizard_probe import DataProbes
 
 DEFAULT_CONFIG = "config/config.json"
 TRAIN_QUESTIONS = ("model_family", "model_flavour", "model_type", "lora_type", "lora_rank")
@@ -46,7 +47,6 @@ VIDEO_RUN_QUESTIONS = ("validation_num_video_frames",)  # and the `video` block'
 # The wizard writes `type: local` entries: the other strategies need a table or a remote type it never asks for.
 LOCAL_CAPTIONS = ("textfile", "filename", "instanceprompt")
 COUNT_CAP = 10_000  # files counted in the folder check; a huge folder is not listed in full
-PROBE_CAP = 32  # clips probed for their length (a demux each, no decoding): enough to offer num_frames
 # the input images of an image-to-image flavour: a folder of the user's, or a generator (config/generated_conditioning)
 INPUT_IMAGES: list[tuple[dict[str, Any] | None, str]] = [
     (None, "a folder of input images, each named like its training image"),
@@ -58,7 +58,7 @@ INPUT_IMAGES: list[tuple[dict[str, Any] | None, str]] = [
 ]
 
 
-class Wizard(MemoryQuestions):
+class Wizard(MemoryQuestions, DataProbes):
     def __init__(self, path: str | None, out=sys.stdout):
         self.out = out
         self.train_specs = {f["name"]: f for f in describe_model(TrainConfig)["fields"]}
@@ -69,6 +69,7 @@ class Wizard(MemoryQuestions):
         self.single_entry: dict[str, Any] | None = None  # a dataset list that is one object: offered a wrap
         self.notes: list[str] = []  # said before the first question
         self.shortest: tuple[int, int, float] | None = None  # video: (frames, clips probed, fps) of the shortest
+        self.sizes: list[tuple[int, int]] = []  # (width, height) of the first files probed in the dataset's folder
         self.problems_seen: list[str] = []  # the last review's problems
         self.lycoris: Any = None  # the lycoris_config file to write beside config.json, when the wizard makes one
         self.editing = self.config_path.exists()
@@ -212,26 +213,8 @@ class Wizard(MemoryQuestions):
             return f"no {what} ({', '.join(sorted(suffixes))}) in {value!r} or its sub-folders"
         self.say(f"  {'more than ' if more else ''}{len(files)} {what} found")
         self.shortest = self.shortest_clip(files) if video else None
+        self.sizes = self.probe_sizes(files, video)
         return None
-
-    def shortest_clip(self, files: list[Path]) -> tuple[int, int, float] | None:
-        """(frames, clips probed, fps) of the shortest of the first clips, counted at the frame rate training
-        resamples them to (as discovery does); None when none could be read (the review says why)."""
-        from difftune.data.video import BadVideo, probe_video
-
-        entry_video = self.image_entry().get("video")
-        fps = entry_video.get("frame_rate") if isinstance(entry_video, dict) else None
-        fps = fps or self.config.get("frame_rate") or FAMILY_FACTS[self.config["model_family"]].default_frame_rate
-        if not isinstance(fps, int | float) or fps <= 0:
-            return None  # the review names the bad frame_rate
-        counts = []
-        for path in files[:PROBE_CAP]:
-            try:
-                info = probe_video(path)
-            except (BadVideo, OSError):
-                continue
-            counts.append(resampled_count(info.frames, info.span, info.fps, fps, info.variable_rate))
-        return (min(counts), len(counts), float(fps)) if counts else None
 
     def media(self) -> str:
         """The dataset kind the chosen family trains on: 'video' for video families."""
@@ -273,7 +256,8 @@ class Wizard(MemoryQuestions):
             if name == "instance_prompt" and entry.get("caption_strategy") != "instanceprompt":
                 continue
             if name in self.image_specs:
-                self.ask(self.image_specs[name], entry, DATASET_MODELS["image"])
+                offer = self.resolution_offer(entry) if name == "resolution" else None
+                self.ask(self.image_specs[name], entry, DATASET_MODELS["image"], offer=offer)
         if entry.get("dataset_type") == "video":
             self.video_questions(entry)
         if not entry.get("id"):
