@@ -376,6 +376,24 @@ def test_crepa_with_compiled_blocks_equals_uncompiled(tmp_path, dataset):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # about 40 s on 2 shared cores
+def test_layersync_with_compiled_blocks_equals_uncompiled(tmp_path, dataset):
+    """LayerSync's hooks on two compiled blocks (one output kept with its graph, one detached): the same losses, term
+    included, and LoRA as without compiling (to rounding: the compiled block's output reaches the cosine's backward
+    in another layout, a last-bit difference of 6e-8 after two steps)."""
+    from test_layersync import ON
+
+    common = dict(max_train_steps=2, train_batch_size=2, gradient_checkpointing=True, **ON)
+    plain = train(build_run(load_config(write_config(tmp_path / "plain", dataset, **common))))
+    compiled = train(build_run(load_config(write_config(tmp_path / "compiled", dataset, **common,
+                                                        dynamo_backend="aot_eager"))))
+    assert losses(tmp_path / "compiled" / "output") == losses(tmp_path / "plain" / "output")
+    a, b = load_file(plain), load_file(compiled)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow  # about 90 s on 2 shared cores
 def test_fsdp_with_compiled_blocks_equals_one_uncompiled_process(tmp_path):
     """FSDP2's all-gathers run as hooks around each compiled block: two compiled processes train as one uncompiled
