@@ -181,3 +181,29 @@ def test_an_unreadable_validation_input_is_skipped_and_none_readable_fails_befor
     monkeypatch.setattr(Kandinsky5ImageFamily, "load", boom)
     with pytest.raises(ValidationInputError, match="no validation input image can be read"):
         build_run(load_config(path))
+
+
+def test_validation_input_past_twenty_unreadable_ones_and_an_empty_folder(tmp_path, dataset, capsys):
+    """The 21st candidate was never tried (the run refused to start although it would have trained), and an empty
+    eval_dataset_id folder was a FileNotFoundError traceback in check."""
+    from PIL import Image
+
+    from difftune.cli import main
+    from difftune.train.validation_input import first_readable
+
+    bad = []
+    for i in range(25):
+        (tmp_path / f"{i:02d}.png").write_bytes(b"broken")
+        bad.append(tmp_path / f"{i:02d}.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "99.png")
+    path, image, skipped = first_readable([*bad, tmp_path / "99.png"], "test")
+    assert path == tmp_path / "99.png" and image.size == (8, 8)
+    assert len(skipped) == 21 and skipped[-1] == "... and 5 more unreadable validation input images"
+    make_pairs(dataset, tmp_path / "inputs")
+    (tmp_path / "empty").mkdir()
+    config = write_config(tmp_path / "run", dataset, dataset={"conditioning_data": "inputs"},
+                          conditioning_dir=tmp_path / "inputs", validation_using_datasets=True, eval_dataset_id="empty",
+                          validation_prompt="swap it", **I2I,
+                          extra_datasets=[{"id": "empty", "type": "local", "instance_data_dir": str(tmp_path / "empty")}])
+    assert main(["check", "--config", str(config)]) == 2
+    assert "eval_dataset_id 'empty': no image in" in capsys.readouterr().err

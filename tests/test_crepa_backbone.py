@@ -188,3 +188,17 @@ def test_plan_refuses_a_block_past_the_last_as_check_does(tmp_path, dataset, cap
                         model_flavour="2.0")
     assert main(["plan", "--config", str(path)]) == 2
     assert "crepa_teacher_block_index 40 is out of range: this model has 26" in capsys.readouterr().err
+
+
+def test_the_logged_crepa_loss_is_the_term_before_the_threshold_cut(tmp_path, dataset, monkeypatch):
+    """Once crepa_similarity_threshold cuts the term off, the step events' crepa_loss read 0, as if aligned perfectly;
+    it is the term before the cut (the loss then lacks it)."""
+    monkeypatch.setattr(crepa.Crepa, "_gate", lambda self, similarity: torch.zeros(()))  # cut from the start
+    common = dict(max_train_steps=2, train_batch_size=2)
+    train(build_run(load_config(write_config(tmp_path / "off", dataset, **common))))
+    train(build_run(load_config(write_config(tmp_path / "cut", dataset, **common, **BACKBONE,
+                                             crepa_similarity_threshold=0.5))))
+    assert losses(tmp_path / "cut" / "output") == losses(tmp_path / "off" / "output")  # the term is cut off
+    steps = [e for e in map(json.loads, (tmp_path / "cut" / "output" / "events.jsonl").read_text().splitlines())
+             if e["event"] == "step"]
+    assert all(e["crepa_loss"] != 0 for e in steps)

@@ -249,6 +249,7 @@ def test_a_lycoris_config_that_cannot_build_fails_before_any_model_loads(tmp_pat
         load_config(config("foo", {"algo": "foo", "linear_dim": 4}))
     with pytest.raises(ConfigError, match=r"bogus.json: unknown key\(s\) \['bogus_key'\]"):
         load_config(config("bogus", {"algo": "lokr", "bogus_key": 1}))
+    load_config(config("case", {"algo": "LoKr", "factor": 4}))  # lycoris lower-cases it: LoKr trains LoKr
     # saved by a Windows editor: a byte-order mark is read as without it, at load and when the network is built
     (tmp_path / "prompts.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"cat": "a cat"}).encode())
     bom = config("bom", b"\xef\xbb\xbf" + json.dumps(SIMPLETUNER_GENERIC).encode(),

@@ -147,6 +147,26 @@ def test_commands_save_sample_stop(tmp_path, dataset):
     assert not list((run.output_dir / "commands").glob("*.json"))
 
 
+def test_a_step_without_a_regular_checkpoint_still_gets_one(tmp_path, dataset):
+    """The checkpoint-once rule skips only a step whose regular checkpoint is written: a save command writes one, and
+    a stop right after a rolling checkpoint (its own series) still writes the regular one."""
+    from difftune.train.commands import send_command
+
+    def checkpoints(root, **keys):
+        run = build_run(load_config(write_config(root, dataset, **keys)))
+        for command in commands:
+            send_command(run.output_dir, command)
+        train(run)
+        events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+        return [(e["step"], bool(e.get("rolling"))) for e in events if e["event"] == "checkpoint"]
+
+    commands = ["save"]  # after step 1; the run goes on to its end
+    assert checkpoints(tmp_path / "save", max_train_steps=2) == [(1, False), (2, False)]
+    commands = ["stop"]
+    assert checkpoints(tmp_path / "rolling", max_train_steps=5, checkpointing_rolling_steps=1) == [(1, True),
+                                                                                                    (1, False)]
+
+
 def test_a_stop_sent_to_a_run_that_died_does_not_stop_the_next(tmp_path, dataset):
     """A stop the web UI sent to a run that was killed before reading it ended the resume after one step."""
     path = write_config(tmp_path, dataset, max_train_steps=2)

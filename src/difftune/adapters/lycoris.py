@@ -55,7 +55,7 @@ from lycoris import LycorisNetwork, create_lycoris, create_lycoris_from_weights
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from difftune.config.lycoris_file import POSITIONAL
+from difftune.config.lycoris_file import POSITIONAL, algo_of
 from difftune.config.lycoris_file import problem as file_problem
 from difftune.models.hub import ComponentError
 
@@ -309,7 +309,7 @@ def check_device(cfg: Any, device: torch.device) -> None:
     if not (cfg.model_type == "lora" and cfg.lora_type == "lycoris" and cfg.mixed_precision == "fp16"
             and device.type == "cpu"):
         return
-    algo = json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")).get("algo")
+    algo = algo_of(json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")))
     if algo in ("full", "glora"):
         raise ValueError(f"LyCORIS algo {algo!r} with mixed_precision 'fp16' on the CPU: there is no fp16 autocast "
                          "there to cast its fp32 weights to the fp16 activations; use mixed_precision 'bf16' (or 'no') "

@@ -73,7 +73,7 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
         data = read_json_file(cfg.lycoris_config, "lycoris_config")  # only read when used (SimpleTuner's configs
         if (why := lycoris_file.problem(data)) is not None:     # name a default file whatever lora_type is)
             raise ValueError(f"{cfg.lycoris_config}: {why}")
-        if data["algo"] == "full" and cfg.base_model_precision != "no_change":
+        if lycoris_file.algo_of(data) == "full" and cfg.base_model_precision != "no_change":
             # it replaces each weight it trains; on a quantized base LyCORIS runs its modules beside the frozen
             # weights (bypass mode), which its full algo does not have
             raise ValueError(f"{cfg.lycoris_config}: algo 'full' trains the weights themselves, which a quantized "

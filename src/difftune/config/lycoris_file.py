@@ -19,6 +19,11 @@ CREATE_KWARGS = frozenset({
 ALGOS = ("boft", "diag-oft", "dylora", "full", "glora", "ia3", "locon", "loha", "lokr", "lora", "tlora")
 
 
+def algo_of(data: Mapping[str, Any]) -> str:
+    """The algorithm as create_lycoris reads it: lower-cased, 'lora' when unset or null ("LoKr" trains LoKr)."""
+    return str(data.get("algo") or "lora").lower()
+
+
 def known_keys() -> list[str]:
     return sorted(set(POSITIONAL) | CREATE_KWARGS | {"apply_preset"})
 
@@ -27,7 +32,7 @@ def problem(data: Any) -> str | None:
     """Why a lycoris_config's content cannot build a network (None when it can, as far as the file alone tells)."""
     if not isinstance(data, Mapping) or "algo" not in data:
         return "must be a JSON object with at least 'algo' (lokr, loha, locon, ...)"
-    if data["algo"] not in ALGOS:
+    if algo_of(data) not in ALGOS:
         return f"algo {data['algo']!r} is not a LyCORIS algorithm; use one of {', '.join(ALGOS)}"
     unknown = sorted(set(data) - set(known_keys()))
     if unknown:

@@ -44,7 +44,10 @@ def lycoris_problem(train: Any, folder: Path) -> str | None:
         now = json.loads(Path(train.lycoris_config).read_text(encoding="utf-8-sig"))
     except Exception:  # noqa: BLE001 - an older checkpoint, or an unreadable file: the resume reports what misfits
         return None
-    changed = [f"{k} {then.get(k)!r} then, {now.get(k)!r} now" for k in LYCORIS_SHAPE if then.get(k) != now.get(k)]
+    from difftune.config.lycoris_file import algo_of
+
+    same = lambda k: algo_of(then) == algo_of(now) if k == "algo" else then.get(k) == now.get(k)  # noqa: E731
+    changed = [f"{k} {then.get(k)!r} then, {now.get(k)!r} now" for k in LYCORIS_SHAPE if not same(k)]
     if not changed:
         return None
     return (f"{folder} was trained with another LyCORIS network ({'; '.join(changed)}): its weights do not fit the "

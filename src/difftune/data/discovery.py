@@ -74,6 +74,7 @@ class Sample:
     fps: float = 0.0
     mask: Path | None = None  # its loss mask (conditioning_type 'mask', train/masked_loss.py), same relative name
     name: str = ""  # its path below the dataset's folder, '/'-separated (discovery sets it)
+    sized_by_table: bool = False  # width/height from a caption table (metadata_backend 'parquet'), not the file
 
     @property
     def ident(self) -> str:
@@ -149,7 +150,7 @@ class Discovery:
 
 # Raised when the probe learns to see more (2: files cut off at their end, a PNG's EXIF after its pixels): entries
 # of an earlier probe are read again once, instead of passing such files while their size and time are unchanged
-PROBE_VERSION = 2
+PROBE_VERSION = 3  # 3: TIFF, BMP and GIF checked for truncation (data/images.py)
 
 
 class MetadataCache:
@@ -576,6 +577,6 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         fps = 0.0
     result.samples.append(
         Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps, mask,
-               name)
+               name, sized_by_table=spec.sizes_from_table and captioned.size is not None and not spec.frames)
     )
     return None

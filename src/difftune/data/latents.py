@@ -39,7 +39,7 @@ def sample_pixels(sample: Sample, crop_style: str, uv: tuple[float, float]) -> t
     """An image as [3, H, W], a clip as [3, F, H, W], in [-1, 1], fitted to the sample's bucket."""
     if not sample.frames:
         image = load_rgb(sample.path)
-        if image.size != (sample.width, sample.height):  # a size from a caption table (metadata_backend 'parquet')
+        if sample.sized_by_table and image.size != (sample.width, sample.height):  # metadata_backend 'parquet'
             raise BadImage(f"decodes as {image.width}x{image.height} (as displayed, EXIF rotation applied), but its "
                            f"size was given as {sample.width}x{sample.height}, which chose its bucket; correct the "
                            "size in the caption table's width/height columns (or use metadata_backend 'discovery', "

@@ -180,6 +180,7 @@ class Crepa:
         self.module = projector(hidden, width, cfg.seed).to(device)
         self.forward_module: Any = self.module  # accelerate's prepared (DDP) module with several processes
         self.processes = 1
+        self.ungated: torch.Tensor | None = None  # the last term before crepa_similarity_threshold's gate
         # crepa_similarity_threshold: the moving average and the permanent cut, kept on the device (no host read)
         self.similarity: torch.Tensor | None = None
         self.cut = torch.zeros((), dtype=torch.bool, device=device)
@@ -254,6 +255,7 @@ class Crepa:
         loss = alignment(tokens, targets, distance, self.cfg.crepa_adjacent_tau, self.cfg.crepa_normalize_by_frames,
                          self.cfg.crepa_cumulative_neighbors)
         self.taps.clear()
+        self.ungated = loss.detach()  # the step event's crepa_loss, also while the threshold has cut the term off
         if self.cfg.crepa_similarity_threshold is not None:
             loss = loss * self._gate(F.cosine_similarity(tokens, targets, dim=-1).mean().detach())
         return loss
@@ -397,5 +399,5 @@ def add_term(run: Any, loss: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         crepa.taps.clear()
         return loss
     term = crepa.term(x0).to(loss.device)
-    run.record("crepa_loss", term)  # unweighted, for the step's event (a step of weight 0 has none)
+    run.record("crepa_loss", crepa.ungated)  # unweighted and ungated, for the step's event (a step of weight 0: none)
     return loss + w * term

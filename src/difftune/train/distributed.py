@@ -48,10 +48,14 @@ class Ranks:
         return broadcast_object_list([value], from_process=0)[0]
 
     def mean(self, value: float) -> float:
+        return self.means([value])[0]
+
+    def means(self, values: list[float]) -> list[float]:
+        """Each value's mean over the processes, in one collective."""
         if self.count == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.accelerator.device)
-        return float(self.accelerator.reduce(tensor, reduction="mean").item())
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        return [float(v) for v in self.accelerator.reduce(tensor, reduction="mean").tolist()]
 
 
 def ranks_of(accelerator: Any) -> Ranks:

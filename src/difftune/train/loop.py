@@ -145,7 +145,8 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     listed = read.tolist()  # the step's one device sync
     *values, norm_value = listed[: accum + 1]
     figures = dict(zip(terms, listed[accum + 1 :], strict=True))
-    total = run.ranks.mean(sum(values) / accum)  # every process logs, and decides on non-finite steps, alike
+    # every process logs, and decides on non-finite steps, alike (the terms' means come in the same collective)
+    total, *means = run.ranks.means([sum(values) / accum, *figures.values()])
     if not math.isfinite(total) or (norm is not None and not math.isfinite(norm_value)):
         run.optimizer.zero_grad(set_to_none=True)
         result = StepLoss(math.nan if math.isfinite(total) else total)
@@ -156,7 +157,7 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     run.lr_scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     result = StepLoss(total)
-    result.terms = {name: float(f"{run.ranks.mean(value):.6g}") for name, value in figures.items()}
+    result.terms = {name: float(f"{value:.6g}") for name, value in zip(figures, means, strict=True)}
     return result
 
 

@@ -43,7 +43,9 @@ def candidates(run_cfg: RunConfig, found: list[Discovery]) -> list[Path]:
         }
         files = image_files(Path(roots[cfg.eval_dataset_id]))
         if not files:
-            raise FileNotFoundError(f"eval_dataset_id {cfg.eval_dataset_id!r}: no image in {roots[cfg.eval_dataset_id]}")
+            raise ValidationInputError(f"eval_dataset_id {cfg.eval_dataset_id!r}: no image in "
+                                       f"{roots[cfg.eval_dataset_id]}; add the validation input images there, or name "
+                                       "another dataset")
         return files
     if FAMILY_FACTS[cfg.model_family].first_frame(cfg.flavour()):
         return sorted(s.path for d in trained for s in d.samples if s.frames)
@@ -63,15 +65,17 @@ def first_readable(paths: list[Path], what: str) -> tuple[Path | None, Image.Ima
     skipped: list[str] = []
     for path in paths:
         try:
-            return path, load_input_image(path), skipped
+            image = load_input_image(path)
         except (BadImage, BadVideo, OSError) as e:
             skipped.append(f"validation input image {path} cannot be read ({e}); the next one is tried")
-            if len(skipped) >= 20:
-                break
+            continue
+        more = [f"... and {len(skipped) - 20} more unreadable validation input images"] if len(skipped) > 20 else []
+        return path, image, skipped[:20] + more
     if not paths:
         return None, None, []
-    raise ValidationInputError(f"no validation input image can be read ({what}): "
-                               + "; ".join(s.removesuffix("; the next one is tried") for s in skipped)
+    shown = [s.removesuffix("; the next one is tried") for s in skipped[:20]]
+    more = f"; ... and {len(skipped) - 20} more" if len(skipped) > 20 else ""
+    raise ValidationInputError(f"no validation input image can be read ({what}): " + "; ".join(shown) + more
                                + ". Replace or remove those files, or name another dataset in eval_dataset_id")
 
 
