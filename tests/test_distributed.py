@@ -81,6 +81,27 @@ def test_two_processes_equal_one_with_the_global_batch(tmp_path, images, offload
     assert min(json.loads(text.split("per process: ")[1].rstrip(")"))) > 0
 
 
+def test_lycoris_and_tread_two_processes_equal_one(tmp_path, images):
+    """LyCORIS's network wraps the layers from outside the transformer, which DDP then refused to wrap (a crash at
+    startup): its gradients are averaged by the loop. TREAD's routes were drawn per process for its own samples,
+    alike on both (the same generator), so two processes routed otherwise than one: now drawn for the global batch."""
+    (tmp_path / "lokr.json").write_text(json.dumps({"algo": "lokr", "linear_dim": 4, "linear_alpha": 1, "factor": 4}))
+    common = dict(max_train_steps=3, lr_scheduler="linear", lora_type="lycoris",
+                  lycoris_config=str(tmp_path / "lokr.json"),
+                  tread_config={"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -1}]})
+    two = write_config(tmp_path / "two", images, train_batch_size=1, **common)
+    one = write_config(tmp_path / "one", images, train_batch_size=2, **common)
+    finish(launch(two, 29607))
+    finish(launch(one, 0, processes=1))
+    a, b = losses(tmp_path / "one" / "output"), losses(tmp_path / "two" / "output")
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a), (a, b)
+    wa = load_file(tmp_path / "one" / "output" / "pytorch_lora_weights.safetensors")
+    wb = load_file(tmp_path / "two" / "output" / "pytorch_lora_weights.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.slow  # 48 s; the one-process SIGKILL test and test_fsdp's resume tests stay beside it
 def test_two_processes_killed_then_resumed(tmp_path, images):
     common = dict(max_train_steps=6, train_batch_size=1, checkpoint_step_interval=2, resume_from_checkpoint="latest")

@@ -267,12 +267,15 @@ class LycorisConfigError(ComponentError):
     """A lycoris_config whose network does not fit the model (exit code 2 with the message)."""
 
 
-def check_preset(cfg: Any) -> None:
+def check_preset(cfg: Any, build_tiny: bool = True) -> None:
     """Before any model loads (`difftune check` too): the network is built on the transformer on the meta device (no
     weights), so an apply_preset that matches no module (SimpleTuner's generic 'Attention', 'FeedForward' classes)
     fails now, naming the file and this transformer's classes, instead of after the caches fill. A transformer whose
-    architecture is not known before it loads is checked when it loads (attach_lycoris)."""
+    architecture is not known before it loads is checked when it loads (attach_lycoris), and so is a tiny flavour not
+    to be built here (`build_tiny` false: several processes, where one builds it later)."""
     if not (cfg.model_type == "lora" and cfg.lora_type == "lycoris"):
+        return
+    if not build_tiny and cfg.flavour().startswith("tiny") and not cfg.pretrained_model_name_or_path:
         return
     from difftune.memory_plan.architecture import architecture_of, transformer_on_meta
 

@@ -60,3 +60,30 @@ class Ranks:
 
 def ranks_of(accelerator: Any) -> Ranks:
     return Ranks(accelerator.process_index, accelerator.num_processes, accelerator)
+
+
+def outside(params: list[torch.nn.Parameter], module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trained parameters that are not `module`'s own (LyCORIS's network wraps the layers from outside): DDP, which
+    wraps `module`, neither sees nor averages them."""
+    own = {id(p) for p in module.parameters()}
+    return [p for p in params if id(p) not in own]
+
+
+def average_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> None:
+    """Average `params`' gradients over the processes, in one collective, as DDP averages the parameters it wraps
+    (called once per optimizer step, after the last micro-batch's backward). A parameter without a gradient
+    contributes zeros, so every process sends the same sizes."""
+    if ranks.count == 1 or not params:
+        return
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= ranks.count
+    start = 0
+    for p in params:
+        p.grad.copy_(flat[start : start + p.numel()].view_as(p.grad))
+        start += p.numel()

@@ -41,6 +41,7 @@ from difftune.train.checkpoint import (
     set_aside_result,
 )
 from difftune.train.commands import poll_commands
+from difftune.train.distributed import average_gradients
 from difftune.train.fsdp import gathered, unsharded
 from difftune.train.memory import record_peak_memory
 from difftune.train.optimizers import clip_gradients, eval_weights
@@ -63,6 +64,8 @@ def micro_step(run: Run, batch: Batch) -> torch.Tensor:
     noise = torch.randn((size, *x0.shape[1:]), generator=g, device=g.device)[lo : lo + x0.shape[0]]
     start = noise_levels.cycle_start(run.state.step, run.cfg.gradient_accumulation_steps, run.state.micro, size)
     sigmas = objective.sample_sigmas(size, shift, g, run.sampling, start)[lo : lo + x0.shape[0]]
+    if run.tread is not None:  # TREAD's routes too are drawn for the global batch
+        run.tread.window = (size, lo)
     # input_perturbation: the input is built from noise + strength * eps; the target below keeps `noise`
     perturbed = objective.perturbed_noise(noise, objective.perturbation(run.cfg, run.state.step), g, size, lo)
     device, dtype = run.accelerator.device, run.comps.transformer.dtype
@@ -138,6 +141,7 @@ def optimizer_step(run: Run, batches: Iterator[Batch]) -> float:
     # A checkpoint resumes after the batches consumed: only once all of the step's are (a stop that cuts the step
     # leaves the position of the step before, which the checkpoint's step count matches)
     run.state.position = seen[-1].position
+    average_gradients(run.averaged, run.ranks)  # several processes: what DDP does not wrap (LyCORIS's network)
     norm = clip_gradients(run.accelerator, run.params, run.cfg.max_grad_norm, run.cfg.grad_clip_method, run.optimizer)
     terms = {name: torch.stack(values).mean().to(losses[0].device) for name, values in run.terms.items()}
     run.terms.clear()

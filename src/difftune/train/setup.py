@@ -41,7 +41,7 @@ from difftune.train import (
 from difftune.train.activation_offload import offload_activations
 from difftune.train.caching import Cached, fill_caches
 from difftune.train.compile import compile_transformer
-from difftune.train.distributed import Ranks, ranks_of
+from difftune.train.distributed import Ranks, outside, ranks_of
 from difftune.train.ema import EMA
 from difftune.train.events import Events, failures_reported
 from difftune.train.fsdp import Sharded, ram_efficient, shard, transformer_on_meta
@@ -102,6 +102,8 @@ class Run:
     eval_set: Any = None  # the eval datasets' batches (train/eval_loss.py), when the run has some
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
     layersync: layersync.LayerSync | None = None  # LayerSync (train/layersync.py), when layersync_enabled
+    averaged: list[torch.nn.Parameter] = field(default_factory=list)  # several processes: grads averaged by hand
+    tread: tread.Router | None = None  # TREAD's hooks (train/tread.py), when tread_config routes tokens
     hub: Any = None  # push_to_hub's uploader (train/hub.py) on process 0: whether the result reached the hub
     # TFLOP/s, tokens/s, MFU and peak memory of each step (train/throughput.py); loop.optimizer_step adds batches
     throughput: Throughput = field(default_factory=lambda: Throughput(lambda *_: Flops(), full=False))
@@ -275,7 +277,7 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
         from difftune.adapters.lycoris import check_device, check_preset
 
         check_device(cfg, accelerator.device)
-        check_preset(cfg)  # and an apply_preset that matches no module of the transformer
+        check_preset(cfg, build_tiny=ranks.count == 1)  # and an apply_preset that matches no module of the model
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
@@ -330,10 +332,14 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
         events.emit("warning", message=too_long)
     # Noise, timesteps, TREAD routes, rollouts: drawn on the accelerator (no host work, no copy), resumable
     generator = torch.Generator(device=accelerator.device).manual_seed(cfg.seed)
-    tread.attach(cfg.tread_config, family, comps.transformer, generator, family.facts.first_frame(cfg.flavour()))
+    router = tread.attach(cfg.tread_config, family, comps.transformer, generator,
+                          family.facts.first_frame(cfg.flavour()))
     # compile / dynamo_backend: after every hook is attached (they stay outside the compiled code), before prepare
     compile_transformer(cfg, family.facts.block_stacks, comps.transformer, events.emit)
-    if sharded is None:
+    # LyCORIS's network wraps the layers from outside the transformer: DDP, which would wrap a transformer without a
+    # trained parameter, is left out, and the loop averages the network's gradients itself
+    by_hand = outside(params, comps.transformer) if ranks.count > 1 and sharded is None else []
+    if sharded is None and not by_hand:
         transformer, optimizer = accelerator.prepare(comps.transformer, optimizer)
     else:  # FSDP2 is the module's own wrapping: accelerate would add DDP on top; it prepares the optimizer only
         transformer, optimizer = comps.transformer, accelerator.prepare(optimizer)
@@ -347,7 +353,7 @@ def _build(run_cfg: RunConfig, accelerator: Accelerator, ranks: Ranks, events: E
         total_steps=steps, generator=generator, ema=ema,
         sampling=TimestepSampling.of(cfg),  # timestep_sampling, flow_use_beta_schedule, flow_custom_timesteps
         ranks=ranks, first_frame=family.facts.first_frame(cfg.flavour()),
-        streamer=streamer, fsdp=sharded, crepa=aligner, eval_set=prepared.eval_set,
+        streamer=streamer, fsdp=sharded, crepa=aligner, eval_set=prepared.eval_set, averaged=by_hand, tread=router,
         layersync=layersync.attach(cfg, family, comps.transformer),  # layersync_enabled: its blocks tapped
     )
     if aligner is not None:

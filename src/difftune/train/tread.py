@@ -91,12 +91,16 @@ class Plan:
         return full.index_put((rows, self.keep.to(full.device)), kept.to(full.dtype))
 
 
-def _choose(routable: int, ratio: float, batch: int, generator: torch.Generator) -> torch.Tensor | None:
-    """Sorted positions [B, kept] among `routable` tokens that stay; None when none would be dropped."""
+def _choose(routable: int, ratio: float, batch: int, generator: torch.Generator,
+            window: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """Sorted positions [B, kept] among `routable` tokens that stay; None when none would be dropped. `window`: (the
+    global batch, this process's first sample in it): the scores are drawn for the global batch and this process's
+    rows taken, as the noise is, so several processes route as one process with the whole batch would."""
     dropped = int(ratio * routable)
     if dropped <= 0:
         return None
-    scores = torch.rand((batch, routable), generator=generator, device=generator.device)
+    rows, offset = window if window is not None and window[0] >= batch else (batch, 0)
+    scores = torch.rand((rows, routable), generator=generator, device=generator.device)[offset : offset + batch]
     return scores.argsort(dim=1)[:, : routable - dropped].sort(dim=1).values
 
 
@@ -112,13 +116,13 @@ class JointLayout:
 
     @staticmethod
     def plan(transformer: Any, kwargs: dict[str, Any], ratio: float, generator: torch.Generator,
-             protect_first_frame: bool) -> Plan | None:
+             protect_first_frame: bool, window: tuple[int, int] | None = None) -> Plan | None:
         hidden, mask = kwargs["hidden_states"], kwargs["encoder_attention_mask"]
         p = transformer.config.patch_size
         image = (hidden.shape[-2] // p) * (hidden.shape[-1] // p)
         captions = mask.sum(dim=1).tolist()
         total = max(captions) + image
-        kept = _choose(image, ratio, len(captions), generator)
+        kept = _choose(image, ratio, len(captions), generator, window)
         if kept is None:
             return None
         rows = [torch.cat([torch.arange(c, device=kept.device), c + kept[i],
@@ -139,13 +143,13 @@ class VisualLayout:
 
     @staticmethod
     def plan(transformer: Any, kwargs: dict[str, Any], ratio: float, generator: torch.Generator,
-             protect_first_frame: bool) -> Plan | None:
+             protect_first_frame: bool, window: tuple[int, int] | None = None) -> Plan | None:
         hidden = kwargs["hidden_states"]  # [B, T, H, W, C]
         pt, ph, pw = transformer.config.patch_size
         frame = (hidden.shape[2] // ph) * (hidden.shape[3] // pw)
         tokens = (hidden.shape[1] // pt) * frame
         fixed = frame if protect_first_frame else 0  # image-to-video: the input frame always stays
-        kept = _choose(tokens - fixed, ratio, hidden.shape[0], generator)
+        kept = _choose(tokens - fixed, ratio, hidden.shape[0], generator, window)
         if kept is None:
             return None
         head = torch.arange(fixed, device=kept.device).expand(hidden.shape[0], fixed)
@@ -214,6 +218,7 @@ class Router:
         self.protect_first_frame = protect_first_frame
         self.plans: dict[int, Plan] = {}
         self.handles: list[Any] = []
+        self.window: tuple[int, int] | None = None  # (global batch, offset) of the next call: set by loop.micro_step
 
     def attach(self, transformer: Any) -> Router:
         self.handles.append(transformer.register_forward_pre_hook(self._on_call, with_kwargs=True))
@@ -235,7 +240,8 @@ class Router:
         if not (module.training and torch.is_grad_enabled()):
             return  # validation, sampling and no-grad rollouts see every token
         for r, route in enumerate(self.routes):
-            plan = self.layout.plan(module, kwargs, route.ratio, self.generator, self.protect_first_frame)
+            plan = self.layout.plan(module, kwargs, route.ratio, self.generator, self.protect_first_frame,
+                                    self.window)
             if plan is not None:
                 self.plans[r] = plan
 
