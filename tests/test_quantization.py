@@ -126,6 +126,24 @@ def test_lycoris_on_quantized_base(tmp_path, dataset):
     assert sorted(load_file(result)) == sorted(load_file(plain))
 
 
+@pytest.mark.parametrize("precision", ["int8-quanto", "int4-quanto", "fp8-quanto"])
+def test_quanto_base_of_fp32_weights_under_bf16_mixed_precision(tmp_path, dataset, precision):
+    """fp32 weights (base_model_default_dtype 'fp32', which check advises for DoRA on quanto) under bf16 autocast:
+    the quantized layers got bf16 inputs (forward failed), or autocast cast their scales (backward failed). They run
+    in their weights' dtype outside autocast; LoRA and DoRA train, validation samples, and autocast is on again
+    after each layer (the next layers still run in bf16)."""
+    common = dict(base_model_precision=precision, mixed_precision="bf16", base_model_default_dtype="fp32",
+                  max_train_steps=2, validation_prompt="a red circle", validation_resolution="32x32",
+                  validation_num_inference_steps=2, validation_disable_unconditional=True)
+    run, _ = run_once(tmp_path / "lora", dataset, "lumina2", **common)
+    assert all(math.isfinite(v) for v in losses(run.output_dir).values()) and len(losses(run.output_dir)) == 2
+    assert (run.output_dir / "validation" / "final-step-000002-32x32.png").is_file()
+    assert not torch.is_autocast_enabled("cpu")  # nothing left switched
+    if precision == "int8-quanto":
+        dora, _ = run_once(tmp_path / "dora", dataset, "lumina2", use_dora=True, **common)
+        assert all(math.isfinite(v) for v in losses(dora.output_dir).values())
+
+
 def test_full_fine_tune_on_quantized_base_is_refused_in_check(tmp_path, dataset, capsys):
     path = write_config(tmp_path, dataset, model_type="full", base_model_precision="int8-quanto")
     assert main(["check", "--config", str(path)]) == 2

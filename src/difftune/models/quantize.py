@@ -38,19 +38,47 @@ def _quanto(weights: str) -> Callable[[torch.nn.Module, list[str]], None]:
         for layer in module.modules():
             if isinstance(layer, quanto.QModuleMixin):
                 layer.register_forward_pre_hook(_aligned_input)
+                layer.register_forward_hook(_autocast_back, always_call=True)
 
     return apply
 
 
 def _aligned_input(layer: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """A copy of a CPU input that does not start on a 64-byte boundary. For qint8 weights and bf16 inputs on the
-    CPU, optimum-quanto calls torch's `_weight_int8pack_mm`, whose vector loads assume an aligned input: a view
-    that starts 16 bytes into its storage kills the process with a segmentation fault (torch 2.13; seen in
-    Kandinsky 5's time embedding while validation sampled in bf16). A new tensor starts aligned."""
+    """The input in the dtype of the layer's scales, and a copy of a CPU input that does not start on a 64-byte
+    boundary.
+
+    dtype: optimum-quanto's matmuls (int8 `_weight_int8pack_mm`, the int4 and fp8 ones) take the input in the dtype
+    of the weight's scales, the weights' dtype before quantizing. fp32 weights (base_model_default_dtype 'fp32')
+    under bf16 mixed precision got bf16 activations and failed ("expected scalar type BFloat16 but found Float"),
+    and where autocast cast the scales too, the backward failed instead. Such a layer runs in its weights' dtype,
+    outside autocast (as an fp32 linear layer would under `autocast(enabled=False)`), its output in that dtype.
+
+    alignment: for qint8 weights and bf16 inputs on the CPU, `_weight_int8pack_mm`'s vector loads assume an aligned
+    input: a view that starts 16 bytes into its storage kills the process with a segmentation fault (torch 2.13;
+    seen in Kandinsky 5's time embedding while validation sampled in bf16). A new tensor starts aligned."""
     x = args[0] if args else None
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.data_ptr() % 64:
-        return (x.clone(memory_format=torch.contiguous_format), *args[1:])
-    return None
+    if not isinstance(x, torch.Tensor):
+        return None
+    wanted, device = getattr(layer.weight, "dtype", x.dtype), x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != wanted:
+        # autocast would cast the quantized weight's scales to its dtype, and quanto's backward then multiplies the
+        # gradient of that dtype with the scales as they are: the layer runs outside autocast (_autocast_back)
+        layer.__dict__["_difftune_autocast"] = device
+        torch.set_autocast_enabled(device, False)
+    if x.is_floating_point() and x.dtype != wanted:
+        x = x.to(wanted)
+    elif not (device == "cpu" and x.data_ptr() % 64):
+        return None
+    if device == "cpu" and x.data_ptr() % 64:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return (x, *args[1:])
+
+
+def _autocast_back(layer: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    """Autocast on again after a layer `_aligned_input` ran outside it (also when the forward raised)."""
+    device = layer.__dict__.pop("_difftune_autocast", None)
+    if device is not None:
+        torch.set_autocast_enabled(device, True)
 
 
 def _torchao(config: str) -> Callable[[torch.nn.Module, list[str]], None]:
