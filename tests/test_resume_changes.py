@@ -226,6 +226,17 @@ def test_changed_lora_alpha_and_seed_are_warned_about(tmp_path, dataset):
     assert any("seed 7 then, 9 now" in m and "data order" in m and "noise" in m for m in warnings), warnings
 
 
+def test_changed_base_precision_is_warned_about(tmp_path, dataset):
+    """int8-quanto then, int4-quanto now: the run resumed and trained on other numbers without a word."""
+    run_with(tmp_path, dataset, max_train_steps=1, base_model_precision="int8-quanto")
+    run_with(tmp_path, dataset, max_train_steps=2, base_model_precision="int4-quanto")
+    warnings = messages(tmp_path / "output", "warning")
+    assert any("base_model_precision 'int8-quanto' then, 'int4-quanto' now" in m and "computes otherwise" in m
+               for m in warnings), warnings
+    run_with(tmp_path, dataset, max_train_steps=3, base_model_precision="int4-quanto")  # unchanged: no new word
+    assert len([m for m in messages(tmp_path / "output", "warning") if "base_model_precision" in m]) == 1
+
+
 def test_bare_resume_flag_asks_for_a_value(tmp_path, dataset):
     problems = config_problems(write_config(tmp_path, dataset, resume_from_checkpoint="true"))
     assert "resume_from_checkpoint needs a value: latest, a checkpoint folder or its name" in problems

@@ -43,6 +43,9 @@ def recorded(run: Run) -> dict[str, Any]:
         "train_batch_size": cfg.train_batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "processes": run.ranks.count, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.effective_lora_alpha(),
         "seed": cfg.seed, "batches_per_epoch": run.data.sampler.batches_per_epoch(),
+        # how the frozen base computes: a resume goes on with other numbers when they change
+        "base_model_precision": cfg.base_model_precision, "base_model_default_dtype": cfg.weight_dtype_name(),
+        "mixed_precision": cfg.mixed_precision,
     }
 
 
@@ -130,6 +133,14 @@ def warn_changes(run: Run, saved: dict, path: Path) -> None:
         run.events.emit("warning", message=f"the datasets changed since {path} (files added or removed): {then} "
                         f"batches per epoch then, {now} now. The data order and position follow the new datasets "
                         f"from here{epochs}")
+    now_base = recorded(run)
+    changed = [f"{k} {saved[k]!r} then, {now_base[k]!r} now" for k in
+               ("base_model_precision", "base_model_default_dtype", "mixed_precision") if k in saved and
+               saved[k] != now_base[k]]
+    if changed:
+        run.events.emit("warning", message=f"{'; '.join(changed)} ({path}): the trained weights are resumed as they "
+                        "are, and from this step on the base model computes otherwise (the losses move at once); "
+                        "restore the setting to continue the checkpoint's run exactly")
     if "seed" in saved and saved["seed"] != cfg.seed:
         run.events.emit("warning", message=f"seed {saved['seed']} then, {cfg.seed} now ({path}): the data order "
                         "(and random crops) follow the new seed from here, while the noise and timesteps continue the "
