@@ -167,6 +167,14 @@ def test_a_step_without_a_regular_checkpoint_still_gets_one(tmp_path, dataset):
                                                                                                     (1, False)]
 
 
+def test_fp16_on_the_cpu_is_said_to_compute_in_the_weights_dtype(tmp_path, dataset):
+    """accelerate has no fp16 autocast on the CPU: the losses were bit for bit those of 'no', without a word."""
+    run = build_run(load_config(write_config(tmp_path, dataset, mixed_precision="fp16", max_train_steps=1)))
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "warning" and "mixed_precision 'fp16' has no autocast on the CPU" in e["message"]
+               for e in events)
+
+
 def test_a_stop_sent_to_a_run_that_died_does_not_stop_the_next(tmp_path, dataset):
     """A stop the web UI sent to a run that was killed before reading it ended the resume after one step."""
     path = write_config(tmp_path, dataset, max_train_steps=2)

@@ -281,6 +281,9 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
+    if cfg.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate's CPU autocast is bf16 only
+        events.emit("warning", message="mixed_precision 'fp16' has no autocast on the CPU: this run computes in the "
+                    f"weights' dtype ({cfg.weight_dtype_name()}); use 'bf16' for mixed precision here, or 'no'")
     with failures_reported(events, "setup"):  # a failure from here on is an "error" event the webhooks send
         hub.check_access(cfg, ranks)  # push_to_hub: the login and the repository, before any model loads
         scorer = evaluation.preload(cfg, ranks.main)  # evaluation_type 'clip': fails now, not at the first evaluation
