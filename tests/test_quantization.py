@@ -243,6 +243,17 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])
 
 
+def test_the_memory_line_counts_the_layers_quantized():
+    """It said "3 linear layers" where int8-quanto had kept one of them (the CPU kernel's width rule)."""
+    from difftune.models.quantize import quantize_frozen
+
+    said = []
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), torch.nn.Linear(33, 16))
+    quantize_frozen(model, "int8-quanto", "cpu", torch.device("cpu"), False,
+                    lambda kind, message, **kw: said.append(message), "transformer", "base_model_precision")
+    assert "(2 of 3 linear layers, quantized on the CPU)" in said[0], said
+
+
 def test_weight_bytes_count_quantized_tensors():
     from optimum.quanto import freeze, qint8, quantize
 

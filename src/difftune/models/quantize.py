@@ -142,6 +142,14 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(tensor_bytes(t) for t in (*module.parameters(), *module.buffers()))
 
 
+def _quantized(layer: torch.nn.Module) -> bool:
+    """Whether a layer's weight is a quantized one (a tensor subclass, plain or inside its Parameter)."""
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return False
+    return type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(weight.data) is not torch.Tensor
+
+
 def quantized_layers(module: torch.nn.Module) -> list[str]:
     """Names of the layers to quantize: every nn.Linear (the bulk of a transformer's weights)."""
     return [name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -167,8 +175,9 @@ def quantize_frozen(
     if park:
         module.to("cpu")
     after = weight_bytes(module)
+    done = sum(map(_quantized, (module.get_submodule(name) for name in layers)))  # int8-quanto keeps some (_quanto)
     emit("info", message=f"{key} {precision}: {what} weights {before / 2**20:.1f} MiB -> "
-                         f"{after / 2**20:.1f} MiB ({len(layers)} linear layers, "
+                         f"{after / 2**20:.1f} MiB ({done} of {len(layers)} linear layers, "
                          f"quantized on the {'accelerator' if via == 'accelerator' else 'CPU'})",
          bytes_before=before, bytes_after=after, module=what)
 
