@@ -87,8 +87,3 @@ class Taps:
 
     def clear(self) -> None:
         self.outputs = {}
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
