@@ -142,9 +142,11 @@ def tiny_cfg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real_cfg(tiny_cfg):
-    """Lumina2 2.0 at real size (meta models), 1024 px, checkpointing: the planner's numbers without weights."""
+    """Lumina2 2.0 at real size (meta models), 1024 px, checkpointing, a validation prompt: the planner's numbers
+    without weights."""
     return tiny_cfg.train.model_copy(update={"model_flavour": "2.0", "validation_resolution": "1024x1024",
-                                             "gradient_checkpointing": True, "lora_rank": 16})
+                                             "validation_prompt": "a cat", "gradient_checkpointing": True,
+                                             "lora_rank": 16})
 
 
 def tensor_bytes(module) -> int:

@@ -191,12 +191,19 @@ def test_cli_plan_output_and_exit(tiny_cfg, capsys, tmp_path):
     from difftune.demo import make_dataset
 
     make_dataset(tmp_path / "images", count=2)
-    path = write_config(tmp_path, tmp_path / "images", mixed_precision="bf16", validation_resolution="64x64")
+    path = write_config(tmp_path, tmp_path / "images", mixed_precision="bf16", validation_resolution="64x64",
+                        validation_prompt="a cat")
     assert main(["plan", "--config", str(path), "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     for phase in ("caching: text", "caching: latents", "training", "validation", "predicted peak"):
         assert phase in out
     assert "no lever needed" in out
+    # without a prompt nothing is sampled: no validation phase to plan levers for (K5 Pro at 16 GiB was planned
+    # 48 swapped blocks for a sampling phase that never ran)
+    unprompted = write_config(tmp_path, tmp_path / "images", mixed_precision="bf16", validation_resolution="64x64")
+    assert main(["plan", "--config", str(unprompted), "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted: validation" not in out and "no validation phase: no validation_prompt" in out
     assert main(["plan", "--config", str(path), "--gpu-memory", "0.0001"]) == PLAN_DOES_NOT_FIT
     assert "nothing fits" in capsys.readouterr().out
 

@@ -59,8 +59,25 @@ SPEED = {
 class Step:
     key: str
     value: Any
-    saving: int  # bytes of peak saved by this lever, given the ones before it
+    saving: int  # bytes of peak saved by this lever, given the ones before it (negative: it costs)
     why: str
+    phase: str = ""  # when the peak did not move: the phase whose memory it changed, and `saving` is of that phase
+
+    def effect(self, digits: int = 1) -> str:
+        """'saves 1.2 GiB', or for a lever needed below the peak 'saves 1.2 GiB of training (not the peak)'."""
+        amount = f"{'saves' if self.saving >= 0 else 'costs'} {abs(self.saving) / GIB:.{digits}f} GiB"
+        return f"{amount} of {self.phase} (not the peak)" if self.phase else amount
+
+
+def change(before: Prediction, after: Prediction) -> tuple[int, str]:
+    """(bytes saved, "") of the peak; when the peak did not move (a lever for a phase below it, which a later lever
+    makes the peak: offload_during_startup before checkpointing), (bytes saved, name) of the phase it changed most."""
+    if before.peak != after.peak:
+        return before.peak - after.peak, ""
+    totals = {p.name: p.total for p in before.phases}
+    saved, name = max(((totals[p.name] - p.total, p.name) for p in after.phases if p.name in totals),
+                      key=lambda d: abs(d[0]), default=(0, ""))
+    return (saved, name) if saved else (0, "")
 
 
 def reserve_for(gigabytes: float) -> float:
@@ -170,7 +187,8 @@ def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int =
     choice = _choose(fixed, found, gigabytes, processes, start, reserve)
     why = (f"a full fine-tune of {cfg.weight_dtype_name()} weights with '{cfg.optimizer}' loses small updates to "
            "rounding; this one keeps them (Kahan summation)")
-    step = Step("optimizer", fix["optimizer"], before.peak - start.peak, why)
+    saved, phase = change(before, start)
+    step = Step("optimizer", fix["optimizer"], saved, why, phase)
     message = (f"fits with {len(choice.steps) + 1} change(s)" if choice.fits
                else f"{choice.message}; planned with optimizer '{fix['optimizer']}': {why}")
     return Choice(choice.fits, gigabytes, before, choice.after, [step, *choice.steps] if choice.fits else [],
@@ -239,14 +257,15 @@ def _beyond(cfg: Any, frugal: Prediction, processes: int) -> str:
 
 def explain(cfg: Any, changes: dict[str, Any], found: list[Any] | None, processes: int,
             before: Prediction) -> list[Step]:
-    """Each change with the peak it saves given the ones before it (in the ladder's order)."""
+    """Each change with the peak it saves given the ones before it (in the ladder's order; `change`)."""
     steps: list[Step] = []
     applied: dict[str, Any] = {}
-    previous = before.peak
+    previous = before
     for key, value in changes.items():
         applied[key] = value
         candidate = _valid(cfg, applied)
-        peak = predict(candidate, found, processes).peak if candidate is not None else previous
-        steps.append(Step(key, value, previous - peak, SPEED.get(key, "")))
-        previous = peak
+        after = predict(candidate, found, processes) if candidate is not None else previous
+        saved, phase = change(previous, after)
+        steps.append(Step(key, value, saved, SPEED.get(key, ""), phase))
+        previous = after
     return steps

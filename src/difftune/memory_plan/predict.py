@@ -393,13 +393,16 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
 
     caching = caching_phase(cfg, arch, bucket, transformer)
     kept = resident / shards + adapter_bytes / shards + opt / shards + ema
-    validation = validation_phase(cfg, arch, blocks, coefficients, kept, text)
+    # sampling runs only with something to sample (the main prompt and the libraries), so it is no phase without
+    validation = [validation_phase(cfg, arch, blocks, coefficients, kept, text)] if cfg.validation_prompts() else []
+    if not validation:
+        notes.append("no validation phase: no validation_prompt (nor prompt library) to sample")
     encoding = [encoding_phase(cfg, bucket, kept)] if encodes else []
     from difftune.memory_plan import passes
 
     # the regularisation teacher and the evaluation loss (no-grad passes)
     extra = passes.add(cfg, arch, blocks, coefficients, found, bucket, training, kept, notes)
-    return Prediction([*caching, training, validation, *encoding, *extra], notes, processes)
+    return Prediction([*caching, training, *validation, *encoding, *extra], notes, processes)
 
 
 def encoding_phase(cfg: Any, bucket: tuple[int, ...], kept: float) -> Phase:

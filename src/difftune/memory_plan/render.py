@@ -54,7 +54,8 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
     table.add_column("saves", justify="right")
     table.add_column("cost")
     for step in choice.steps:
-        table.add_row(step.key, json.dumps(step.value), gib(step.saving), step.why)
+        saved = gib(step.saving) + (f" of {step.phase} (not the peak)" if step.phase else "")
+        table.add_row(step.key, json.dumps(step.value), saved, step.why)
     console.print(table)
     assert choice.after is not None
     console.print(f"[green]with these: predicted peak {gib(choice.after.peak)} ({choice.after.peak_phase}), "
@@ -75,7 +76,8 @@ def as_json(prediction: Prediction, choice: Choice | None) -> dict[str, Any]:
         out["choice"] = {"fits": choice.fits, "gigabytes": choice.gigabytes, "reserve_gigabytes": choice.reserve,
                          "message": choice.message,
                          "settings": choice.settings(),
-                         "steps": [{"key": s.key, "value": s.value, "saving_bytes": s.saving, "cost": s.why}
+                         "steps": [{"key": s.key, "value": s.value, "saving_bytes": s.saving, "cost": s.why,
+                                    "phase": s.phase}
                                    for s in choice.steps],
                          "peak_bytes_after": choice.after.peak if choice.after else None}
     return out

@@ -124,8 +124,7 @@ class MemoryQuestions:
             self.say(f"  {choice.message}")
             return {**settings}
         for step in choice.steps:
-            effect = f"saves {step.saving / GIB:.1f}" if step.saving >= 0 else f"costs {-step.saving / GIB:.1f}"
-            self.say(f"  {step.key} {_show(step.value)}: {effect} GiB ({step.why})")
+            self.say(f"  {step.key} {_show(step.value)}: {step.effect()} ({step.why})")
         if choice.steps and choice.after is not None:
             self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB ({choice.reserve:g} of the {gigabytes:g} GiB "
                      "kept free for the CUDA context and fragmentation)")

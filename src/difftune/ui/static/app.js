@@ -297,7 +297,7 @@ async function planMemory() {
   if (!choice.fits) { notice(`predicted peak ${peak} GiB (${result.plan.peak_phase}); ${choice.message}`, true); return; }
   const kept = choice.reserve_gigabytes ? `, keeping ${choice.reserve_gigabytes} GiB free for the CUDA context` : "";
   if (!choice.steps.length) { notice(`predicted peak ${peak} GiB: fits in ${gib} GiB as it is${kept}`); return; }
-  const lines = choice.steps.map((s) => `${s.key}: ${JSON.stringify(s.value)} (${s.saving_bytes < 0 ? "costs" : "saves"} ${(Math.abs(s.saving_bytes) / 2 ** 30).toFixed(1)} GiB; ${s.cost})`);
+  const lines = choice.steps.map((s) => `${s.key}: ${JSON.stringify(s.value)} (${s.saving_bytes < 0 ? "costs" : "saves"} ${(Math.abs(s.saving_bytes) / 2 ** 30).toFixed(1)} GiB${s.phase ? ` of ${s.phase} (not the peak)` : ""}; ${s.cost})`);
   if (!window.confirm(`Predicted peak ${peak} GiB. To fit ${gib} GiB${kept}:\n${lines.join("\n")}\nApply these settings?`)) return;
   // onto the form as it is now: collect() above took the Other keys box into S.extra, which the redraw shows again
   const now = collect();
