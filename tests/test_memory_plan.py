@@ -11,7 +11,7 @@ from difftune.cli import PLAN_DOES_NOT_FIT, main
 from difftune.config import load_config
 from difftune.memory_plan import architecture as A
 from difftune.memory_plan import measure
-from difftune.memory_plan.levers import choose, ladder
+from difftune.memory_plan.levers import _valid, choose, ladder
 from difftune.memory_plan.predict import (
     GIB,
     _transformer,
@@ -304,6 +304,21 @@ def test_levers_take_activation_offload_before_int8(real_cfg):
     choice = choose(real_cfg, None, (high + low) / 2 / GIB)
     assert choice.fits and choice.settings() == {"gradient_checkpointing_backend": "unsloth"}
     assert "overlap" in choice.steps[0].why
+
+
+def test_dora_on_bf16_weights_is_planned_with_the_quantization_it_takes(real_cfg):
+    """DoRA on bf16 weights refuses optimum-quanto (config/lora_keys.py): the ladder carried int8-quanto into every
+    later rung, so none was valid and "nothing fits" where int8-torchao fits, and streaming too."""
+    dora = real_cfg.model_copy(update={"use_dora": True, "mixed_precision": "bf16",
+                                       "base_model_default_dtype": "bf16"})
+    assert dora.weight_dtype_name() == "bf16"
+    rungs = ladder(dora, predict(dora, None), 1)
+    assert all(_valid(dora, changes) is not None for rung in rungs for changes in rung)
+    assert {c.get("base_model_precision") for rung in rungs for c in rung} >= {"int8-torchao", "nf4-bnb"}
+    choice = choose(dora, None, 6)
+    assert choice.fits and choice.settings()["base_model_precision"] == "int8-torchao", choice.message
+    plain = real_cfg.model_copy(update={"mixed_precision": "bf16", "base_model_default_dtype": "bf16"})
+    assert choose(plain, None, 6).settings()["base_model_precision"] == "int8-quanto"  # quanto first elsewhere
 
 
 def test_optimizer_offload_moves_the_state_off_the_accelerator_and_is_the_full_fine_tunes_last_rung(real_cfg):

@@ -9,7 +9,8 @@ of the answer without which it still fits is dropped (a free rung that saved not
 2. gradient_checkpointing (about 30% slower steps)
 3. gradient_checkpointing_backend 'unsloth': the checkpointed blocks' inputs wait in CPU memory (copies that
    overlap the compute; no quality cost, so before quantization)
-4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost); a full fine-tune of fp32 weights
+4. base_model_precision int8-quanto (LoRA/LyCORIS only: a small quality cost; int8-torchao where the trainer
+   refuses quanto, DoRA on bf16 weights); a full fine-tune of fp32 weights
    takes the 8-bit optimizer state instead (optimizer adamw8bit: on bf16/fp16 weights it has no Kahan summation and
    loses small updates, so it is not offered there), then, when that is not enough, its own optimizer stepping
    in CPU memory (optimizer_cpu_offload_method 'cpu': slower steps, no quality cost), then its gradients too
@@ -18,7 +19,7 @@ of the answer without which it still fits is dropped (a free rung that saved not
 6. enable_group_offload with the largest group that fits (every block streams: slower still)
 7. fsdp_enable across the processes (needs processes > 1; FSDP takes neither quantization nor streaming, so
    this rung is gradient checkpointing plus FSDP)
-8. base_model_precision int4-quanto with block streaming (the largest quality cost)
+8. base_model_precision int4-quanto (or nf4-bnb where quanto is refused, as in 4) with block streaming (the largest quality cost)
 
 `reserve`: GiB of the card kept free for what the prediction does not count, the CUDA context (about 0.5 GiB with
 cuBLAS's workspace) and the caching allocator's fragmentation; `difftune plan`, the wizard and the web UI keep
@@ -135,8 +136,9 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
             # the optimizer the user chose, on the CPU; then its gradients too (one micro-batch, one process)
             offload = {**base, "optimizer_cpu_offload_method": "cpu"}
             rungs.append([offload] + ([{**offload, "optimizer_offload_gradients": True}] if processes == 1 else []))
-    elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto"):
-        base = {**base, "base_model_precision": "int8-quanto"}
+    elif cfg.base_model_precision in ("no_change", "fp8-torchao", "fp8-quanto") and \
+            (int8 := _accepted(cfg, base, ("int8-quanto", "int8-torchao"))):
+        base = {**base, "base_model_precision": int8}  # kept by the later rungs
         rungs.append([dict(base)])
     if not full:
         stacks = _main_stack_size(cfg)
@@ -147,10 +149,18 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
                           for k in (8, 4, 2, 1)])
     if processes > 1 and _has(cfg, "fsdp_enable"):
         rungs.append([{"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}])
-    if not full and _has(cfg, "enable_group_offload"):
-        rungs.append([{**base, "base_model_precision": "int4-quanto", "enable_group_offload": True,
+    if not full and _has(cfg, "enable_group_offload") and \
+            (int4 := _accepted(cfg, {**base, "enable_group_offload": True}, ("int4-quanto", "nf4-bnb"))):
+        rungs.append([{**base, "base_model_precision": int4, "enable_group_offload": True,
                        "group_offload_blocks_per_group": k} for k in (4, 2, 1)])
     return rungs
+
+
+def _accepted(cfg: Any, base: dict[str, Any], precisions: tuple[str, ...]) -> str | None:
+    """The first of `precisions` the trainer takes with `base` (optimum-quanto's first: it also runs on the CPU; DoRA
+    on bf16 weights refuses it, torchao's then), or None: a rung that no precision passes is left out, and the
+    later rungs do not carry a quantization that would make every one of them invalid."""
+    return next((p for p in precisions if _valid(cfg, {**base, "base_model_precision": p}) is not None), None)
 
 
 def _main_stack_size(cfg: Any) -> int:
