@@ -335,3 +335,16 @@ def test_the_no_usable_file_error_lists_twenty(tmp_path, capsys):
     assert main(["check", "--config", str(write_config(tmp_path, images))]) == 2
     err = capsys.readouterr().err
     assert "have no usable image or clip" in err and "    ... and 10 more" in err, err
+
+
+def test_a_clip_that_fails_while_caching_loses_its_notes(tmp_path):
+    """A clip left out while caching (it stops decoding) was also listed under notes as "trimmed to the first 17 of
+    30 frames": the report contradicted itself."""
+    from difftune.data.discovery import Discovery
+
+    bad, good = tmp_path / "bad.mp4", tmp_path / "good.mp4"
+    found = Discovery("clips", notes=[(bad, "trimmed to the first 17 of 30 frames"),
+                                      (good, "trimmed to the first 17 of 40 frames")])
+    report = DataReport([found], [(bad, "cannot decode after 13 frames")], {}).render()
+    assert f"{bad}: cannot decode after 13 frames" in report and f"{good}: trimmed" in report
+    assert f"{bad}: trimmed" not in report and "notes (1):" in report

@@ -167,6 +167,7 @@ def test_validation_disable_samples_nothing(tmp_path, dataset):
     assert off.train.validation_prompts() == [] and not samples_base_model(off.train)
     assert off.train.num_validation_images == 1 and not off.train.validation_epoch_interval
     assert any(n.startswith("validation_disable: nothing is sampled") for n in off.notes())
+    assert not any("no validation prompt is set" in n for n in off.notes())  # it is set; validation_disable won
     kept = load_config(write_config(tmp_path, images, **BASE, validation_disable=False)).train
     assert kept.validation_prompts() and not any("validation_disable" in n for n in load_config(
         write_config(tmp_path, images, **BASE)).notes())

@@ -27,7 +27,11 @@ def video_config(tmp_path, folder, video=None, **overrides):
 def test_resampled_count():
     assert resampled_count(48, 47 / 24, 24.0, 24.0) == 48  # same rate: unchanged
     assert resampled_count(100, 99 / 30, 30.0, 24.0) == 80  # 3.3 s at 24 fps: frames at 0, 1/24, ... 79/24
-    assert resampled_count(25, 24 / 12, 12.0, 24.0) == 49  # upsampling holds frames
+    assert resampled_count(25, 24 / 12, 12.0, 24.0) == 50  # upsampling holds frames; the last plays 1/12 s
+    assert resampled_count(12, 11 / 12, 12.0, 24.0) == 24  # 1 s: 24 frames at 24 fps, not 23
+    assert resampled_count(30, 29 / 25, 25.0, 24.0) == 29  # 1.2 s
+    assert resampled_count(20, 19 * 0.04, 25.0, 24.0) == 20  # a GIF of 40 ms frames: 0.8 s
+    assert resampled_count(12, 11 / 12, 12.0, 24.0, variable=True) == 23  # variable: to the last stamp only
     assert resampled_count(1, 0.0, 24.0, 24.0) == 1
     assert resampled_count(0, 0.0, 24.0, 24.0) == 0
     assert frame_times(3, 24.0) == [0.0, 1 / 24, 2 / 24]
@@ -186,3 +190,20 @@ def test_validation_videos_play_at_the_rate_the_clips_trained_at(tmp_path):
     assert validation_video_fps(run.train, run.datasets) == 30  # the config's own wins
     run = load_config(video_config(tmp_path / "none", clips, {"num_frames": 9}))
     assert validation_video_fps(run.train, run.datasets) == 24
+
+
+def test_a_validation_rate_other_than_the_clips_is_noted(tmp_path):
+    """The config's frame_rate 24 with a dataset trained at 12 fps wrote samples that played twice as fast, without
+    a word; without a prompt nothing is written, so nothing is said."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    run = load_config(video_config(tmp_path, clips, {"num_frames": 9, "frame_rate": 12}, frame_rate=24,
+                                   validation_prompt="a cat"))
+    (note,) = [n for n in run.notes() if "video.frame_rate" in n]
+    assert "dataset 'train': its clips train at 12 fps" in note and "written at 24 fps (the config's frame_rate)" in note
+    assert "2x as fast" in note and "set frame_rate to 12" in note
+    same = load_config(video_config(tmp_path / "same", clips, {"num_frames": 9, "frame_rate": 12}, frame_rate=12,
+                                    validation_prompt="a cat"))
+    unprompted = load_config(video_config(tmp_path / "quiet", clips, {"num_frames": 9, "frame_rate": 12},
+                                          frame_rate=24))
+    assert not [n for r in (same, unprompted) for n in r.notes() if "video.frame_rate" in n]

@@ -159,6 +159,26 @@ def test_resample_30_to_24(tmp_path, suffix):
     assert picked(frames, [nearest([i / 30 for i in range(24)], k / 24) for k in range(19)])
 
 
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])
+def test_twice_the_rate_holds_every_frame_twice(tmp_path, suffix):
+    """12 fps clips at 24 fps: every other time falls exactly between two frames, and the earlier one is taken. The
+    container's rounding (Matroska: 1 ms) or float error decided before, so frames were shown 1, 2 or 3 times
+    (jerky motion in every 2x upsampled clip); and the clip counted 23 frames, not the 24 it plays for."""
+    from difftune.data.frames import resampled_count
+
+    colours = list(range(12))
+    path = tmp_path / f"twelve{suffix}"
+    if suffix == ".mp4":
+        write_mp4([Image.new("RGB", (32, 24), PALETTE[c]) for c in colours], path, fps=12)
+    else:
+        _flat_clip(path, colours, [round(i * 1000 / 12) for i in colours], Fraction(1, 1000))
+    info = probe_video(path)
+    count = resampled_count(info.frames, info.span, info.fps, 24.0, info.variable_rate)
+    assert count == 24
+    frames = decode_frames(path, [k / 24 for k in range(count)])
+    assert [_identify(f) for f in frames] == [k // 2 for k in range(24)]
+
+
 def test_decoding_past_the_end_is_reported(tmp_path):
     path = synthetic_clip(tmp_path / "short.mkv", frames=17, fps=24)
     assert len(decode_frames(path, [16 / 24, 16.9 / 24])) == 2  # the last frame lasts 1/24 s
@@ -323,3 +343,25 @@ def test_an_animated_gif_is_a_clip_in_a_video_dataset(tmp_path):
     (sample,) = found.samples
     pixels = sample_pixels(sample, "center", (0.5, 0.5))
     assert ((pixels[0].mean(dim=(1, 2)) + 1) * 127.5 / 8).round().int().tolist() == list(range(9))
+
+
+@pytest.mark.parametrize("delay", [0, 10])
+def test_a_gif_of_the_fastest_delays_plays_as_browsers_play_it(tmp_path, delay):
+    """A GIF frame delay of 10 ms or less is shown for 100 ms by browsers: such a GIF was read as 100 fps (10 ms) and
+    trained ten times faster than it looks. Both delays are 10 fps here, probe and decode alike; 20 ms stays 50 fps."""
+    from difftune.data.frames import FrameRule, plan_clip, resampled_count
+
+    frames = [Image.new("RGB", (32, 24), PALETTE[i]) for i in range(10)]
+    path = tmp_path / f"fast{delay}.gif"
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=delay, loop=0)
+    info = probe_video(path)
+    assert info.fps == pytest.approx(10) and info.span == pytest.approx(0.9)
+    count = resampled_count(info.frames, info.span, info.fps, 20.0, info.variable_rate)
+    assert count == 20
+    assert [_identify(f) for f in decode_frames(path, [k / 20 for k in range(count)])] == [k // 2 for k in range(20)]
+    frames[0].save(slow := tmp_path / "slow.gif", save_all=True, append_images=frames[1:], duration=20, loop=0)
+    assert probe_video(slow).fps == pytest.approx(50)
+    frames[0].save(still := tmp_path / "still.gif")  # one frame: no rate, no "resampled from 0 fps" note
+    one = probe_video(still)
+    assert plan_clip(one.frames, one.fps, FrameRule(1, 24.0)).note is None
+

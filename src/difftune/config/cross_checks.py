@@ -176,7 +176,7 @@ SAMPLE_KEYS = ("validation_step_interval", "validation_resolution", "validation_
 def unsampled_notes(cfg: TrainConfig) -> list[str]:
     """Validation keys the file sets while no prompt is set: the run samples nothing. A note, not an error: an
     empty validation_prompt is how a SimpleTuner config switches validation off and keeps its settings."""
-    if cfg.validation_prompts():
+    if cfg.validation_prompts() or cfg.validation_disable:  # validation_disable has its own note (cross_notes)
         return []
     unused = [k + (" (validation_steps)" if k == "validation_step_interval" else "") for k in SAMPLE_KEYS
               if k in cfg.model_fields_set and getattr(cfg, k) not in (None, 0, "")]

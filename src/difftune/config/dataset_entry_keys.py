@@ -250,6 +250,23 @@ def validation_video_fps(train: Any, plan: Any) -> float:
     return next(rates, train.video_fps())
 
 
+def video_rate_notes(train: Any, plan: Any) -> list[str]:
+    """A note for each video dataset whose clips train at another rate than validation videos are written at
+    (`validation_video_fps`): a sample then plays faster or slower than the motion the run learned."""
+    if not train.validation_prompts():
+        return []
+    written = validation_video_fps(train, plan)
+    why = "the config's frame_rate" if train.frame_rate is not None else "the first video dataset's video.frame_rate"
+    notes = []
+    for ds in plan.images:
+        rate = ds.video.frame_rate if ds.video is not None and ds.video.frame_rate is not None else written
+        if ds.video is not None and abs(rate / written - 1) >= 0.005:
+            notes.append(f"dataset {ds.id!r}: its clips train at {rate:g} fps (video.frame_rate) and validation "
+                         f"videos are written at {written:g} fps ({why}), so they play {written / rate:.3g}x as fast as "
+                         f"the clips move; set frame_rate to {rate:g} in config.json unless that is meant")
+    return notes
+
+
 I2V_MIN_FRAMES = 17  # image-to-video validation's least frame count (the wizard offers it too)
 
 

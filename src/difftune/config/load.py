@@ -29,7 +29,7 @@ from difftune.config.compat import (
 )
 from difftune.config.crepa_keys import ENCODER_ALIASES, crepa_dataset_problems, decodes
 from difftune.config.cross_checks import cross_notes
-from difftune.config.dataset_entry_keys import check_i2v_validation
+from difftune.config.dataset_entry_keys import check_i2v_validation, video_rate_notes
 from difftune.config.dataset_list import dataset_list_location
 from difftune.config.dataset_window_keys import schedule_problems
 from difftune.config.datasets import (
@@ -89,7 +89,7 @@ class RunConfig:
         """What the loader decided for the user (a snapped validation size, where the text cache goes):
         lines to print before the run starts."""
         return (self.train.validation_notes() + rollout_notes(self.train) + cross_notes(self.train)
-                + pipeline_notes(self.train) + list(self.datasets.notes))
+                + pipeline_notes(self.train) + video_rate_notes(self.train, self.datasets) + list(self.datasets.notes))
 
 
 def _read_json(path: Path, what: str, hint: str, problems: list[str] | None = None, config: bool = False) -> Any:

@@ -75,6 +75,7 @@ class Sample:
     mask: Path | None = None  # its loss mask (conditioning_type 'mask', train/masked_loss.py), same relative name
     name: str = ""  # its path below the dataset's folder, '/'-separated (discovery sets it)
     sized_by_table: bool = False  # width/height from a caption table (metadata_backend 'parquet'), not the file
+    resampled: bool = False  # a clip whose frames are taken by time at another rate than its own (clip_frames)
 
     @property
     def ident(self) -> str:
@@ -150,7 +151,7 @@ class Discovery:
 
 # Raised when the probe learns to see more (2: files cut off at their end, a PNG's EXIF after its pixels): entries
 # of an earlier probe are read again once, instead of passing such files while their size and time are unchanged
-PROBE_VERSION = 3  # 3: TIFF, BMP and GIF checked for truncation (data/images.py)
+PROBE_VERSION = 4  # 3: TIFF, BMP and GIF checked for truncation (data/images.py); 4: GIF clips timed as played
 
 
 class MetadataCache:
@@ -399,9 +400,10 @@ def first_frame_problem(available: int, own: int, rule: FrameRule) -> str:
 
 def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, result: Discovery,
                 as_set: FrameRule | None = None):
-    """((width, height), frames, fps) of a usable clip, or None after recording why it is left out. `fps`: the rate
-    its frames are taken at, the rule's, or the clip's own when that is the same within 0.5% (23.976 for 24): frame k
-    is then the clip's frame k, where taking frames 1/24 s apart from a 23.976 fps clip would repeat one."""
+    """((width, height), frames, fps, resampled) of a usable clip, or None after recording why it is left out. `fps`:
+    the rate its frames are taken at, the rule's, or the clip's own when that is the same within 0.5% (23.976 for
+    24): frame k is then the clip's frame k, where taking frames 1/24 s apart from a 23.976 fps clip would repeat
+    one. `resampled`: taken at the rule's rate (another rate, or a variable one)."""
     info, problem, probed = metadata.video(path, rel)
     result.probed += probed
     if info is None:
@@ -423,8 +425,8 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
         notes.append(f"rotated {info.rotation} degrees by its metadata: trained upright, {info.width}x{info.height}")
     if notes:
         result.notes.append((path, "; ".join(notes)))
-    fps = info.fps if same_rate(info.fps, rule.frame_rate) and not info.variable_rate else rule.frame_rate
-    return (info.width, info.height), plan.frames, fps
+    resampled = info.variable_rate or not same_rate(info.fps, rule.frame_rate)
+    return (info.width, info.height), plan.frames, rule.frame_rate if resampled else info.fps, resampled
 
 
 def discover(spec: DatasetSpec) -> Discovery:
@@ -510,12 +512,12 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
     result.captions_emptied += captioned.emptied
     if captioned.captions is None:
         return captioned.problem or "no caption"
-    frames = 0
+    frames, resampled = 0, False
     if spec.frames is not None:  # clips are always probed: frame counts and rates come from the file
         clip = clip_frames(path, rel, metadata, spec.frames, result, spec.frames_as_set)
         if clip is None:
             return None  # clip_frames recorded why
-        (width, height), frames, fps = clip
+        (width, height), frames, fps, resampled = clip
     else:
         if spec.sizes_from_table and captioned.size is not None:  # metadata_backend 'parquet': no file opened;
             size, problem, probed = captioned.size, None, False  # caching leaves out a file not of this size
@@ -577,6 +579,7 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         fps = 0.0
     result.samples.append(
         Sample(spec.dataset_id, path, captioned.captions, width, height, bucket, down, conditioning, frames, fps, mask,
-               name, sized_by_table=spec.sizes_from_table and captioned.size is not None and not spec.frames)
+               name, sized_by_table=spec.sizes_from_table and captioned.size is not None and not spec.frames,
+               resampled=resampled)
     )
     return None

@@ -25,14 +25,21 @@ class FrameRule:
 
 
 def resampled_count(frames: int, span: float, source_fps: float, target_fps: float, variable: bool = False) -> int:
-    """Frames a clip has at `target_fps`: one per 1/target_fps seconds over its span (first to last frame
-    timestamp), repeating or skipping source frames. A clip at the target rate keeps its count (not a variable-rate
-    one whose average is near it: its frames are taken by time, at the target rate)."""
+    """Frames a clip has at `target_fps`: one per 1/target_fps seconds while it plays, repeating or skipping source
+    frames. It plays from its first frame's timestamp to the last one's (`span`) and, at a constant rate, for the
+    last frame's own duration after it, the average gap (video.decode_frames shows it that long: 12 frames at 12 fps
+    are 24 at 24 fps, not 23); a variable-rate clip is counted to its last timestamp only (its last frame's duration
+    is unknown here). A clip at the target rate keeps its count (not a variable-rate one whose average is near it:
+    its frames are taken by time, at the target rate)."""
     if frames <= 1 or span <= 0:
         return min(frames, 1)
     if same_rate(source_fps, target_fps) and not variable:
         return frames
-    return int(math.floor((span + SLACK) * target_fps)) + 1
+    through_last = int(math.floor((span + SLACK) * target_fps)) + 1
+    if variable:
+        return through_last
+    end = span + span / (frames - 1)  # times before the end of the last frame's duration, a little margin kept
+    return max(through_last, math.ceil((end - SLACK) * target_fps))
 
 
 def same_rate(source_fps: float, target_fps: float) -> bool:
@@ -61,7 +68,7 @@ class ClipPlan:
 def plan_clip(available: int, source_fps: float, rule: FrameRule) -> ClipPlan:
     """How many frames of a clip with `available` frames (at the rule's frame rate) train, or why none."""
     at = f"{available} frame(s) at {rule.frame_rate:g} fps"
-    resampled = not same_rate(source_fps, rule.frame_rate)
+    resampled = available > 1 and source_fps > 0 and not same_rate(source_fps, rule.frame_rate)  # a still has no rate
     note = f"resampled from {source_fps:.3g} to {rule.frame_rate:g} fps" if resampled else None
     if rule.min_frames is not None and available < rule.min_frames:
         return ClipPlan(None, f"{at}, below min_frames {rule.min_frames}")

@@ -91,8 +91,11 @@ def conditioning_key(sample: Sample, uv: tuple[float, float]) -> str:
 def latent_key(sample: Sample, crop_style: str, seed: int) -> str:
     """The cache key of a sample's latents (a clip's also holds its frame count and rate, and how its frames are
     picked: "nearest" since frames are the nearest to each time; latents of the frame-hold picking before it, which
-    could repeat a frame of a 23.976 fps clip, are encoded again)."""
-    extra = (sample.downsample, sample.frames, sample.fps, "nearest") if sample.frames else sample.downsample
+    could repeat a frame of a 23.976 fps clip, are encoded again; a resampled clip's "nearest, earlier tie" since a
+    time halfway between two frames takes the earlier, where the timestamps' rounding decided before: a clip at its
+    own rate has no such times, so its latents stay)."""
+    picking = "nearest, earlier tie" if sample.resampled else "nearest"
+    extra = (sample.downsample, sample.frames, sample.fps, picking) if sample.frames else sample.downsample
     return file_key(sample.path, sample.ident, sample.bucket, extra, crop_position(sample, crop_style, seed))
 
 

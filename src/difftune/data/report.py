@@ -103,7 +103,8 @@ class DataReport:
             count = sum(len(files) for d in self.found for files in d.unread.values())
             out.append(f"  not read ({count} file(s) of other types):")
             out += [f"    {p}: {r}" for p, r in unread]
-        notes = [(p, r) for d in self.found for p, r in d.notes]
+        gone = {p for p, _ in self.failed}  # failed while caching: its notes (trimmed, resampled) no longer apply
+        notes = [(p, r) for d in self.found for p, r in d.notes if p not in gone]
         if notes:
             out.append(f"  notes ({len(notes)}):")
             out += capped([f"    {p}: {r}" for p, r in notes])

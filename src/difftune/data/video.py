@@ -72,6 +72,20 @@ def _stamp(obj) -> int | None:
     return obj.pts if obj.pts is not None else obj.dts
 
 
+GIF_FAST = 0.0105  # seconds: a GIF frame delay of 10 ms or less is played as 100 ms by browsers, and here too
+GIF_SLOW = 0.1
+
+
+def _played(gap: float, gif: bool) -> float:
+    """How long a frame with this timestamp gap is shown: a GIF's delay of 0-10 ms (the "as fast as possible" of
+    old web animations) plays as 100 ms in browsers, so a clip of such frames trains at the rate it looks."""
+    return GIF_SLOW if gif and gap <= GIF_FAST else gap
+
+
+def _is_gif(container) -> bool:
+    return "gif" in container.format.name.split(",")
+
+
 def probe_video(path: Path) -> VideoInfo:
     """Header + packet demux. Only the first frame is decoded: PyAV exposes the display matrix (rotation)
     on decoded frames only, not on the stream."""
@@ -101,16 +115,19 @@ def probe_video(path: Path) -> VideoInfo:
         if rotation is None:
             raise BadVideo(f"none of the {count} video frames could be decoded")
         nominal = float(stream.average_rate or 0.0)
+        gif, tick = _is_gif(container), float(stream.time_base)
         if len(stamps) == count:
             stamps.sort()  # decode order -> presentation order (B-frames)
-            span = (stamps[-1] - stamps[0]) * float(stream.time_base)
+            # in ticks, as played (GIF: `_played`)
+            gaps = np.asarray([round(_played((b - a) * tick, gif) / tick)
+                               for a, b in zip(stamps, stamps[1:], strict=False)], dtype=np.int64)
+            span = float(gaps.sum()) * tick
         else:  # some packets carry no timestamp: fall back on the stream's nominal rate
-            stamps = []
+            gaps = np.zeros(0, dtype=np.int64)
             span = (count - 1) / nominal if nominal else 0.0
         fps = (count - 1) / span if span > 0 else nominal
         # Timestamps are rounded to the time base (1 ms in Matroska), so constant-rate durations can
         # differ by a tick or two; only a bigger spread means the rate really varies.
-        gaps = np.diff(np.asarray(stamps, dtype=np.int64))
         variable = bool(len(gaps) > 1 and gaps.max() - gaps.min() > max(0.1 * np.median(gaps), 2))
         width, height = stream.codec_context.width, stream.codec_context.height
         rotation = _normal_rotation(rotation)
@@ -138,8 +155,13 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
     out: list[Image.Image] = []
     with container:
         slack = EPSILON + float(stream.time_base) / 2  # a time this near the last frame is still within the clip
+        # two frames this nearly as near a time are equally near (stamps are rounded to the time base, and float
+        # sums are not exact): the earlier one is taken, so a 12 fps clip at 24 fps shows each frame twice
+        tie = EPSILON + float(stream.time_base)
+        gif = _is_gif(container)
         before = before_image = None  # the frame before the one just decoded, and its picture once made
         first = last = previous = None  # the first frame's stamp; the times of the last two frames
+        stamped = None  # the last frame's stamp (a GIF's times add up its frames' delays as played)
         count = 0
 
         def take(frame, image):  # the picture of `frame`, made once however often it is picked
@@ -151,15 +173,18 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
                 stamp = _stamp(frame)
                 if stamp is None:  # no timestamps at all: assume the nominal rate
                     t = count / float(stream.average_rate or 1)
+                elif gif and stamped is not None and last is not None:  # after the frames before it as played
+                    t = last + _played(float((stamp - stamped) * stream.time_base), gif)
                 else:
                     first = stamp if first is None else first
                     t = float((stamp - first) * stream.time_base)
+                stamped = stamp if stamp is not None else stamped
                 count += 1
                 image = None
                 # each time up to this frame's goes to the nearer of it and the frame before
                 while len(out) < len(times) and times[len(out)] <= t:
                     wanted = times[len(out)]
-                    if before is not None and wanted - last <= t - wanted:
+                    if before is not None and wanted - last <= t - wanted + tie:
                         before_image = take(before, before_image)
                     else:
                         image = take(frame, image)
@@ -172,11 +197,13 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
             raise BadVideo("no video frames could be decoded")
         # The last frame is shown for its own duration; a time past that is beyond the end of the clip.
         if before.duration and before.time_base:
-            duration = float(before.duration * before.time_base)
+            duration = _played(float(before.duration * before.time_base), gif)
         elif previous is not None:
             duration = last - previous
         else:
             duration = 1.0 / float(stream.average_rate or 1)
+        if count > 1 and last > 0:  # at least the average gap: frames.resampled_count counts a clip that long
+            duration = max(duration, last / (count - 1))
         end = last + duration
         while len(out) < len(times) and (times[len(out)] <= last + slack or times[len(out)] < end):
             before_image = take(before, before_image)
