@@ -300,3 +300,17 @@ def test_files_removed_before_a_resume_are_said(tmp_path):
     run_with(tmp_path, images, num_train_epochs=3, max_train_steps=0, train_batch_size=2)
     (warning,) = [m for m in messages(tmp_path / "output", "warning") if "datasets changed" in m]
     assert "4 batches per epoch then, 2 now" in warning and "the run ends at step 6" in warning
+
+
+def test_renamed_files_are_warned_about_on_resume(tmp_path, dataset):
+    """Files added, removed or renamed with the same number of batches per epoch resumed without a word."""
+    run_with(tmp_path, dataset, max_train_steps=1)
+    image = sorted(p for p in dataset.iterdir() if p.suffix == ".png")[0]
+    image.rename(image.with_name("renamed.png"))
+    image.with_suffix(".txt").rename(image.with_name("renamed.txt"))
+    run_with(tmp_path, dataset, max_train_steps=2)
+    warnings = messages(tmp_path / "output", "warning")
+    assert any("the datasets' files changed since" in m and "the batches per epoch are the same" in m
+               for m in warnings), warnings
+    run_with(tmp_path, dataset, max_train_steps=3)  # unchanged since: no new word
+    assert len([m for m in messages(tmp_path / "output", "warning") if "files changed" in m]) == 1

@@ -17,6 +17,7 @@ warned about (`warn_changes`). Checkpoints written before this record are loaded
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,10 +44,18 @@ def recorded(run: Run) -> dict[str, Any]:
         "train_batch_size": cfg.train_batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "processes": run.ranks.count, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.effective_lora_alpha(),
         "seed": cfg.seed, "batches_per_epoch": run.data.sampler.batches_per_epoch(),
+        "samples": len(run.data.items), "samples_digest": samples_digest(run),
         # how the frozen base computes: a resume goes on with other numbers when they change
         "base_model_precision": cfg.base_model_precision, "base_model_default_dtype": cfg.weight_dtype_name(),
         "mixed_precision": cfg.mixed_precision,
     }
+
+
+def samples_digest(run: Run) -> str:
+    """What names the trained files (their idents, data/discovery.Sample), hashed: a resume notices files added,
+    removed or renamed even when the number of batches per epoch stays."""
+    names = sorted(item.sample.ident for item in run.data.items)
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
 def optimizer_changed(run: Run, saved: dict, path: Path) -> bool:
@@ -133,6 +142,10 @@ def warn_changes(run: Run, saved: dict, path: Path) -> None:
         run.events.emit("warning", message=f"the datasets changed since {path} (files added or removed): {then} "
                         f"batches per epoch then, {now} now. The data order and position follow the new datasets "
                         f"from here{epochs}")
+    elif saved.get("samples_digest") not in (None, recorded(run)["samples_digest"]):
+        run.events.emit("warning", message=f"the datasets' files changed since {path} (added, removed or renamed: "
+                        f"{saved.get('samples', '?')} then, {len(run.data.items)} now; the batches per epoch are the "
+                        "same). The data order follows the new files from here")
     now_base = recorded(run)
     changed = [f"{k} {saved[k]!r} then, {now_base[k]!r} now" for k in
                ("base_model_precision", "base_model_default_dtype", "mixed_precision") if k in saved and
