@@ -333,7 +333,7 @@ def test_the_web_ui_never_starts_a_run_with_a_script(tmp_path, monkeypatch):
     write_config(root, root / "images", max_train_steps=2, post_checkpoint_script="rm -rf /elsewhere",
                  post_upload_script="notify {remote_checkpoint_path}")
     monkeypatch.chdir(root)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     body = {"path": str(root / "config" / "config.json"),
             "config": json.loads((root / "config" / "config.json").read_text()),
             "datasets": json.loads((root / "config" / "multidatabackend.json").read_text()),

@@ -301,7 +301,7 @@ def test_the_web_ui_keeps_generated_images_inside_its_roots_and_scans_a_refused_
     (root / "mine").mkdir()
     (root / "mine" / "000-x.png").write_bytes(b"the user's own")
     monkeypatch.chdir(root)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     outside = tmp_path / "outside"
     for folder, expected in [(outside, "outside the folders"), (root / "mine", "difftune did not generate")]:
         generator_config(root, root / "images", {"type": "canny", "instance_data_dir": str(folder)})

@@ -246,7 +246,7 @@ def test_web_ui_plans_the_edited_config(tmp_path):
     path = write_config(root, root / "images", mixed_precision="bf16", validation_resolution="64x64",
                         train_batch_size=16,  # the training step's activations are the peak
                         allow_dataset_oversubscription=True)  # 2 images fill a batch of 16 (else no bucket trains)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     body = {"path": str(path), "config": json.loads(path.read_text()),
             "datasets": json.loads((root / "config" / "multidatabackend.json").read_text())}
     answer = client.post("/api/config/plan", json=body).json()

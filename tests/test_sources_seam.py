@@ -40,7 +40,7 @@ def test_the_web_ui_refuses_remote_types_and_never_downloads(tmp_path, monkeypat
                  "cache_dir_vae": str(root / "cache" / "web")}
     write_config(root, root / "images", max_train_steps=2, extra_datasets=[csv_entry])
     monkeypatch.chdir(root)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     body = {"path": str(root / "config" / "config.json"),
             "config": json.loads((root / "config" / "config.json").read_text()),
             "datasets": json.loads((root / "config" / "multidatabackend.json").read_text()),

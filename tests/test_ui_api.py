@@ -34,7 +34,7 @@ def root(tmp_path) -> Path:
 
 @pytest.fixture
 def client(root, tmp_path) -> TestClient:
-    return TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    return TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
 
 
 @pytest.fixture
@@ -392,7 +392,7 @@ def wait_for(client, run_id, condition, timeout=180):
 def test_run_progress_samples_restart_and_stop(lumina2_dir, root, tmp_path, no_leftovers):
     write_config(root, root / "images", max_train_steps=2000, validation_prompt="a red circle",
                  validation_resolution="64x64", validation_step_interval=3, validation_num_inference_steps=2)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     started = client.post("/api/runs", json={"path": str(root / "config" / "config.json")})
     assert started.status_code == 200, started.text
     run_id = started.json()["id"]
@@ -402,7 +402,7 @@ def test_run_progress_samples_restart_and_stop(lumina2_dir, root, tmp_path, no_l
     sample = client.get(f"/api/runs/{run_id}/file", params={"path": run["samples"][0]["path"]})
     assert sample.status_code == 200 and sample.content[:4] == b"\x89PNG"
     # the server restarts: a new app over the same state folder finds the run still going
-    restarted = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    restarted = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     assert [r["status"] for r in restarted.get("/api/runs").json()["runs"]] == ["running"]
     assert restarted.post(f"/api/runs/{run_id}/command", json={"command": "save"}).status_code == 200
     assert restarted.post(f"/api/runs/{run_id}/command", json={"command": "stop"}).status_code == 200
@@ -413,7 +413,7 @@ def test_run_progress_samples_restart_and_stop(lumina2_dir, root, tmp_path, no_l
 
 
 def test_crashes_and_kills_are_reported_as_failed(lumina2_dir, root, tmp_path, no_leftovers):
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     (root / "empty-model").mkdir()
     broken = write_config(root / "broken", root / "images", pretrained_model_name_or_path=str(root / "empty-model"))
     killed = write_config(root / "killed", root / "images", max_train_steps=5000)
@@ -527,3 +527,103 @@ def test_an_empty_dataset_is_shown_with_each_left_out_files_reason(client, root)
     [problem] = client.post("/api/config/check", json={**body, "scan": True}).json()["problems"]
     assert problem["key"] == "instance_data_dir" and "see each file's reason below" in problem["message"]
     assert f"{root / 'broken' / 'a.png'}: not a readable image" in problem["message"]
+
+
+def test_a_key_written_twice_in_the_file_is_shown_and_refused_as_check_refuses_it(client, root):
+    """The page opened and started a config with learning_rate written twice, training the last value, where
+    `difftune check` refuses the file; a trailing comma got the parser's words, not check's."""
+    config_path, data_path = root / "config" / "config.json", root / "config" / "multidatabackend.json"
+    text = config_path.read_text().rstrip().rstrip("}") + ', "learning_rate": 5e-5, "learning_rate": 1e-4}'
+    config_path.write_text(text)
+    opened = client.get("/api/config", params={"path": str(config_path)}).json()
+    (twice,) = [p for p in opened["problems"] if "appears twice" in p["text"]]
+    assert twice["scope"] == "config" and twice["key"] == "learning_rate" and not opened["ok"]
+    started = client.post("/api/runs", json={"path": str(config_path)})
+    assert started.status_code == 422 and any("appears twice" in p["text"] for p in started.json()["problems"])
+    with pytest.raises(ConfigError, match="learning_rate: the key appears twice"):
+        load_config(config_path)
+    data_path.write_text('[{"id": "train", "resolution": 64, "resolution": 32}]')
+    config_path.write_text(text.replace(', "learning_rate": 1e-4', ""))
+    opened = client.get("/api/config", params={"path": str(config_path)}).json()
+    assert any("dataset 'train': resolution: the key appears twice" in p["text"] for p in opened["problems"])
+    config_path.write_text('{"model_family": "lumina2",}')
+    r = client.get("/api/config", params={"path": str(config_path)})
+    assert r.status_code == 422 and "trailing comma at line 1" in r.json()["error"]
+
+
+def test_two_pages_saving_the_same_file_at_once_get_one_conflict(client, root, monkeypatch):
+    """Both saves compared the version before either wrote (the check between is slow), so both got 200 and one
+    edit was lost without a word."""
+    import threading
+
+    import difftune.ui.server as server
+
+    config_path = root / "config" / "config.json"
+    opened = client.get("/api/config", params={"path": str(config_path)}).json()
+    both = threading.Barrier(2)
+    real_check = server.check
+
+    def slow_check(*args, **kwargs):
+        answer = real_check(*args, **kwargs)
+        both.wait(timeout=30)  # each save has checked before either compares and writes
+        return answer
+
+    monkeypatch.setattr(server, "check", slow_check)
+    codes = {}
+
+    def save(rate):
+        config = {**opened["config"], "learning_rate": rate}
+        body = {"path": str(config_path), "config": config, "datasets": opened["datasets"],
+                "opened": opened["versions"]}
+        codes[rate] = client.put("/api/config", json=body).status_code
+
+    threads = [threading.Thread(target=save, args=(r,)) for r in (1e-3, 2e-3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes.values()) == [200, 409], codes
+    saved = next(r for r, c in codes.items() if c == 200)
+    assert json.loads(config_path.read_text())["learning_rate"] == saved
+
+
+def test_start_refuses_an_output_dir_another_trainer_holds(client, root):
+    """`difftune train` from a terminal held the output_dir: Start spawned a run that failed on the lock, and the
+    page showed the other trainer's steps as that run's."""
+    from difftune.train.run_lock import output_dir_lock
+
+    config_path = root / "config" / "config.json"
+    output_dir = Path(load_config(config_path).train.output_dir)
+    with output_dir_lock(output_dir, main=True):
+        r = client.post("/api/runs", json={"path": str(config_path)})
+    assert r.status_code == 409 and "in use by another training run (pid" in r.json()["error"], r.text
+    assert client.get("/api/runs").json()["runs"] == []
+
+
+def test_steps_before_the_runs_own_start_are_not_its_own(tmp_path):
+    """Steps another trainer logged into the shared events.jsonl before this run's trainer started."""
+    run = fake_run(tmp_path, [{"event": "step", "step": 9, "loss": 1.0, "lr": 1e-3, "elapsed": 0.1}], pid=None,
+                   exit_code=1)
+    run.read_events()
+    assert run.steps == [] and run.last_step is None
+
+
+def test_run_files_that_could_script_the_page_are_downloads(client, root, tmp_path):
+    """An HTML, JS or SVG file in a run's output folder was served inline from the app's origin, where its script
+    would have had the API's rights."""
+    run = fake_run(tmp_path, [], pid=None, exit_code=0)
+    (tmp_path / "ui" / "runs").mkdir(parents=True)
+    shutil.move(run.folder, tmp_path / "ui" / "runs" / run.id)  # where the app's registry keeps its runs
+    app = create_app([tmp_path], state_dir=tmp_path / "ui")
+    c = TestClient(app, raise_server_exceptions=False, base_url="http://localhost")
+    for name, body in (("x.html", "<script>1</script>"), ("x.js", "1"), ("x.svg", "<svg/>"), ("a.png", "png"),
+                       ("n.txt", "text")):
+        (run.output_dir / name).write_text(body)
+    for name in ("x.html", "x.js", "x.svg"):
+        r = c.get(f"/api/runs/{run.id}/file", params={"path": name})
+        assert r.status_code == 200 and r.headers["content-disposition"].startswith("attachment"), name
+        assert r.headers["content-type"] == "application/octet-stream"
+        assert r.headers["content-security-policy"].startswith("sandbox")
+    for name in ("a.png", "n.txt"):
+        r = c.get(f"/api/runs/{run.id}/file", params={"path": name})
+        assert r.headers["content-disposition"].startswith("inline"), name

@@ -117,7 +117,7 @@ def fuzz(tmp_path: Path, monkeypatch, requests: int) -> dict[int, int]:
         raise ApiError(409, "the fuzz starts nothing")
 
     monkeypatch.setattr(app.state.registry, "spawn", spawn)
-    client = TestClient(app, raise_server_exceptions=False)
+    client = TestClient(app, raise_server_exceptions=False, base_url="http://localhost")
     rng = random.Random(SEED)
     paths = junk_paths(root, outside)
     valid = {"path": str(root / "config" / "config.json"),

@@ -42,7 +42,7 @@ def outside(tmp_path) -> Path:
 @pytest.fixture
 def client(root, tmp_path, monkeypatch) -> TestClient:
     monkeypatch.chdir(root)
-    return TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    return TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
 
 
 def body_of(root: Path) -> dict:
@@ -137,7 +137,7 @@ def test_default_cache_paths_outside_the_roots_are_refused(root, tmp_path, monke
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     body = body_of(root)
     del body["datasets"][0]["cache_dir_vae"]
     del body["datasets"][1]  # no text_embeds entry
@@ -152,7 +152,7 @@ def test_default_cache_paths_outside_the_roots_are_refused(root, tmp_path, monke
     assert not (elsewhere / "cache").exists() and not (elsewhere / "output").exists()
     # the same config with the server started inside the root: the defaults are inside, all is well
     monkeypatch.chdir(root)
-    inside = TestClient(create_app([root], state_dir=tmp_path / "state2"), raise_server_exceptions=False)
+    inside = TestClient(create_app([root], state_dir=tmp_path / "state2"), raise_server_exceptions=False, base_url="http://localhost")
     assert inside.post("/api/config/check", json=body).json()["ok"]
 
 
@@ -260,7 +260,7 @@ def test_slow_work_runs_off_the_event_loop(root, tmp_path, monkeypatch):
         return real_check(*args, **kwargs)
 
     monkeypatch.setattr(server, "check", stuck)
-    with TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False) as client:
+    with TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost") as client:
         worker = threading.Thread(target=lambda: client.post("/api/config/check", json=body_of(root)), daemon=True)
         worker.start()
         assert entered.wait(10)

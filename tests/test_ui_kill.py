@@ -19,7 +19,7 @@ def test_kill_saves_and_the_folder_can_be_run_again(lumina2_dir, tmp_path):
     root = tmp_path / "root"
     make_dataset(root / "images", count=4)
     config = write_config(root, root / "images", max_train_steps=5000, resume_from_checkpoint="latest")
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     registry = Registry(tmp_path / "state", root)
     try:
         first = client.post("/api/runs", json={"path": str(config)}).json()["id"]

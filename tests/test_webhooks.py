@@ -333,7 +333,7 @@ def test_the_web_ui_confines_the_file_not_the_url(tmp_path, monkeypatch):
         (folder / "hooks.json").write_text(json.dumps(hook))
     write_config(root, root / "images", max_train_steps=2)
     monkeypatch.chdir(root)
-    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False)
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), raise_server_exceptions=False, base_url="http://localhost")
     body = {"path": str(root / "config" / "config.json"),
             "config": json.loads((root / "config" / "config.json").read_text()),
             "datasets": json.loads((root / "config" / "multidatabackend.json").read_text())}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,12 @@ def _line_col(text: str, pos: int) -> tuple[int, int]:
     return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
 
 
-def _syntax_message(path: Path, text: str, e: json.JSONDecodeError) -> str:
+def _syntax_message(path: Path | str, text: str, e: json.JSONDecodeError) -> str:
+    return f"{path}: {syntax_problem(text, e)}"
+
+
+def syntax_problem(text: str, e: json.JSONDecodeError) -> str:
+    """What is wrong at the error's place, without the file's name: a trailing comma said as such."""
     pos = e.pos
     if pos < len(text) and text[pos] == ",":  # Python 3.13 points at the comma itself, 3.12 at the closer
         pos += 1
@@ -35,9 +41,25 @@ def _syntax_message(path: Path, text: str, e: json.JSONDecodeError) -> str:
     if pos < len(text) and text[pos] in "}]" and before >= 0 and text[before] == ",":
         line, col = _line_col(text, before)
         closer = "object" if text[pos] == "}" else "list"
-        return (f"{path}: trailing comma at line {line}, column {col} (a comma after the last item of {'an' if closer == 'object' else 'a'} {closer} "
-                "is not allowed in JSON); remove it")
-    return f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+        return (f"trailing comma at line {line}, column {col} (a comma after the last item of "
+                f"{'an' if closer == 'object' else 'a'} {closer} is not allowed in JSON); remove it")
+    return f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+
+
+def duplicates_hook(path: Path | str, what: str, duplicates: list[str] | None) -> Callable[[list], dict]:
+    """json's object_pairs_hook that appends a problem to `duplicates` for a key written twice in one object (JSON
+    keeps only the last value, silently)."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out and duplicates is not None:
+                entry = out.get("id", dict(items).get("id"))
+                where = f"dataset {entry!r}: " if isinstance(entry, str) and what == "dataset list" else ""
+                duplicates.append(f"{path}: {where}{key}: the key appears twice in one object (JSON keeps only "
+                                  "the last value); keep one")
+            out[key] = value
+        return out
+    return pairs
 
 
 CONVERT = "difftune reads only JSON configs, not SimpleTuner's TOML or ENV ones: write its keys as a JSON object in"
@@ -88,19 +110,8 @@ def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = N
         raise JsonFileError(f"{path}: the {_a_file(what)[2:]} is empty; write a JSON "
                             f"{'list' if what == 'dataset list' else 'object'} in it ({hint})")
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in items:
-            if key in out and duplicates is not None:
-                entry = out.get("id", dict(items).get("id"))
-                where = f"dataset {entry!r}: " if isinstance(entry, str) and what == "dataset list" else ""
-                duplicates.append(f"{path}: {where}{key}: the key appears twice in one object (JSON keeps only "
-                                  "the last value); keep one")
-            out[key] = value
-        return out
-
     try:
-        return json.loads(text, object_pairs_hook=pairs)
+        return json.loads(text, object_pairs_hook=duplicates_hook(path, what, duplicates))
     except json.JSONDecodeError as e:
         if config and (kind := _other_format(path, text)) is not None:
             target = path if path.suffix.lower() == ".json" else path.with_suffix(".json")

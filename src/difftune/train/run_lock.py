@@ -179,6 +179,23 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+def in_use(output_dir: Path) -> str | None:
+    """Who holds output_dir's lock ('pid 123'), or None when no run does (the web UI asks before it starts one)."""
+    try:
+        fd = os.open(Path(output_dir) / LOCK_FILE, os.O_RDWR)
+    except OSError:
+        return None  # no lock file (or none readable): no run took it
+    try:
+        if _try_lock(fd):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        return _holder(fd)
+    except OSError:
+        return None  # a file system without locks: the trainer says so itself
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def output_dir_lock(output_dir: Path, main: bool | None = None, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
     """Hold output_dir's lock while inside, or fail (within `wait_s`) with `OutputDirInUse` naming the folder and

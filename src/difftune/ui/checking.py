@@ -97,13 +97,13 @@ def scan_problems(run_cfg: RunConfig, data_where: str) -> list[str]:
 
 
 def check(roots: Roots, config_path: Path, config: dict[str, Any], datasets: Any,
-          scan: bool = False) -> tuple[dict[str, Any], RunConfig | None]:
+          scan: bool = False, found: list[str] = ()) -> tuple[dict[str, Any], RunConfig | None]:
     """Validate with `load_config` (the same messages as `difftune check`, files in a temp folder), and
     confine every path the run would use. `datasets`: the dataset list as read (anything but a list gets the
     loader's own problem). `scan`: also scan the datasets' files as `difftune check` does, once everything
     else passes (Check, Save and Start; the check while typing leaves it out). Returns the answer for the page
-    and the parsed config."""
-    problems: list[str] = []
+    and the parsed config. `found`: problems found in reading the files (a key written twice)."""
+    problems: list[str] = list(found)
     try:
         data_path = datasets_location(roots, config_path, config)
         if (problem := special_problem(data_path, read_here=True)) is not None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
+
+from difftune.config.jsonfile import duplicates_hook, syntax_problem
 
 MAX_BODY_BYTES = 1024 * 1024  # a config and its dataset list are a few kB
 MAX_DEPTH = 32  # a config nests two levels (a dataset's parquet block in the list)
@@ -38,21 +41,24 @@ def _int(text: str) -> int:
     return int(text)
 
 
-def parse_json(data: bytes | str) -> Any:
-    """The JSON value, or BadJson with a message (not UTF-8, not JSON, non-finite, too deep)."""
+def parse_json(data: bytes | str, path: Path | str = "", what: str = "", duplicates: list[str] | None = None) -> Any:
+    """The JSON value, or BadJson with a message (not UTF-8, not JSON, non-finite, too deep). With `duplicates`, a
+    key written twice in one object is appended there as a problem of `path` (the `what` file), as the loader
+    says it (config/jsonfile.py)."""
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8-sig")  # a BOM (Windows Notepad), as the loader reads it (config/jsonfile.py)
         except UnicodeDecodeError as e:
             raise BadJson(f"the text is not UTF-8 (byte {e.start})") from None
     try:
-        value = json.loads(data, parse_constant=_constant, parse_float=_float, parse_int=_int)
+        value = json.loads(data, parse_constant=_constant, parse_float=_float, parse_int=_int,
+                           object_pairs_hook=duplicates_hook(path, what, duplicates))
     except BadJson:
         raise
     except RecursionError:
         raise BadJson(f"the JSON nests deeper than {MAX_DEPTH} levels") from None
     except json.JSONDecodeError as e:
-        raise BadJson(f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise BadJson(syntax_problem(data, e)) from None
     except ValueError as e:
         raise BadJson(f"not valid JSON: {e}") from None
     if _depth(value) > MAX_DEPTH:

@@ -124,6 +124,9 @@ class Run:
         self._pos = int(info.get("events_offset", 0))
         self._partial = b""
         self._closed = False  # the rest of the log belongs to later runs
+        # this run's trainer has logged its "start": the steps before it are another trainer's (one that writes into
+        # the same output_dir, whose lock then made this run fail)
+        self._started = False
         self.next_offset: int | None = None  # where the next run into this output_dir starts (Registry sets it)
         self.events: list[dict[str, Any]] = []  # every event but "step"s, which a long run has by the million
         self.steps: list[tuple[int, float, float | None]] = []  # (step, time, loss) of each "step" event
@@ -158,6 +161,7 @@ class Run:
                 f.seek(0, os.SEEK_END)
                 if f.tell() < self._pos:  # the log was replaced: read it again from the start
                     self._pos, self._partial, self.events, self.steps, self.last_step = 0, b"", [], [], None
+                    self._started = False
                 f.seek(self._pos)
                 data = f.read() if end is None else f.read(max(0, end - self._pos))
                 self._pos = f.tell()
@@ -175,6 +179,9 @@ class Run:
             if event["event"] == "start" and (pid := self._trainer_pid()) is not None and event.get("pid") != pid:
                 self._closed = True  # another trainer's start (`difftune train` into the same output_dir)
                 break
+            self._started = self._started or event["event"] == "start"
+            if event["event"] == "step" and not self._started:
+                continue
             if event["event"] == "step" and isinstance(event.get("step"), int) and \
                     isinstance(event.get("time"), int | float):
                 loss = event.get("loss")

@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,7 +48,8 @@ from difftune.ui.runs import Registry
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "difftune_token"
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "testserver")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+INLINE_TEXT = ("text/plain", "text/markdown", "text/csv")  # run files the page may show as text
 log = logging.getLogger("difftune.ui")
 
 
@@ -129,10 +131,11 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    """A JSON file inside the roots: a regular file of bounded size, read without blocking."""
+def _read_json(path: Path, what: str, duplicates: list[str] | None = None) -> Any:
+    """A JSON file inside the roots: a regular file of bounded size, read without blocking. A key written twice in
+    one object is appended to `duplicates` as `difftune check` says it (the file is still returned)."""
     try:
-        return parse_json(read_regular(path))
+        return parse_json(read_regular(path), path, what, duplicates)
     except FileNotFoundError as e:
         raise ApiError(404, f"{path}: {what} not found") from e
     except (NotReadable, BadJson) as e:
@@ -170,6 +173,7 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
 
         state_dir = difftune_home() / "ui"
     registry = Registry(Path(state_dir), confined.base)
+    saving, starting = threading.Lock(), threading.Lock()  # the routes run in worker threads
     hosts = allowed_hosts if allowed_hosts is not None else (() if token else LOOPBACK_NAMES)
     app = FastAPI(title="difftune", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.roots, app.state.registry, app.state.token = confined, registry, token
@@ -214,10 +218,11 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         else:
             response = await call_next(request)
         response.headers.update({
-            "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
-            "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; media-src 'self'; "
-                                       "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
-        })
+            "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"})
+        # a run's file keeps its own, sandboxed policy (run_file)
+        response.headers.setdefault("Content-Security-Policy",
+                                    "default-src 'self'; img-src 'self' data: blob:; media-src 'self'; "
+                                    "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'")
         return response
 
     # --- errors: always JSON with a message, never a traceback
@@ -305,8 +310,8 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                 "images": images, "clips": clips}
 
     # --- configurations (plain functions: FastAPI runs them in a worker thread, off the event loop)
-    def read_config(config_path: Path) -> dict[str, Any]:
-        config = _read_json(config_path, "config file")
+    def read_config(config_path: Path, duplicates: list[str] | None = None) -> dict[str, Any]:
+        config = _read_json(config_path, "config file", duplicates)
         if not isinstance(config, dict):
             raise ApiError(422, f"{config_path}: the config must be a JSON object of keys and values")
         return config
@@ -314,15 +319,16 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     @app.get("/api/config")
     def open_config(path: str):
         config_path = confined.confine(path)
-        config = read_config(config_path)
+        twice: list[str] = []  # keys written twice: shown, and saving from the page keeps one
+        config = read_config(config_path, twice)
         loaded: Any = []
         try:
             data_path = datasets_location(confined, config_path, config)
         except PathRefused:
             data_path = None  # the check below shows the problem at data_backend_config
         if data_path is not None and data_path.is_file():
-            loaded = _read_json(data_path, "dataset list")
-        result, _ = check(confined, config_path, config, loaded, scan=True)
+            loaded = _read_json(data_path, "dataset list", twice)
+        result, _ = check(confined, config_path, config, loaded, scan=True, found=twice)
         # a dataset list that is not a list is shown with the loader's problem and no entries; it is left out of
         # the opened versions, so that a save asks before replacing it
         opened = [config_path] + ([data_path] if data_path is not None and isinstance(loaded, list) else [])
@@ -370,16 +376,19 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             raise ApiError(400, "data_backend_config names the config file itself; give the dataset list its own file")
         for target in (config_path, data_path):
             _writable(target)
-        conflicts = [str(t) for t in (config_path, data_path)
-                     if t.exists() and not body.overwrite and body.opened.get(str(t)) != _version(t)]
-        if conflicts:
-            raise ApiError(409, "; ".join(f"{c} already exists, and this page did not open it (or it changed since)"
-                                          for c in conflicts) + ": save under another name, or confirm to replace it",
-                           conflicts=conflicts)
         result, _ = check(confined, config_path, body.config, body.datasets, scan=True)
-        _write_json(data_path, body.datasets)
-        _write_json(config_path, body.config)
-        versions = {str(p): v for p in (config_path, data_path) if (v := _version(p)) is not None}
+        # the versions compared and the files written under one lock: two pages saving the same file at once got
+        # 200 both, and the later write replaced the earlier without a word
+        with saving:
+            conflicts = [str(t) for t in (config_path, data_path)
+                         if t.exists() and not body.overwrite and body.opened.get(str(t)) != _version(t)]
+            if conflicts:
+                raise ApiError(409, "; ".join(f"{c} already exists, and this page did not open it (or it changed "
+                                              "since)" for c in conflicts)
+                               + ": save under another name, or confirm to replace it", conflicts=conflicts)
+            _write_json(data_path, body.datasets)
+            _write_json(config_path, body.config)
+            versions = {str(p): v for p in (config_path, data_path) if (v := _version(p)) is not None}
         return {"saved": [str(config_path), str(data_path)], "versions": versions, **result}
 
     # --- runs
@@ -396,7 +405,8 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
     @app.post("/api/runs")
     def start_run(body: PathBody):
         config_path = confined.confine(body.path)
-        config = read_config(config_path)
+        twice: list[str] = []  # a key written twice is refused, as `difftune train` refuses it
+        config = read_config(config_path, twice)
         datasets: Any = []
         try:
             data_path = datasets_location(confined, config_path, config)
@@ -406,15 +416,21 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             raise ApiError(422, f"{config_path}: data_backend_config: the dataset list {data_path} is not there; "
                            "save the config from the page to write it")
         if data_path is not None and data_path.is_file():
-            datasets = _read_json(data_path, "dataset list")
-        result, run_cfg = check(confined, config_path, config, datasets, scan=True)
+            datasets = _read_json(data_path, "dataset list", twice)
+        result, run_cfg = check(confined, config_path, config, datasets, scan=True, found=twice)
         if run_cfg is None:
             raise ApiError(422, "the configuration cannot be used; fix the problems shown", **result)
         output_dir = confined.confine_config(run_cfg.train.output_dir)
-        if (active := registry.active_on(output_dir)) is not None:
-            raise ApiError(409, f"run {active.id} is still writing to {output_dir}; stop it first")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        run = registry.spawn(config_path, output_dir, config, datasets)  # what was checked, not the file again
+        from difftune.train.run_lock import in_use
+
+        with starting:  # two Starts at once both passed the check below, and one run then failed on the lock
+            if (active := registry.active_on(output_dir)) is not None:
+                raise ApiError(409, f"run {active.id} is still writing to {output_dir}; stop it first")
+            if (holder := in_use(output_dir)) is not None:  # `difftune train` from a terminal, say
+                raise ApiError(409, f"output_dir {output_dir} is in use by another training run ({holder}); wait for "
+                               "it to end or stop it, or choose another output_dir")
+            output_dir.mkdir(parents=True, exist_ok=True)
+            run = registry.spawn(config_path, output_dir, config, datasets)  # what was checked, not the file again
         return run.summary(detail=True)
 
     @app.get("/api/runs/{run_id}")
@@ -443,9 +459,14 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         if not target.is_file():
             raise ApiError(404, f"{path!r}: no such file in the run's output folder")
         media = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-        inline = media.startswith(("image/", "video/", "text/"))
-        return FileResponse(target, media_type=media, content_disposition_type="inline" if inline else "attachment",
-                            filename=target.name)
+        # shown in the page: samples and plain text. An HTML, script or SVG file put in an output folder would run
+        # in this origin (with the API's rights), so everything else is a download, and sandboxed either way
+        inline = (media.startswith(("image/", "video/")) and media != "image/svg+xml") or media in INLINE_TEXT
+        response = FileResponse(target, media_type=media if inline else "application/octet-stream",
+                                content_disposition_type="inline" if inline else "attachment", filename=target.name)
+        response.headers["Content-Security-Policy"] = ("sandbox; default-src 'none'; img-src 'self'; media-src 'self'; "
+                                                       "frame-ancestors 'none'")
+        return response
 
     @app.get("/api/runs/{run_id}/log")
     def run_log(run_id: str, lines: int = 200):
