@@ -103,3 +103,33 @@ def test_adapter_config_errors(tmp_path, dataset):
                                  base_model_precision="int8-quanto"))
     with pytest.raises(ConfigError, match="init_lora"):
         load_config(write_config(tmp_path, dataset, init_lora=str(tmp_path / "nope")))
+
+
+def test_lora_target_modules_that_name_no_layer_are_refused_before_any_model_loads(tmp_path, dataset, capsys):
+    """`to_q,to_kk` trained to_q alone without a word; a list naming nothing passed check and crashed in peft after
+    caching (exit 1, a traceback); a block's name crashed in peft too."""
+    from difftune.cli import main
+
+    for targets, said in (("to_q,to_kk", "lora_target_modules 'to_kk' matches no module of the lumina2 transformer"),
+                          ("nothing,to_kk", "'nothing', 'to_kk' match no module"),
+                          ("attn", "'attn' names whole blocks (Attention), not layers")):
+        config = write_config(tmp_path, dataset, lora_target_modules=targets if "," in targets else [targets])
+        for command in ("check", "train"):
+            assert main([command, "--config", str(config)]) == 2, (targets, command)
+            err = capsys.readouterr().err
+            assert said in err and "Traceback" not in err, err
+    assert "its linear layers are named" in err and "to_out.0, to_q" in err
+    assert not (tmp_path / "cache").exists()  # refused before caching (on the transformer built without weights)
+
+
+def test_lora_target_modules_are_checked_on_the_loaded_transformer(tmp_path, dataset):
+    """A transformer not known before it loads (a local folder, several processes) is checked when peft wraps it."""
+    from difftune.adapters.kinds import LoraAdapter
+    from difftune.adapters.targets import LoraTargetsError
+
+    cfg = load_config(write_config(tmp_path, dataset, lora_target_modules=["to_q", "to_kk"])).train
+    from difftune.memory_plan.architecture import architecture_of
+
+    transformer = Lumina2Transformer2DModel.from_pretrained(architecture_of(cfg).name, subfolder="transformer")
+    with pytest.raises(LoraTargetsError, match="'to_kk' matches no module"):
+        LoraAdapter(cfg, get_family("lumina2"), transformer)

@@ -156,8 +156,8 @@ def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
 
 
 def _check_blocks(cfg: Any) -> None:
-    """A TREAD route, a CREPA or LayerSync block past the transformer's last block, a LyCORIS preset that matches
-    nothing, refused before any model loads as train refuses them."""
+    """A TREAD route, a CREPA or LayerSync block past the transformer's last block, a LyCORIS preset or
+    lora_target_modules that match nothing, refused before any model loads as train refuses them."""
     from difftune.train import crepa, layersync, tread
 
     tread.check_before_load(cfg)
@@ -167,6 +167,9 @@ def _check_blocks(cfg: Any) -> None:
         from difftune.adapters.lycoris import check_preset
 
         check_preset(cfg)
+    from difftune.adapters.targets import check_targets
+
+    check_targets(cfg)  # lora_target_modules that name no layer
 
 
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:

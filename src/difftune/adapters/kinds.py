@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from difftune.adapters.casts import skip_casts_under_autocast
 from difftune.adapters.dora import dense_weight, start_magnitudes
+from difftune.adapters.targets import LoraTargetsError
+from difftune.adapters.targets import problem as targets_problem
 from difftune.config import TrainConfig
 from difftune.config.lora_keys import LORA_INIT_WEIGHTS
 from difftune.models.base import Family
@@ -45,6 +47,8 @@ class LoraAdapter:
         self.cfg, self.family, self.transformer = cfg, family, transformer
         transformer.requires_grad_(False)
         targets = cfg.lora_target_modules or family.lora_target_modules
+        if cfg.lora_target_modules and (problem := targets_problem(transformer, targets, cfg.model_family)):
+            raise LoraTargetsError(problem)  # peft drops a name that matches nothing, or fails on a block
         with warnings.catch_warnings():
             # peft warns on every int8/fp8-torchao layer that merge() would fail; difftune never merges (the base
             # stays as loaded and the adapter is saved apart), so the warning is noise on every such run.
@@ -55,8 +59,6 @@ class LoraAdapter:
                 target_modules=targets if isinstance(targets, str) else list(targets),
             ))
         self.params = [p for p in transformer.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError(f"lora_target_modules {targets!r} matched no module of the transformer")
         for p in self.params:  # adapters train in fp32 even when the base is bf16 (DoRA's magnitudes too)
             p.data = p.data.float()
         magnitudes_loaded = self.load_lora_file(Path(cfg.init_lora)) if cfg.init_lora else False

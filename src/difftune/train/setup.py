@@ -278,6 +278,9 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
 
         check_device(cfg, accelerator.device)
         check_preset(cfg, build_tiny=ranks.count == 1)  # and an apply_preset that matches no module of the model
+    from difftune.adapters.targets import check_targets
+
+    check_targets(cfg, build_tiny=ranks.count == 1)  # and lora_target_modules that name no layer
     if events is None:  # one event log and one progress bar: process 0's
         events = Events(output_dir / "events.jsonl") if ranks.main else Events(None, console=False)
     webhooks.attach(cfg, events, ranks.main)  # webhook_config: the first subscriber, closed last
