@@ -133,6 +133,8 @@ def run_card_usage(run_cfg, run, tmp_path, monkeypatch, image, size, ours) -> No
         write_mp4(frames, Path(path), fps)
 
     monkeypatch.setattr("diffusers.utils.export_to_video", export_to_video)
+    # a LyCORIS card downloads its file: here the repo is the local output folder
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda repo, name: str(Path(repo) / name))
     names = {}
     if run.cfg.model_family != "lumina2":  # without torchvision, Qwen2VLProcessor needs the image-only processor
         from difftune.models.tiny_kandinsky5 import load_qwen_processor
@@ -155,7 +157,8 @@ def run_card_usage(run_cfg, run, tmp_path, monkeypatch, image, size, ours) -> No
 
 
 @pytest.mark.parametrize("index,algo", [(0, "full"), (0, "glora"), (0, "lokr"), (1, "full")])
-def test_bf16_lycoris_validation_equals_load_lycoris_in_the_stock_bf16_pipeline(index, algo, tmp_path, dataset):
+def test_bf16_lycoris_validation_equals_load_lycoris_in_the_stock_bf16_pipeline(index, algo, tmp_path, dataset,
+                                                                              monkeypatch):
     """A LyCORIS network samples in the base's dtype, as load_lycoris puts it into a bf16 pipeline. `full` and
     `glora` multiply their own weights with the activations: in fp32 beside a bf16 base, validation crashed (on
     Kandinsky 5 too, whose fp32 modulations outweighed the bf16 weights a `full` network leaves)."""
@@ -166,9 +169,12 @@ def test_bf16_lycoris_validation_equals_load_lycoris_in_the_stock_bf16_pipeline(
                             checkpoint_step_interval=0, resume_from_checkpoint=None)
     lycoris = tmp_path / "lycoris.json"
     lycoris.write_text(json.dumps({"algo": algo, "linear_dim": 4, "linear_alpha": 2}))
-    run = build_run(load_config(config, {"lora_type": "lycoris", "lycoris_config": str(lycoris)}))
+    run_cfg = load_config(config, {"lora_type": "lycoris", "lycoris_config": str(lycoris)})
+    run = build_run(run_cfg)
     train(run)
     ours = np.asarray(Image.open(tmp_path / "output" / "validation" / "final-step-000002-64x48.png")).astype(int)
+    if algo == "lokr":  # the model card's lycoris code, run as written (without apply_to it sampled the base)
+        run_card_usage(run_cfg, run, tmp_path, monkeypatch, None, (64, 48, None), ours)
     pipe = case.stock(run.comps.source, torch_dtype=torch.bfloat16)
     network = load_lycoris(pipe.transformer, tmp_path / "output" / "pytorch_lora_weights.safetensors")
     assert {p.dtype for p in network.parameters()} == {torch.bfloat16}

@@ -122,9 +122,20 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
         multiplier = _lycoris_multiplier(cfg)
         return ("This is a LyCORIS network (`pytorch_lora_weights.safetensors`, with its `lycoris_config` in the "
                 "file's metadata). diffusers' `load_lora_weights` does not read LyCORIS algorithms: apply it with "
-                f"the `lycoris-lora` package (`create_lycoris_from_weights({multiplier:g}, path, pipe.transformer)`, "
-                "the multiplier it trained with) on the pipeline's transformer, in the transformer's dtype "
-                "(`network.to(dtype=pipe.transformer.dtype)`).\n")
+                "the `lycoris-lora` package on the pipeline's transformer (or with difftune's "
+                "`difftune.adapters.lycoris.load_lycoris(pipe.transformer, path)`, which does the same).\n\n"
+                f"```python\n{_imports(run_cfg, pipeline)}from huggingface_hub import hf_hub_download\n"
+                f"from lycoris import create_lycoris_from_weights\n\n"
+                f"pipe = {pipeline}.from_pretrained(\"{base}\", {DTYPE}=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
+                "pipe.to(\"cuda\")\n"
+                f"path = hf_hub_download(\"{repo}\", \"pytorch_lora_weights.safetensors\")\n"
+                f"network, _ = create_lycoris_from_weights({multiplier:g}, path, pipe.transformer)  # the multiplier "
+                "it trained with\n"
+                "network.apply_to()  # hooks it into the transformer's layers: without this it changes nothing\n"
+                "# beside the transformer, not in it: moved on its own, in the pipeline's dtype (its full and glora "
+                "modules do not cast their fp32 weights)\n"
+                "network.to(device=\"cuda\", dtype=pipe.transformer.dtype)\n"
+                f"{_generate(run_cfg)}```\n")
     return (f"```python\n{_imports(run_cfg, pipeline)}"
             f"pipe = {pipeline}.from_pretrained(\"{base}\", {DTYPE}=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
             # named: the EMA copy (ema/) and a ComfyUI file are .safetensors too, which diffusers could pick instead
