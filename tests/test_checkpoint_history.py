@@ -67,14 +67,16 @@ def test_a_run_from_step_0_sets_the_earlier_result_aside(tmp_path, dataset):
     first = (out / "pytorch_lora_weights.safetensors").read_bytes()
     samples = sorted(p.name for p in (out / "validation").rglob("*") if p.is_file())
     assert samples
+    (out / "README.md").write_text("| steps | 1 |")  # a pushed run's model card: it describes that result
     seen = len(events_of(out))
     train(build_run(load_config(write_config(tmp_path, dataset, **keys))))
     (aside,) = [p for p in out.iterdir() if p.name.startswith("superseded-")]
     assert (aside / "pytorch_lora_weights.safetensors").read_bytes() == first
+    assert (aside / "README.md").is_file() and not (out / "README.md").exists()
     assert sorted(p.name for p in (aside / "validation").rglob("*") if p.is_file()) == samples
     assert (out / "pytorch_lora_weights.safetensors").is_file()  # this run's
     (warning,) = [w for w in warnings_after(out, seen) if "result" in w]  # the other: its checkpoint, set aside
-    assert "earlier run's result (pytorch_lora_weights.safetensors, validation)" in warning and str(aside) in warning
+    assert "earlier run's result (pytorch_lora_weights.safetensors, validation, README.md)" in warning and str(aside) in warning
     seen = len(events_of(out))  # a resume continues this run's result: nothing is set aside
     train(build_run(load_config(write_config(tmp_path, dataset, **{**keys, "max_train_steps": 2},
                                              resume_from_checkpoint="latest"))))

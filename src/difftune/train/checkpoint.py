@@ -224,7 +224,9 @@ def set_aside_later(output_dir: Path, step: int) -> tuple[Path | None, list[str]
 
 
 # What a finished run leaves in output_dir (the adapter's files or the full model, the EMA, the samples)
-RESULT_NAMES = ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", "transformer", "ema", "validation")
+# README.md: the model card of a pushed run, which describes that result (its steps, samples, settings)
+RESULT_NAMES = ("pytorch_lora_weights.safetensors", "comfyui_lora.safetensors", "transformer", "ema", "validation",
+                "README.md")
 
 
 def set_aside_result(output_dir: Path) -> tuple[Path | None, list[str]]:
