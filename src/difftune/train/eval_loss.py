@@ -7,8 +7,10 @@ What is measured: for every eval image (or clip) and each of `eval_timesteps` no
 family's resolution-dependent shift with `flow_schedule_auto_shift`), the mean squared error between the model's
 prediction at x = (1 - s) x0 + s noise and the velocity noise - x0 (image-to-video: the first latent frame, the
 input image, left out, as in training). Plain squared error whatever `loss_type` and `loss_weighting` are, so the
-number compares across those settings. The noise of each batch comes from a generator of its own seeded with
-`EVAL_SEED` afresh at each evaluation (the same noise at every level, as SimpleTuner reseeds at each timestep);
+number compares across those settings. Each sample's noise comes from a generator of its own seeded with `EVAL_SEED`
+and the sample's name in its dataset (`noise_seed`), the same at every evaluation and every level (as SimpleTuner
+reseeds at each timestep): a dataset's loss does not move when another eval dataset is added, removed or reordered,
+nor with train_batch_size, and the same files in two datasets measure alike;
 each sample takes its caption as training would in its first epoch, never dropped. The model runs in eval mode
 (no LoRA dropout) without gradients, so TREAD routes nothing and CREPA captures nothing, on the unwrapped
 transformer (no DDP collective), under the training's autocast; schedule-free optimizers lend their averaged
@@ -35,6 +37,7 @@ Several processes: process 0 measures alone while the others wait at the barrier
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -122,14 +125,22 @@ def noise_levels(count: int, shift: float, device: torch.device) -> torch.Tensor
     return objective.shift_sigmas((torch.arange(count, dtype=torch.float32, device=device) + 0.5) / count, shift)
 
 
-def batch_losses(run: Run, model: Any, batch: Batch, count: int, generator: torch.Generator) -> torch.Tensor:
-    """Squared error of each sample at each level [count, B] (float64), for a batch on the device."""
+def noise_seed(name: str) -> int:
+    """The seed of a sample's evaluation noise: `EVAL_SEED` and its name below its dataset's folder."""
+    return int.from_bytes(hashlib.sha256(f"{EVAL_SEED}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def batch_losses(run: Run, model: Any, batch: Batch, count: int, generator: torch.Generator,
+                 seeds: list[int]) -> torch.Tensor:
+    """Squared error of each sample at each level [count, B] (float64), for a batch on the device. `seeds`: each
+    sample's noise seed (`noise_seed`), drawn from `generator`."""
     cfg, device, dtype = run.cfg, run.accelerator.device, run.comps.transformer.dtype
     x0 = batch.latents
     shift = run.family.auto_shift(run.comps, tuple(x0.shape[2:])) if cfg.flow_schedule_auto_shift \
         else cfg.flow_schedule_shift  # as loop.micro_step shifts its draws
     levels = noise_levels(count, shift, device)
-    noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(device)
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=generator.manual_seed(seed), device=generator.device)
+                         for seed in seeds]).to(device)
     target = objective.velocity_target(x0, noise).float()
     conditioning = None if batch.conditioning is None else batch.conditioning.to(device, dtype)
     first = 1 if run.first_frame else 0  # image-to-video: the input frame is not trained, nor measured
@@ -150,7 +161,7 @@ def measure(run: Run) -> dict[str, tuple[torch.Tensor, int]]:
     eval_set: EvalSet = run.eval_set
     model = run.accelerator.unwrap_model(run.transformer)  # outside DDP: no collective, no gradient bookkeeping
     device = run.accelerator.device
-    generator = torch.Generator(device=device).manual_seed(EVAL_SEED)  # never the run's: training is untouched
+    generator = torch.Generator(device=device)  # never the run's: training is untouched
     advance = progress(run.events, f"evaluation loss (step {run.state.step})", eval_set.samples())
     was_training = model.training
     model.eval()
@@ -166,14 +177,16 @@ def measure(run: Run) -> dict[str, tuple[torch.Tensor, int]]:
 
 def _measure_each(run: Run, model: Any, eval_set: EvalSet, generator: torch.Generator, advance: Any,
                   sums: dict[str, tuple[torch.Tensor, int]]) -> None:
-    """Fill `sums` dataset by dataset, batch by batch (one noise draw from `generator` per batch)."""
+    """Fill `sums` dataset by dataset, batch by batch (each sample's noise drawn from `generator` at its seed)."""
     device = run.accelerator.device
     for ident, data in eval_set.data.items():
         total, seen = torch.zeros(eval_set.levels, dtype=torch.float64, device=device), 0
+        seeds = {item.sample.path: noise_seed(item.sample.name or item.sample.path.name) for item in data.items}
         try:
             for batch in data:
                 batch = batch.to(device)
-                total += batch_losses(run, model, batch, eval_set.levels, generator).sum(dim=1)
+                total += batch_losses(run, model, batch, eval_set.levels, generator,
+                                      [seeds[path] for path in batch.paths]).sum(dim=1)
                 seen += batch.latents.shape[0]
                 if advance:
                     advance(batch.latents.shape[0])
