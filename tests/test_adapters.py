@@ -1,6 +1,7 @@
 """Adapter kinds end to end: full fine-tune, LyCORIS, LoRA options, ComfyUI format; save/reload."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,6 +74,14 @@ def test_lora_options_targets_dropout_init_and_comfyui(tmp_path, dataset):
     assert run.comps.transformer.peft_config["default"].lora_dropout == 0.1
     train(run)
     comfy = load_file(tmp_path / "a" / "output" / "comfyui_lora.safetensors")
+    # the diffusers file is the result (the done event, the console), the ComfyUI file named beside it
+    from difftune.cli import result_line
+
+    (done,) = [e for e in map(json.loads, (tmp_path / "a" / "output" / "events.jsonl").read_text().splitlines())
+               if e["event"] == "done"]
+    assert done["adapter"].endswith("pytorch_lora_weights.safetensors")
+    assert result_line(run.cfg, Path(done["adapter"])).endswith(
+        f"pytorch_lora_weights.safetensors, and for ComfyUI to {tmp_path / 'a' / 'output' / 'comfyui_lora.safetensors'}")
     assert comfy and all(k.startswith("diffusion_model.") for k in comfy)
     assert any(k.endswith(".alpha") for k in comfy)
     # init_lora: a new run starts from the saved adapter, weight for weight.

@@ -296,7 +296,7 @@ def test_a_lumina2_lora_on_to_q_alone_saves_for_comfyui(tmp_path):
                       lora_format="comfyui", lora_target_modules=["to_q", "to_out.0"])
     adapter = LoraAdapter(cfg, family, net)
     path = adapter.save(tmp_path)
-    saved = load_file(path)
+    saved = load_file(path.with_name("comfyui_lora.safetensors"))
     hidden, kv = net.config.hidden_size, net.config.num_kv_heads * net.config.hidden_size // \
         net.config.num_attention_heads
     assert saved["diffusion_model.layers.0.attention.qkv.lora_up.weight"].shape == (hidden + 2 * kv, RANK)

@@ -237,7 +237,9 @@ def result_line(cfg: TrainConfig, path: Path) -> str:
     if cfg.model_type == "full":
         return f"model saved to {path} (a diffusers transformer folder)"
     kind = "LyCORIS" if cfg.lora_type == "lycoris" else "LoRA"
-    return f"{kind} saved to {path}"
+    comfyui = path.with_name("comfyui_lora.safetensors")
+    beside = f", and for ComfyUI to {comfyui}" if cfg.lora_format == "comfyui" and comfyui.exists() else ""
+    return f"{kind} saved to {path}{beside}"
 
 
 def end_processes() -> None:

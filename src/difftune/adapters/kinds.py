@@ -101,9 +101,9 @@ class LoraAdapter:
             # a fused qkv whose LoRA adapts to_q alone gets zero k and v rows: their width is to_k's output
             kv_dim = next((getattr(m, "out_features", None) for n, m in self.transformer.named_modules()
                            if n.endswith(".to_k")), None)
-            return save_comfyui(folder / "comfyui_lora.safetensors", self.cfg.model_family, prefixed,
-                                config.lora_alpha, config.r, base_weight=base, kv_dim=kv_dim)
-        return path
+            save_comfyui(folder / "comfyui_lora.safetensors", self.cfg.model_family, prefixed,
+                         config.lora_alpha, config.r, base_weight=base, kv_dim=kv_dim)
+        return path  # the diffusers file is the result either way; the ComfyUI one lies beside it (cli.result_line)
 
 
 class LycorisAdapter:
@@ -144,7 +144,6 @@ class LycorisAdapter:
             save_file(tensors, str(folder / "comfyui_lora.safetensors"),
                       metadata={"format": "pt", "difftune_family": self.cfg.model_family,
                                 "lycoris_config": json.dumps(self.config)})
-            return folder / "comfyui_lora.safetensors"
         return path
 
 
