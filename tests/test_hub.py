@@ -270,3 +270,23 @@ def test_check_says_when_push_to_hub_has_no_login(tmp_path, dataset, monkeypatch
     assert "push_to_hub" in err and "no Hugging Face login" in err and "hf auth login" in err
     monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_not_checked_offline")
     assert main(["check", "--config", str(path)]) == 0
+
+
+def test_push_to_hub_without_a_network_says_so_not_log_in(tmp_path, dataset, monkeypatch, capsys, no_model_loads):
+    """A token and no network: the message said "no usable Hugging Face login ... log in", the wrong fix."""
+    import httpx
+
+    from difftune.cli import main
+
+    FakeHub(monkeypatch, me=httpx.ConnectError("[Errno -2] Name or service not known"))
+    assert main(["train", "--config", str(write_config(tmp_path, dataset, **HUB))]) == 2
+    err = capsys.readouterr().err
+    assert "the Hugging Face hub cannot be reached (ConnectError" in err and "check the network" in err
+    assert "log in" not in err
+
+
+def test_a_hub_model_id_the_hub_refuses_is_a_config_error(tmp_path, dataset):
+    from conftest import config_problems
+
+    text = config_problems(write_config(tmp_path, dataset, **{**HUB, "hub_model_id": "bad id/x y"}))
+    assert "hub_model_id 'bad id/x y' is not a hub repository name" in text and "'user/name'" in text

@@ -75,6 +75,15 @@ def reporting_checks(cfg: TrainConfig) -> None:
     hub = [k for k in ("push_to_hub", "push_checkpoints_to_hub") if getattr(cfg, k)]
     if hub and not cfg.hub_model_id:
         raise ValueError(f"{hub[0]} needs hub_model_id: the hub repository to upload to ('user/name')")
+    if hub and cfg.hub_model_id:  # the hub's own rule, offline: a bad name failed only at the upload's start
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(cfg.hub_model_id)
+        except HFValidationError as e:
+            raise ValueError(f"hub_model_id {cfg.hub_model_id!r} is not a hub repository name: {e} Write it as "
+                             "'user/name' or 'name'") from None
     if cfg.push_checkpoints_to_hub and not cfg.push_to_hub:
         raise ValueError("push_checkpoints_to_hub uploads to push_to_hub's repository; set push_to_hub to true "
                          "(or push_checkpoints_to_hub to false)")

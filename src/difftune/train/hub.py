@@ -23,6 +23,7 @@ exit with status 4 (HUB_UPLOAD_FAILED), with the command that uploads it by hand
 
 from __future__ import annotations
 
+import importlib
 import queue
 import shlex
 import threading
@@ -56,6 +57,30 @@ def login_missing(cfg: Any) -> str | None:
     return f"push_to_hub: hub_model_id {cfg.hub_model_id!r}: no Hugging Face login; {LOGIN_FIX}"
 
 
+def unreachable(error: BaseException) -> bool:
+    """Whether an error of a hub call is the network's (no connection, no name resolution, a timeout), not the
+    hub's answer (which is an HTTP error with a status)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    network: list[type] = [ConnectionError, TimeoutError]
+    for module, name in (("httpx", "TransportError"), ("requests.exceptions", "ConnectionError"),
+                         ("requests.exceptions", "Timeout")):
+        try:  # huggingface_hub 1.x talks through httpx, older releases through requests
+            network.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # the transport error may be wrapped
+        seen.add(id(current))
+        if isinstance(current, HfHubHTTPError):
+            return False
+        if isinstance(current, tuple(network)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def access_problem(cfg: Any, api: Any = None) -> str | None:
     """Why push_to_hub could not upload to hub_model_id, or None: the login (whoami), its write access (a read token,
     a namespace that is neither the user's nor one of their organisations'), then the repository, created when it
@@ -68,6 +93,9 @@ def access_problem(cfg: Any, api: Any = None) -> str | None:
     try:
         me = api.whoami()
     except Exception as e:  # noqa: BLE001 - no token, a revoked one, no network: each is said as it is
+        if unreachable(e):
+            return (f"{where}: the Hugging Face hub cannot be reached ({type(e).__name__}: {e}); check the network "
+                    "(or HF_ENDPOINT), or set push_to_hub to false to train without uploading")
         return f"{where}: no usable Hugging Face login ({type(e).__name__}: {e}); {LOGIN_FIX}"
     name = me.get("name")
     role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
