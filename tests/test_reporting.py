@@ -133,8 +133,8 @@ def test_tensorboard_has_the_event_log_values(tracked_run):
     assert sorted(scores) == [1, 2]  # validation at step 1, and the final one
     assert {e.step: e.value for e in acc.Scalars("eval/clip_score")} == pytest.approx(scores, rel=1e-6)
     images = [t for t in tags["images"] if t.startswith("validation/")]
-    assert "validation/validation/32x32" in images, images
-    assert {e.step for e in acc.Images("validation/validation/32x32")} == {1, 2}
+    assert "validation/32x32" in images, images  # the main prompt: its size right under validation/
+    assert {e.step for e in acc.Images("validation/32x32")} == {1, 2}
 
 
 def test_wandb_offline_has_the_event_log_values(tracked_run):
@@ -144,7 +144,7 @@ def test_wandb_offline_has_the_event_log_values(tracked_run):
     assert loss == pytest.approx({e["step"]: e["loss"] for e in log if e["event"] == "step"}, rel=1e-6)
     scores = {r["_step"]: r["eval/clip_score"] for r in rows if "eval/clip_score" in r}
     assert scores == pytest.approx({e["step"]: e["value"] for e in log if e["event"] == "evaluation"}, rel=1e-6)
-    images = [r["validation/validation/32x32/filenames"][0] for r in rows if "validation/validation/32x32/_type" in r]
+    images = [r["validation/32x32/filenames"][0] for r in rows if "validation/32x32/_type" in r]
     files = next(tracked_run.glob("wandb/offline-run-*/files"))
     assert len(images) == 2 and all((files / image).is_file() for image in images), images
     config = {i.key: json.loads(i.value_json) for r in wandb_records(tracked_run)
@@ -298,10 +298,10 @@ def test_videos_go_to_wandb_as_video_and_everywhere_as_the_contact_sheet(tmp_pat
     forward("sample", {**base, "path": str(tmp_path / "v.mp4")})
     assert trackers[0].logged == [] and trackers[0].images == []
     ((step, values),) = trackers[1].logged
-    assert step == 3 and isinstance(values["validation/validation/16x16_5/video"], wandb.Video)
+    assert step == 3 and isinstance(values["validation/16x16_5/video"], wandb.Video)
     forward("sample", {**base, "path": str(tmp_path / "v.png")})
-    assert trackers[0].images == [(3, {"validation/validation/16x16_5": (1, 16, 16, 3)}, {"dataformats": "NHWC"})]
-    assert trackers[1].images == [(3, {"validation/validation/16x16_5": (1, 16, 16, 3)}, {})]
+    assert trackers[0].images == [(3, {"validation/16x16_5": (1, 16, 16, 3)}, {"dataformats": "NHWC"})]
+    assert trackers[1].images == [(3, {"validation/16x16_5": (1, 16, 16, 3)}, {})]
 
 
 def test_video_scores_are_the_mean_over_spread_frames():

@@ -275,5 +275,5 @@ def test_trackers_tag_each_image_of_a_prompt_apart(tmp_path):
         forward("sample", {"step": 0, "prompt": "validation", "size": "8x8", "ema": False, "image": image,
                            "path": str(tmp_path / "a.png")})
     forward("sample", {"step": 0, "prompt": "validation", "size": "8x8", "ema": False, "path": str(tmp_path / "a.png")})
-    assert Accelerator.trackers[0].images == [(0, ["validation/validation/8x8/1of2"]),
-                                              (0, ["validation/validation/8x8/2of2"]), (0, ["validation/validation/8x8"])]
+    assert Accelerator.trackers[0].images == [(0, ["validation/8x8/1of2"]),
+                                              (0, ["validation/8x8/2of2"]), (0, ["validation/8x8"])]

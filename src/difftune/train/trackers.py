@@ -108,7 +108,10 @@ class TrackerForwarder:
     def _sample(self, record: dict[str, Any]) -> None:
         path = Path(record["path"])
         image = f"/{record['image']}" if record.get("image") else ""  # num_validation_images: one tag per image
-        tag = "validation/" + _tag(f"{record.get('prompt') or 'validation'}/{record.get('size', '')}{image}"
+        # the main prompt's samples (named "validation") under validation/<size>; a library prompt's under its name
+        prompt = record.get("prompt") or "validation"
+        named = "" if prompt == "validation" else f"{prompt}/"
+        tag = "validation/" + _tag(f"{named}{record.get('size', '')}{image}"
                                    + ("-ema" if record.get("ema") else "")).rstrip("/")
         for tracker in self.accelerator.trackers:
             if path.suffix == ".mp4":
