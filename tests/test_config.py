@@ -128,3 +128,14 @@ def test_user_prompt_library(tmp_path, dataset):
     library.write_text('["not", "an", "object"]')
     assert "user_prompt_library" in problems(write_config(tmp_path, dataset, user_prompt_library=str(library)))
     assert "cannot read" in problems(write_config(tmp_path, dataset, user_prompt_library=str(tmp_path / "no.json")))
+
+
+def test_a_path_with_a_name_too_long_for_the_file_system_is_named(tmp_path, dataset):
+    """A folder name of 300 characters ended in a traceback (OSError: File name too long) from exists()."""
+    long = "a" * 300
+    text = problems(write_config(tmp_path, dataset, output_dir=str(tmp_path / long),
+                                        dataset={"cache_dir_vae": str(tmp_path / long / "vae")}))
+    assert "output_dir: a name in this path is 300 bytes long" in text and "shorten it" in text
+    assert "dataset 'train': cache_dir_vae: a name in this path is 300 bytes long" in text
+    assert "prompt" not in text  # a long prompt is no path
+    load_config(write_config(tmp_path, dataset, validation_prompt="a " * 200))
