@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
+
 from conftest import config_problems as problems
 from conftest import write_config
 from difftune.cli import main
-from difftune.config import load_config
+from difftune.config import ConfigError, load_config
 
 
 def test_valid_config_and_coercion(tmp_path, dataset):
@@ -139,3 +141,11 @@ def test_a_path_with_a_name_too_long_for_the_file_system_is_named(tmp_path, data
     assert "dataset 'train': cache_dir_vae: a name in this path is 300 bytes long" in text
     assert "prompt" not in text  # a long prompt is no path
     load_config(write_config(tmp_path, dataset, validation_prompt="a " * 200))
+
+
+def test_a_device_named_as_a_settings_file_is_not_read(tmp_path, dataset):
+    """user_prompt_library /dev/zero filled the memory until the process was killed."""
+    text = problems(write_config(tmp_path, dataset, user_prompt_library="/dev/zero"))
+    assert "/dev/zero is not a regular file" in text
+    with pytest.raises(ConfigError, match="/dev/zero is not a regular file"):
+        load_config("/dev/zero")

@@ -70,3 +70,24 @@ def file_in_the_way(path: Path) -> Path | None:
         if candidate.exists():
             return None if candidate.is_dir() else candidate
     return None
+
+
+MAX_SETTINGS_BYTES = 64 * 2**20  # a config, dataset list, prompt library or filter list: a few kB, never this much
+
+
+class NotASettingsFile(OSError):
+    """A path given as a settings file that is a device, FIFO or socket, or far too large to be one."""
+
+
+def read_settings_text(path: str | Path, encoding: str = "utf-8-sig") -> str:
+    """The text of a small file named by a config key. A device (/dev/zero), FIFO or socket there would be read
+    forever (or block), so only a regular file is read; an OSError (NotASettingsFile) says why otherwise."""
+    import stat
+
+    info = Path(path).stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise NotASettingsFile(f"{path} is not a regular file (a device, FIFO or socket); give a file")
+    if info.st_size > MAX_SETTINGS_BYTES:
+        raise NotASettingsFile(f"{path} is {info.st_size / 2**20:.0f} MiB, far more than a settings file holds; "
+                               "check the path")
+    return Path(path).read_text(encoding=encoding)

@@ -20,6 +20,7 @@ from typing import Any
 
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.data.caption_filter import CaptionFilter, FilterError
+from difftune.files import read_settings_text
 
 KEY = "caption_filter_list"
 MAX_BYTES = 4 * 1024 * 1024  # a filter list is a few kilobytes; this refuses a wrong path (a dataset, a model)
@@ -50,7 +51,7 @@ def entries(value: Any) -> list[tuple[str, str]] | None:
         found = [(f"{path} entry {n}", _text(item, f"{path} entry {n}")) for n, item in enumerate(data, 1)]
     else:
         try:
-            text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not part of the first filter
+            text = read_settings_text(path)  # -sig: a byte-order mark is not part of the first filter
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: cannot read the caption filter list ({e}); save it as UTF-8 text") from e
         found = [(f"{path} line {n}", line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)]

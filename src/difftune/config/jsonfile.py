@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from difftune.files import read_settings_text
+
 
 class JsonFileError(Exception):
     """The file cannot be used at all; the message names it."""
@@ -103,7 +105,7 @@ def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = N
     if path.is_dir():
         raise JsonFileError(f"{path}: is a folder, not {_a_file(what)}; give the path of the JSON file")
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not JSON
+        text = read_settings_text(path)  # a BOM (Windows editors) is not JSON; a device is not read
     except (OSError, UnicodeDecodeError) as e:
         raise JsonFileError(f"{path}: cannot read {what}: {e}") from e
     if not text.strip():

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
+
+from difftune.files import read_settings_text
 
 
 def parse_resolutions(value: str) -> list[tuple[int, int]]:
@@ -30,7 +31,7 @@ def snap_size(w: int, h: int, multiple: int) -> tuple[int, int]:
 def read_json_file(path: str, what: str) -> object:
     """A JSON file named by a config key; ValueError with the reason (the schema turns it into the key's error)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) read as without
+        return json.loads(read_settings_text(path))  # a BOM (Windows editors) read as without
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read {what} {path}: {e}") from e
     except json.JSONDecodeError as e:

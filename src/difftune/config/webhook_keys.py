@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, field_validator, model_validator
 
 from difftune.config.fields import field
+from difftune.files import read_settings_text
 
 WEBHOOK_TYPES = {"discord": "webhook_url", "raw": "callback_url"}  # type -> the key holding its URL
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # most severe first (SimpleTuner's scale)
@@ -78,7 +79,7 @@ def read_webhooks(value: str) -> list[Webhook]:
             raise ValueError(f"{value}: no such file; give the path of a JSON file holding a webhook object or a "
                              "list of them (or write the JSON itself)")
         try:
-            data = json.loads(path.read_text(encoding="utf-8-sig"))
+            data = json.loads(read_settings_text(path))
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read {value}: {e}") from None
         except json.JSONDecodeError as e:
