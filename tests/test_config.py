@@ -149,3 +149,10 @@ def test_a_device_named_as_a_settings_file_is_not_read(tmp_path, dataset):
     assert "/dev/zero is not a regular file" in text
     with pytest.raises(ConfigError, match="/dev/zero is not a regular file"):
         load_config("/dev/zero")
+
+
+def test_a_bad_value_of_a_simpletuner_spelling_is_named_as_written(tmp_path, dataset):
+    """validation_steps: "abc" was reported as validation_step_interval, a key the file does not have."""
+    text = problems(write_config(tmp_path, dataset, validation_steps="abc", checkpointing_steps="x"))
+    assert "validation_steps (difftune's validation_step_interval): 'abc'" in text
+    assert "checkpointing_steps (difftune's checkpoint_step_interval): 'x'" in text

@@ -193,6 +193,7 @@ _MISSING_HINTS = {
 def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], problems: list[str],
               context: dict[str, Any] | None = None) -> Any:
     where_of = where if callable(where) else (lambda key, w=where: w)
+    spellings = (context or {}).get("spellings") or {}
     try:
         return model.model_validate(data, context=context)
     except ValidationError as e:
@@ -210,6 +211,8 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"{err['input']!r}: {msg}"
             where = where_of(first) if first else _where_of_named(where_of, msg, data)
+            if first in spellings:  # the key as the file wrote it (validation_steps), not only difftune's name
+                loc = f"{spellings[first]} (difftune's {first})" + loc[len(first):]
             problems.append(f"{where}: {loc + ': ' if loc else ''}{msg}")
         return None
 
