@@ -193,7 +193,11 @@ def test_config_environments_as_simpletuner_names_them(tmp_path, dataset, monkey
                 ("check", "env=portrait", "config_backend=toml"): "reads only JSON configs.* config/portrait/config.json",
                 ("plan", "config_backend=cmd"): "config_backend=cmd: give the settings in the config file",
                 ("check", "env=missing"): "env=missing: no config file at missing/config.json or "
-                                          "config/missing/config.json"}
+                                          "config/missing/config.json",
+                ("check", "env=tomlish"): "env=tomlish: config/tomlish/config.toml is there, but no config.json; "
+                                          "difftune reads only JSON configs"}
+    (tmp_path / "config" / "tomlish").mkdir()
+    (tmp_path / "config" / "tomlish" / "config.toml").write_text('model_family = "lumina2"\n')
     for argv, message in refusals.items():
         assert main(list(argv)) == 2, argv
         assert re.search(message, capsys.readouterr().err), argv

@@ -118,6 +118,12 @@ def environment_config(env: str, how: str) -> str:
     tried = ([Path(env)] if env.endswith(".json") else []) + [Path(env) / "config.json", Path("config") / env / "config.json"]
     found = next((p for p in tried if p.is_file()), None)
     if found is None:
+        from difftune.config.jsonfile import CONVERT, sibling_config
+
+        other = next((o for p in tried if (o := sibling_config(p)) is not None), None)  # SimpleTuner's TOML or ENV
+        if other is not None:
+            raise ConfigError([f"{how}{env}: {other} is there, but no config.json; {CONVERT} "
+                               f"{other.with_suffix('.json')}"])
         raise ConfigError([f"{how}{env}: no config file at {' or '.join(map(str, dict.fromkeys(tried)))}; name a config "
                            "environment (config/NAME/config.json), or pass --config PATH"])
     return str(found)

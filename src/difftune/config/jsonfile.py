@@ -82,7 +82,7 @@ def _other_format(path: Path, text: str) -> str | None:
     return None
 
 
-def _sibling_config(path: Path) -> Path | None:
+def sibling_config(path: Path) -> Path | None:
     """SimpleTuner's config.toml or config.env beside a missing config.json."""
     if path.suffix.lower() != ".json":
         return None
@@ -99,7 +99,7 @@ def read_json(path: Path, what: str, hint: str, duplicates: list[str] | None = N
     appears twice in one object is appended to `duplicates` as a problem (the file is still returned).
     `config`: the training config, where SimpleTuner's TOML and ENV configs get the advice to convert them."""
     if not path.exists():
-        if config and (other := _sibling_config(path)) is not None:
+        if config and (other := sibling_config(path)) is not None:
             raise JsonFileError(f"{path}: {what} not found, but {other} is there; {CONVERT} {path}")
         raise JsonFileError(f"{path}: {what} not found; {hint}")
     if path.is_dir():
