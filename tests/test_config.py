@@ -156,3 +156,12 @@ def test_a_bad_value_of_a_simpletuner_spelling_is_named_as_written(tmp_path, dat
     text = problems(write_config(tmp_path, dataset, validation_steps="abc", checkpointing_steps="x"))
     assert "validation_steps (difftune's validation_step_interval): 'abc'" in text
     assert "checkpointing_steps (difftune's checkpoint_step_interval): 'x'" in text
+
+
+def test_a_resolution_written_as_a_decimal(tmp_path, dataset):
+    """validation_resolution "64.0" was "not a resolution; ... or one number", although it is one number."""
+    from difftune.config.values import parse_resolutions
+
+    assert parse_resolutions("64.0") == [(64, 64)] and parse_resolutions("512.00x256") == [(512, 256)]
+    assert "a whole number of pixels" in problems(write_config(tmp_path, dataset, validation_prompt="a cat",
+                                                                validation_resolution="64.5"))

@@ -14,9 +14,12 @@ def parse_resolutions(value: str) -> list[tuple[int, int]]:
     out = []
     for part in str(value).split(","):
         part = part.strip().lower()
+        part = re.sub(r"(\d+)\.0*(?=x|$)", r"\1", part)  # "64.0" (a number written by a tool) is 64
         m = re.fullmatch(r"(\d+)(?:x(\d+))?", part)
         if not m:
-            raise ValueError(f"{part!r} is not a resolution; write WIDTHxHEIGHT such as 1024x1024, or one number")
+            whole = " (a whole number of pixels)" if re.fullmatch(r"[\d.x]+", part) else ""
+            raise ValueError(f"{part!r} is not a resolution{whole}; write WIDTHxHEIGHT such as 1024x1024, or one "
+                             "number such as 1024")
         w = int(m.group(1))
         h = int(m.group(2) or m.group(1))
         out.append((w, h))
