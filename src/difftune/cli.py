@@ -482,6 +482,11 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+OVERRIDES_HELP = ("Any config.json key may follow as --key value (or --key=value, or --flag for true), overriding the "
+                  "file's: difftune train --learning_rate 5e-5 --max_train_steps 500. env=NAME (first) reads "
+                  "config/NAME/config.json, as SimpleTuner's environments.")
+
+
 def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 (a Latin-1 'café.png') is printed, not fatal
         try:
@@ -493,13 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("train", "train a model"), ("check", "validate a config and its datasets"),
                            ("cache", "fill the text and latent caches without training")):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, epilog=OVERRIDES_HELP)
         p.add_argument("--config", default=None, help=f"config file (default {DEFAULT_CONFIG}; env=NAME: "
                                                        "config/NAME/config.json)")
     sub.choices["check"].add_argument("--all", action="store_true",
                                       help="list every left-out file and note (the report shows 20 of each)")
     plan = sub.add_parser("plan", help="predict peak accelerator memory; --gpu-memory picks levers that fit "
-                                       f"(exit {PLAN_DOES_NOT_FIT} when nothing fits)")
+                                       f"(exit {PLAN_DOES_NOT_FIT} when nothing fits)", epilog=OVERRIDES_HELP)
     plan.add_argument("--config", default=None, help=f"config file (default {DEFAULT_CONFIG}; env=NAME: "
                                                      "config/NAME/config.json)")
     plan.add_argument("--gpu-memory", type=_positive(float), default=None, metavar="GiB",
