@@ -237,3 +237,24 @@ def test_config_environments_by_path_and_by_variable(tmp_path, dataset, monkeypa
     assert main(["check"]) == 0 and "ENV=config/webui/config.json: reading" in capsys.readouterr().err
     assert main(["check", "--config", "config/webui/config.json"]) == 0  # --config wins, nothing said
     assert "ENV=" not in capsys.readouterr().err
+
+
+def test_a_stop_command_during_caching_stops_at_once_with_the_caches_kept(tmp_path, dataset, monkeypatch, capsys):
+    """The web UI's Stop while a run was caching waited for the caches to fill and one step to train."""
+    import time
+
+    import difftune.train.setup as setup
+    from difftune.train.commands import send_command
+
+    real = setup.fill_caches
+
+    def slow(*args, **kwargs):  # caching that takes a while: the command arrives in the middle of it
+        send_command(tmp_path / "output", "stop")
+        time.sleep(3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(setup, "fill_caches", slow)
+    assert main(["train", "--config", str(write_config(tmp_path, dataset, max_train_steps=5))]) == 143
+    assert "stop command while caching" in capsys.readouterr().err
+    events = [json.loads(line)["event"] for line in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
+    assert "step" not in events and not list((tmp_path / "output" / "commands").glob("*.json"))

@@ -197,3 +197,11 @@ def test_a_past_run_links_its_own_files_after_a_later_run_set_them_aside(tmp_pat
     shutil.rmtree(out / "superseded-20260101T000000Z")  # deleted by the user: nothing of that run is left
     samples, adapter, _, last = view()
     assert samples == [] and adapter is None and last is None
+
+
+def test_a_run_stopped_before_its_first_step_is_stopped_not_failed(tmp_path):
+    """Stop during caching ends the trainer with SIGTERM's status (143) and no "stopped" event."""
+    run = fake_run(tmp_path, [], pid=None, exit_code=143)
+    (run.folder / "stop-requested").touch()
+    status, message = run.status()
+    assert status == "stopped" and "before training began" in message

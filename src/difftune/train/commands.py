@@ -1,16 +1,19 @@
 """Commands in: a folder of small JSON files that anyone (the web UI, a script) may drop into
 `output_dir/commands/`; the trainer polls it between steps, acts, and deletes each file.
 
-Files rather than a socket: the trainer needs no server, a command survives a UI restart, and a
-command sent before the trainer is up is simply picked up at its first step.
+Files rather than a socket: the trainer needs no server, and a command survives a UI restart. A command sent
+before this trainer process started is dropped (it was meant for a run that died); one sent while it starts up
+waits for its first step, but for "stop", which `stop_while` acts on during caching too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -65,3 +68,39 @@ def poll_commands(output_dir: Path, stale: list[str] | None = None) -> list[str]
         elif command in COMMANDS:
             found.append(command)
     return found
+
+
+@contextlib.contextmanager
+def stop_while(output_dir: Path, what: str, interval: float = 0.5, on: bool = True):
+    """While inside (caching, before the first step): a "stop" command stops the run at once, as SIGTERM does (the
+    caches filled so far kept), where it waited for the first step before. Other commands wait for the loop. Only
+    where SIGTERM stops the kept way (`difftune train` and `cache`); elsewhere nothing is watched."""
+    from difftune.train.run_lock import request_stop, stops_on_sigterm
+
+    if not (on and stops_on_sigterm()):
+        yield
+        return
+    done = threading.Event()
+    folder = commands_dir(output_dir)
+
+    def watch() -> None:
+        started = _process_start()
+        while not done.wait(interval):
+            for path in sorted(folder.glob("*-stop.json")) if folder.is_dir() else []:
+                try:
+                    sent = float(json.loads(path.read_text()).get("time", started))
+                except (OSError, ValueError, AttributeError, TypeError):
+                    continue
+                if sent >= started:  # a stale one is the loop's to report (poll_commands)
+                    path.unlink(missing_ok=True)
+                    request_stop(f"stop command while {what}")
+                    return
+
+    thread = threading.Thread(target=watch, name="difftune-stop-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+

@@ -73,10 +73,23 @@ def check_writable(output_dir: Path) -> None:
 class Terminated(KeyboardInterrupt):
     """A run stopped by a signal: SIGTERM, or Ctrl-C's SIGINT while `sigterm_stops` handles it."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, reason: str | None = None):
         self.signum = signum
-        self.reason = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
+        self.reason = reason or ("interrupted" if signum == signal.SIGINT else
+                                 f"terminated by {signal.Signals(signum).name}")
         super().__init__(self.reason)
+
+
+def stops_on_sigterm() -> bool:
+    """Whether SIGTERM stops this process the kept way (inside `sigterm_stops`: caches and checkpoints kept)."""
+    return signal.getsignal(signal.SIGTERM) is _on_sigterm
+
+
+def request_stop(reason: str) -> None:
+    """From any thread: stop as SIGTERM does (`sigterm_stops` must be in force), the stop said as `reason`."""
+    global _reason
+    _reason = reason
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_reason(error: KeyboardInterrupt) -> str:
@@ -88,6 +101,7 @@ def stop_reason(error: KeyboardInterrupt) -> str:
 _depth = 0  # of `held` blocks
 _pending: int | None = None  # a SIGTERM that arrived inside one
 _last: float | None = None  # when (time.monotonic) the last SIGTERM acted on arrived
+_reason: str | None = None  # what the next Terminated says (request_stop), else the signal's name
 # A SIGTERM within this many seconds of the last one is the same request delivered again, not a second one: a
 # group kill (timeout, Slurm's scancel, `kill -- -PGID`) reaches each torchrun worker directly and once more through
 # torchrun's forwarding. Raised, it would stop one process mid-step while the others wait in a collective, or cut
@@ -106,8 +120,9 @@ def _on_sigterm(signum: int, _frame: object) -> None:
         print("stopping after the step in progress, with a checkpoint (again, 3 s or more from now: at once)",
               file=sys.stderr, flush=True)
         return
-    _pending = None
-    raise Terminated(signum)
+    global _reason
+    _pending, reason, _reason = None, _reason, None
+    raise Terminated(signum, reason)
 
 
 @contextmanager

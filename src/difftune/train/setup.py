@@ -40,6 +40,7 @@ from difftune.train import (
 )
 from difftune.train.activation_offload import offload_activations
 from difftune.train.caching import Cached, fill_caches
+from difftune.train.commands import stop_while
 from difftune.train.compile import compile_transformer
 from difftune.train.distributed import Ranks, outside, ranks_of
 from difftune.train.ema import EMA
@@ -246,7 +247,9 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
         # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     record_peak_memory(events, "model load", device)
-    cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
+    # the web UI's Stop: at once, the caches kept (one process: several stop together at the loop's next step)
+    with stop_while(Path(cfg.output_dir), "caching", on=ranks.count == 1):
+        cached = fill_caches(run_cfg, family, comps, found, size_rules(run_cfg), device, events, ranks)
     record_peak_memory(events, "caching", device)
     apply_torch_options(cfg, comps.vae)  # after caching: cached latents never depend on tiling
     encode = (lambda px: family.encode_images(comps, px)) if cached.on_the_fly else None

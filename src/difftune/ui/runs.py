@@ -226,6 +226,9 @@ class Run:
         code = exit_info.get("returncode")
         if code == 0:
             return "done", None
+        if code in (128 + signal.SIGTERM, -signal.SIGTERM) and (self.folder / "stop-requested").exists():
+            # Stop before the first step (train/commands.stop_while): no "stopped" event, the caches kept
+            return "stopped", "stopped before training began (the caches filled so far are kept for the next start)"
         if isinstance(code, int) and code < 0:
             try:
                 name = signal.Signals(-code).name
