@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -93,6 +94,18 @@ class Events:
             self.write(("" if kind in ("info", "eval_loss") else kind.upper() + ": ") + data["message"])
 
     def _append(self, line: str) -> None:
+        if self._log is not None and os.fstat(self._log.fileno()).st_nlink == 0:  # deleted (the output folder, say)
+            self._log.close()
+            self._log = None
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+            from difftune.train.run_lock import retake_if_lost
+
+            relocked = retake_if_lost()  # the folder's lock file went with it: a second run would not be refused
+            notice = {"event": "warning", "time": time.time(),
+                      "message": f"{self.log_path} was deleted while this run trained (with its output folder?); "
+                                 "the log begins again here" + (f"; {relocked}" if relocked else "")}
+            self.write(f"WARNING: {notice['message']}")
+            line = json.dumps(notice) + "\n" + line
         if self._log is None:
             self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
             if self._log.tell() and not _ends_with_newline(self.log_path):  # a line an earlier run left cut

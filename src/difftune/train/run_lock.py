@@ -240,6 +240,30 @@ def output_dir_lock(output_dir: Path, main: bool | None = None, wait_s: float = 
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held[output_dir] = fd
         yield
     finally:
-        os.close(fd)  # releases the lock
+        os.close(_held.pop(output_dir, fd))  # releases the lock
+
+
+_held: dict[Path, int] = {}  # output_dir -> the fd of the lock this process holds there
+
+
+def retake_if_lost() -> str | None:
+    """The lock file of a held output_dir deleted (the folder removed while training): lock a new one, so that a
+    second run into the folder is refused again. Returns what happened, for the warning (None: nothing was lost)."""
+    for output_dir, fd in list(_held.items()):
+        if os.fstat(fd).st_nlink:
+            continue
+        output_dir.mkdir(parents=True, exist_ok=True)
+        new = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        if not _try_lock(new):
+            holder = _holder(new)
+            os.close(new)
+            return f"another run has locked {output_dir} meanwhile ({holder}): both now write there"
+        os.ftruncate(new, 0)
+        os.pwrite(new, f"{os.getpid()}\n".encode(), 0)
+        os.close(fd)
+        _held[output_dir] = new
+        return f"its lock ({LOCK_FILE}) is taken again"
+    return None
