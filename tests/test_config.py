@@ -165,3 +165,12 @@ def test_a_resolution_written_as_a_decimal(tmp_path, dataset):
     assert parse_resolutions("64.0") == [(64, 64)] and parse_resolutions("512.00x256") == [(512, 256)]
     assert "a whole number of pixels" in problems(write_config(tmp_path, dataset, validation_prompt="a cat",
                                                                 validation_resolution="64.5"))
+
+
+def test_a_config_level_dataset_key_every_dataset_overrides_is_noted(tmp_path, dataset):
+    """resolution_type 'area' in config.json with every dataset setting its own was accepted without a word."""
+    run = load_config(write_config(tmp_path, dataset, resolution_type="area", resolution=0.004))
+    (note,) = [n for n in run.notes() if "applies to no dataset" in n or "apply to no dataset" in n]
+    assert note.startswith("config.json's resolution, resolution_type apply to no dataset: every image or video")
+    kept = load_config(write_config(tmp_path, dataset, minimum_image_size=8))  # the entry sets none: it applies
+    assert not [n for n in kept.notes() if "no dataset" in n]

@@ -35,7 +35,7 @@ import pytest
 from pydantic import BaseModel
 
 from difftune.config import ConfigError, load_config
-from difftune.config.load import split_problem
+from difftune.config.problems import split_problem
 from difftune.config.schema import TrainConfig
 
 HERE = Path(__file__).resolve().parent

@@ -131,7 +131,7 @@ def test_problems_come_at_their_fields_with_the_messages_of_check(client, root):
 def test_a_family_name_is_not_taken_for_a_key_it_contains(client, root):
     """"kandinsky5-video" named the key `video`: the page showed the model_family problem in the image
     dataset's Video block."""
-    from difftune.config.load import split_problem
+    from difftune.config.problems import split_problem
 
     body = body_of(root)
     del body["config"]["model_family"]

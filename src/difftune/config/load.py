@@ -63,6 +63,7 @@ from difftune.config.rollout_keys import rollout_notes
 from difftune.config.schema import TrainConfig
 from difftune.config.small_keys import pipeline_notes
 from difftune.config.source_aws_keys import AWS_KEYS
+from difftune.config.values import overlong_name
 from difftune.files import file_in_the_way
 from difftune.models.registry import FAMILY_FACTS, family_names
 
@@ -145,27 +146,6 @@ def _split_known(
         else:
             problems.append(f"{where_of(key)}: unknown key {key!r}{_suggest(key, known + list(pending))}")
     return kept
-
-
-NAME_MAX = 255  # bytes of one file or folder name on the usual file systems (ext4, APFS, NTFS in UTF-16 units)
-PATH_MAX = 4095  # bytes of a whole path (Linux)
-
-
-def overlong_name(key: str, value: Any) -> str | None:
-    """Why a path value cannot name anything (a part longer than NAME_MAX bytes: `exists()` raises
-    'File name too long' there), or None. Keys naming files or folders only: a long prompt is no path."""
-    pathy = "_dir" in key or "path" in key or key.endswith(("_file", "_config", "_library")) or key in (
-        "init_lora", "resume_from_checkpoint", "conditioning_data")  # cache_dir_vae, instance_data_dir, ...
-    if not (pathy and isinstance(value, str)):
-        return None
-    if len(value.encode()) > PATH_MAX:
-        return f"the path is {len(value.encode())} bytes long, more than a file system allows ({PATH_MAX}); shorten it"
-    longest = max(value.replace("\\", "/").split("/"), key=lambda part: len(part.encode()))
-    size = len(longest.encode())
-    if size <= NAME_MAX:
-        return None
-    return (f"a name in this path is {size} bytes long ({longest[:24]}...), more than a file system allows "
-            f"({NAME_MAX}); shorten it")
 
 
 def _blocks(model: type[BaseModel]) -> dict[str, type[BaseModel]]:
@@ -255,6 +235,8 @@ def load_datasets(
     unused: dict[str, list[str]] = {}  # conditioning id -> caption/cache keys
     seen: set[str] = set()
     notes: list[str] = []
+    defaulted: set[str] = set()  # config-level dataset keys that some entry takes (it does not set its own)
+    image_entries = 0
     for index, entry in enumerate(raw):
         if not isinstance(entry, dict):
             problems.append(f"{path}: entry {index} must be an object")
@@ -286,10 +268,13 @@ def load_datasets(
             continue
         entry = dataset_entry_keys.prepare(entry, where, problems, notes)  # switched-off blocks, ignore_epochs, ...
         if model is ImageDataset:
-            entry = {**{k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS
-                        and (k not in AWS_KEYS or entry.get("type") == "aws")  # aws_*: type 'aws' only
-                        # a type 'huggingface' entry reads its caption column unless it says otherwise (SimpleTuner)
-                        and not (k == "caption_strategy" and entry.get("type") == "huggingface")}, **entry}
+            given = {k: v for k, v in (defaults or {}).items() if k in DATASET_DEFAULT_KEYS
+                     and (k not in AWS_KEYS or entry.get("type") == "aws")  # aws_*: type 'aws' only
+                     # a type 'huggingface' entry reads its caption column unless it says otherwise (SimpleTuner)
+                     and not (k == "caption_strategy" and entry.get("type") == "huggingface")}
+            defaulted |= given.keys() - entry.keys()
+            image_entries += 1
+            entry = {**given, **entry}
         text_batch = (defaults or {}).get("text_encoder_batch_size")
         if model is TextEmbedsDataset and text_batch is not None and entry.get("text_encoder_batch_size") is None:
             # the config-level text_encoder_batch_size: the default of every text_embeds entry (config/small_keys.py)
@@ -367,6 +352,13 @@ def load_datasets(
         if (blocker := file_in_the_way(Path(folder))) is not None:
             problems.append(f"{path}: the default text cache {folder!r} cannot be made ({str(blocker)!r} is a "
                             "file); add a text_embeds entry with another cache_dir")
+    overridden = [k for k in (defaults or {}) if k in DATASET_DEFAULT_KEYS and k not in defaulted
+                  and k not in AWS_KEYS]
+    if overridden and image_entries:  # SimpleTuner's meaning (the dataset's own wins), said: nothing silently unused
+        one = len(overridden) == 1
+        notes.append(f"config.json's {', '.join(overridden)} appl{'ies' if one else 'y'} to no dataset: every image "
+                     f"or video dataset in {path} sets its own; remove {'it' if one else 'them'} from config.json, "
+                     "or from the datasets that should take it")
     return DatasetPlan(images=images, evaluation=held_out, text_embeds=chosen, conditioning=conditioning,
                        all_text_embeds=named_embeds, notes=notes, generated=generated)
 
@@ -561,60 +553,3 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     if located is not None:
         plan.notes.append(located)
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)
-
-
-# --- problems split into parts, for showing each one at its field (web UI, wizard) -------------------
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One problem as `difftune check` prints it (`text`), split into file, dataset, key and message."""
-
-    text: str
-    file: str | None
-    dataset: str | int | None  # the entry's id, or its index in the list when it has no id
-    key: str | None  # dotted key ("parquet.path") when the problem is about one key
-    message: str  # the text after file, dataset and key
-    mentions: tuple[str, ...] = ()  # known keys named in the message (cross-field problems)
-
-
-def _known_keys() -> set[str]:
-    keys = set(TrainConfig.model_fields)
-    for model in DATASET_MODELS.values():
-        keys |= set(model.model_fields)
-    return keys
-
-
-def split_problem(text: str, files: tuple[str, ...] = ()) -> Problem:
-    """Split a ConfigError problem; `files` are the paths that may start it (longest match wins)."""
-    import ast
-    import re
-
-    file, rest = None, text
-    for candidate in sorted(files, key=len, reverse=True):
-        if text.startswith(f"{candidate}: "):
-            file, rest = candidate, text[len(candidate) + 2:]
-            break
-    else:
-        if ": " in text:
-            file, rest = text.split(": ", 1)
-    dataset: str | int | None = None
-    m = re.match(r"dataset ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\d+): ", rest) or re.match(r"entry (\d+) ", rest)
-    if m:
-        dataset = ast.literal_eval(m.group(1))
-        rest = rest[m.end():] if m.group(0).endswith(": ") else rest
-    known = _known_keys()
-    key, message = None, rest
-    if m2 := re.match(r"([\w]+(?:\.[\w]+)*): (.*)", rest, re.DOTALL):
-        key, message = m2.group(1), m2.group(2)
-    elif m2 := re.match(r"(\w+)=", rest):
-        key = m2.group(1)
-    elif m2 := re.match(r"unknown key '([^']*)'", rest):
-        key = m2.group(1)
-    elif (word := rest.split(" ", 1)[0]) in known:
-        key = word
-    # a word joined to another by '-' is part of a name (kandinsky5-video, image-to-video), not a key
-    mentions = tuple(k for k in re.findall(r"(?<!\w)(?<!\w-)[a-z][a-z0-9_]*\b(?!-\w)", message)
-                     if k in known and k != key)
-    return Problem(text=text, file=file, dataset=dataset, key=key, message=message,
-                   mentions=tuple(dict.fromkeys(mentions)))

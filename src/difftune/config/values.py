@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from difftune.files import read_settings_text
 
@@ -96,3 +97,23 @@ def resolution_text(v: object) -> object:
         return ",".join(str(x) for x in v)
     return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
+
+NAME_MAX = 255  # bytes of one file or folder name on the usual file systems (ext4, APFS, NTFS in UTF-16 units)
+PATH_MAX = 4095  # bytes of a whole path (Linux)
+
+
+def overlong_name(key: str, value: Any) -> str | None:
+    """Why a path value cannot name anything (a part longer than NAME_MAX bytes: `exists()` raises
+    'File name too long' there), or None. Keys naming files or folders only: a long prompt is no path."""
+    pathy = "_dir" in key or "path" in key or key.endswith(("_file", "_config", "_library")) or key in (
+        "init_lora", "resume_from_checkpoint", "conditioning_data")  # cache_dir_vae, instance_data_dir, ...
+    if not (pathy and isinstance(value, str)):
+        return None
+    if len(value.encode()) > PATH_MAX:
+        return f"the path is {len(value.encode())} bytes long, more than a file system allows ({PATH_MAX}); shorten it"
+    longest = max(value.replace("\\", "/").split("/"), key=lambda part: len(part.encode()))
+    size = len(longest.encode())
+    if size <= NAME_MAX:
+        return None
+    return (f"a name in this path is {size} bytes long ({longest[:24]}...), more than a file system allows "
+            f"({NAME_MAX}); shorten it")

@@ -21,8 +21,8 @@ from difftune.config.load import (
     clean_keys,
     load_config,
     load_datasets,
-    split_problem,
 )
+from difftune.config.problems import split_problem
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui.confine import DATASETS_KEY, parsed_problems, raw_pass, special_problem
 from difftune.ui.paths import PathRefused, Roots

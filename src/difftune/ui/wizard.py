@@ -22,7 +22,8 @@ from difftune.config.compat import family_name
 from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES
 from difftune.config.datasets import DATASET_MODELS, VideoOptions
 from difftune.config.jsonfile import JsonFileError, read_json
-from difftune.config.load import _validate, split_problem
+from difftune.config.load import _validate
+from difftune.config.problems import split_problem
 from difftune.data.discovery import CLIP_SUFFIXES, count_files
 from difftune.data.frames import vae_frames
 from difftune.data.images import IMAGE_EXTENSIONS
