@@ -275,13 +275,9 @@ def check_preset(cfg: Any, build_tiny: bool = True) -> None:
     to be built here (`build_tiny` false: several processes, where one builds it later)."""
     if not (cfg.model_type == "lora" and cfg.lora_type == "lycoris"):
         return
-    if not build_tiny and cfg.flavour().startswith("tiny") and not cfg.pretrained_model_name_or_path:
-        return
-    from difftune.memory_plan.architecture import architecture_of, transformer_on_meta
+    from difftune.memory_plan.architecture import transformer_before_load
 
-    try:
-        transformer = transformer_on_meta(architecture_of(cfg))
-    except (ValueError, OSError):
+    if (transformer := transformer_before_load(cfg, build_tiny)) is None:
         return
     positional, kwargs, preset = split_config(json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")))
     applied = resolve_preset(transformer, preset, cfg.model_family)

@@ -62,13 +62,9 @@ def check_targets(cfg: Any, build_tiny: bool = True) -> None:
     a tiny flavour not to be built here (`build_tiny` false: several processes, where one builds it later)."""
     if not (cfg.model_type == "lora" and cfg.lora_type == "standard" and cfg.lora_target_modules):
         return
-    if not build_tiny and cfg.flavour().startswith("tiny") and not cfg.pretrained_model_name_or_path:
-        return
-    from difftune.memory_plan.architecture import architecture_of, transformer_on_meta
+    from difftune.memory_plan.architecture import transformer_before_load
 
-    try:
-        transformer = transformer_on_meta(architecture_of(cfg))
-    except (ValueError, OSError):
+    if (transformer := transformer_before_load(cfg, build_tiny)) is None:
         return
     if (text := problem(transformer, cfg.lora_target_modules, cfg.model_family)) is not None:
         raise LoraTargetsError(text)

@@ -100,6 +100,18 @@ def transformer_on_meta(arch: Architecture, **changes: Any) -> torch.nn.Module:
     return _on_meta(real.Spec(arch.name, lambda: cls.from_config(config)))
 
 
+def transformer_before_load(cfg: Any, build_tiny: bool = True) -> torch.nn.Module | None:
+    """The config's transformer on the meta device, for checks before any model loads (adapter targets, LyCORIS
+    presets); None where its architecture is not known before it loads (a local folder without a config), or for a
+    tiny flavour not to be built here (`build_tiny` false: several processes, where one builds it later)."""
+    if not build_tiny and cfg.flavour().startswith("tiny") and not cfg.pretrained_model_name_or_path:
+        return None
+    try:
+        return transformer_on_meta(architecture_of(cfg))
+    except (ValueError, OSError):
+        return None
+
+
 def _random_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         layer = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias))
