@@ -272,17 +272,31 @@ def test_check_says_when_push_to_hub_has_no_login(tmp_path, dataset, monkeypatch
     assert main(["check", "--config", str(path)]) == 0
 
 
-def test_push_to_hub_without_a_network_says_so_not_log_in(tmp_path, dataset, monkeypatch, capsys, no_model_loads):
-    """A token and no network: the message said "no usable Hugging Face login ... log in", the wrong fix."""
-    import httpx
+def test_push_to_hub_without_a_network_says_so_not_log_in(tmp_path, dataset, monkeypatch):
+    """A token and no network: the message said "no usable Hugging Face login ... log in", the wrong fix. The error
+    as the pinned huggingface_hub raises it: its HTTP client's (httpx2) ConnectError from a failed name resolution."""
+    import socket
 
-    from difftune.cli import main
+    import httpx2
 
-    FakeHub(monkeypatch, me=httpx.ConnectError("[Errno -2] Name or service not known"))
-    assert main(["train", "--config", str(write_config(tmp_path, dataset, **HUB))]) == 2
-    err = capsys.readouterr().err
-    assert "the Hugging Face hub cannot be reached (ConnectError" in err and "check the network" in err
-    assert "log in" not in err
+    error = httpx2.ConnectError("[Errno -2] Name or service not known")
+    error.__cause__ = socket.gaierror(-2, "Name or service not known")
+    FakeHub(monkeypatch, me=error)
+    cfg = load_config(write_config(tmp_path, dataset, **HUB)).train
+    problem = hub.access_problem(cfg)
+    assert "the Hugging Face hub cannot be reached" in problem and "check the network" in problem
+    assert "log in" not in problem
+    wrapped = RuntimeError("connect failed")
+    wrapped.__cause__ = socket.gaierror(-2, "Name or service not known")
+    assert hub.unreachable(wrapped) and not hub.unreachable(PermissionError("403"))
+
+
+def test_push_to_hub_offline_mode_is_named(tmp_path, dataset, monkeypatch):
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    FakeHub(monkeypatch, me=OfflineModeIsEnabled("offline"))
+    cfg = load_config(write_config(tmp_path, dataset, **HUB)).train
+    assert "HF_HUB_OFFLINE is set" in hub.access_problem(cfg)
 
 
 def test_a_hub_model_id_the_hub_refuses_is_a_config_error(tmp_path, dataset):

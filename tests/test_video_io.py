@@ -159,7 +159,27 @@ def test_resample_30_to_24(tmp_path, suffix):
     assert picked(frames, [nearest([i / 30 for i in range(24)], k / 24) for k in range(19)])
 
 
-@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])
+def _avi(path: Path, colours: list[int], fps: int) -> Path:
+    """An AVI: its time base is the frame length itself (1/fps), the coarsest stamps a container has."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 32, 24, "yuv420p"
+        for i, colour in enumerate(colours):
+            frame = av.VideoFrame.from_ndarray(np.full((24, 32, 3), PALETTE[colour], np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return path
+
+
+def test_an_avi_at_its_own_rate_gets_each_frame_once(tmp_path):
+    """With the time base as long as a frame, a time on a frame counted as a tie with the frame before: frame 0
+    came twice and the last frame was lost."""
+    path = _avi(tmp_path / "own.avi", list(range(6)), 24)
+    assert [_identify(f) for f in decode_frames(path, [k / 24 for k in range(6)])] == list(range(6))
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv", ".avi"])
 def test_twice_the_rate_holds_every_frame_twice(tmp_path, suffix):
     """12 fps clips at 24 fps: every other time falls exactly between two frames, and the earlier one is taken. The
     container's rounding (Matroska: 1 ms) or float error decided before, so frames were shown 1, 2 or 3 times
@@ -170,6 +190,8 @@ def test_twice_the_rate_holds_every_frame_twice(tmp_path, suffix):
     path = tmp_path / f"twelve{suffix}"
     if suffix == ".mp4":
         write_mp4([Image.new("RGB", (32, 24), PALETTE[c]) for c in colours], path, fps=12)
+    elif suffix == ".avi":
+        _avi(path, colours, 12)
     else:
         _flat_clip(path, colours, [round(i * 1000 / 12) for i in colours], Fraction(1, 1000))
     info = probe_video(path)

@@ -80,14 +80,16 @@ class NotASettingsFile(OSError):
 
 
 def read_settings_text(path: str | Path, encoding: str = "utf-8-sig") -> str:
-    """The text of a small file named by a config key. A device (/dev/zero), FIFO or socket there would be read
-    forever (or block), so only a regular file is read; an OSError (NotASettingsFile) says why otherwise."""
+    """The text of a small file named by a config key. A device (/dev/zero) there would be read forever, so only a
+    regular file or a pipe is read, at most MAX_SETTINGS_BYTES; an OSError (NotASettingsFile) says why otherwise."""
     import stat
 
     info = Path(path).stat()
-    if not stat.S_ISREG(info.st_mode):
-        raise NotASettingsFile(f"{path} is not a regular file (a device, FIFO or socket); give a file")
-    if info.st_size > MAX_SETTINGS_BYTES:
-        raise NotASettingsFile(f"{path} is {info.st_size / 2**20:.0f} MiB, far more than a settings file holds; "
-                               "check the path")
-    return Path(path).read_text(encoding=encoding)
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode)):  # a FIFO: `--config <(envsubst < t.json)`
+        raise NotASettingsFile(f"{path} is not a regular file (a device or socket); give a file")
+    with open(path, "rb") as f:
+        data = f.read(MAX_SETTINGS_BYTES + 1)
+    if len(data) > MAX_SETTINGS_BYTES:
+        raise NotASettingsFile(f"{path} holds more than {MAX_SETTINGS_BYTES // 2**20} MiB, far more than a settings "
+                               "file holds; check the path")
+    return data.decode(encoding)

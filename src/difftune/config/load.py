@@ -236,6 +236,7 @@ def load_datasets(
     seen: set[str] = set()
     notes: list[str] = []
     defaulted: set[str] = set()  # config-level dataset keys that some entry takes (it does not set its own)
+    offered: set[str] = set()  # and those offered to some entry
     image_entries = 0
     for index, entry in enumerate(raw):
         if not isinstance(entry, dict):
@@ -273,6 +274,7 @@ def load_datasets(
                      # a type 'huggingface' entry reads its caption column unless it says otherwise (SimpleTuner)
                      and not (k == "caption_strategy" and entry.get("type") == "huggingface")}
             defaulted |= given.keys() - entry.keys()
+            offered |= given.keys()
             image_entries += 1
             entry = {**given, **entry}
         text_batch = (defaults or {}).get("text_encoder_batch_size")
@@ -352,8 +354,8 @@ def load_datasets(
         if (blocker := file_in_the_way(Path(folder))) is not None:
             problems.append(f"{path}: the default text cache {folder!r} cannot be made ({str(blocker)!r} is a "
                             "file); add a text_embeds entry with another cache_dir")
-    overridden = [k for k in (defaults or {}) if k in DATASET_DEFAULT_KEYS and k not in defaulted
-                  and k not in AWS_KEYS]
+    overridden = [k for k in (defaults or {}) if k in offered and k not in defaulted]  # (not aws_* nor a
+    # caption_strategy that type 'huggingface' entries do not take)
     if overridden and image_entries:  # SimpleTuner's meaning (the dataset's own wins), said: nothing silently unused
         one = len(overridden) == 1
         notes.append(f"config.json's {', '.join(overridden)} appl{'ies' if one else 'y'} to no dataset: every image "

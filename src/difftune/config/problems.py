@@ -47,7 +47,9 @@ def split_problem(text: str, files: tuple[str, ...] = ()) -> Problem:
         rest = rest[m.end():] if m.group(0).endswith(": ") else rest
     known = _known_keys()
     key, message = None, rest
-    if m2 := re.match(r"([\w]+(?:\.[\w]+)*): (.*)", rest, re.DOTALL):
+    if m2 := re.match(r"(\w+) \(difftune's \w+\): (.*)", rest, re.DOTALL):  # an alias as written (validation_steps)
+        key, message = m2.group(1), m2.group(2)
+    elif m2 := re.match(r"([\w]+(?:\.[\w]+)*): (.*)", rest, re.DOTALL):
         key, message = m2.group(1), m2.group(2)
     elif m2 := re.match(r"(\w+)=", rest):
         key = m2.group(1)

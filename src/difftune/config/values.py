@@ -14,12 +14,12 @@ def parse_resolutions(value: str) -> list[tuple[int, int]]:
     """'1024x768' or '512' or '512x512,768x768' -> [(width, height), ...]."""
     out = []
     for part in str(value).split(","):
-        part = part.strip().lower()
-        part = re.sub(r"(\d+)\.0*(?=x|$)", r"\1", part)  # "64.0" (a number written by a tool) is 64
+        written = part.strip()
+        part = re.sub(r"(\d+)\.0*(?=x|$)", r"\1", written.lower())  # "64.0" (a number written by a tool) is 64
         m = re.fullmatch(r"(\d+)(?:x(\d+))?", part)
         if not m:
-            whole = " (a whole number of pixels)" if re.fullmatch(r"[\d.x]+", part) else ""
-            raise ValueError(f"{part!r} is not a resolution{whole}; write WIDTHxHEIGHT such as 1024x1024, or one "
+            whole = " (a whole number of pixels)" if "." in part and re.fullmatch(r"[\d.x]+", part) else ""
+            raise ValueError(f"{written!r} is not a resolution{whole}; write WIDTHxHEIGHT such as 1024x1024, or one "
                              "number such as 1024")
         w = int(m.group(1))
         h = int(m.group(2) or m.group(1))
@@ -105,9 +105,10 @@ PATH_MAX = 4095  # bytes of a whole path (Linux)
 def overlong_name(key: str, value: Any) -> str | None:
     """Why a path value cannot name anything (a part longer than NAME_MAX bytes: `exists()` raises
     'File name too long' there), or None. Keys naming files or folders only: a long prompt is no path."""
-    pathy = "_dir" in key or "path" in key or key.endswith(("_file", "_config", "_library")) or key in (
-        "init_lora", "resume_from_checkpoint", "conditioning_data")  # cache_dir_vae, instance_data_dir, ...
-    if not (pathy and isinstance(value, str)):
+    pathy = "_dir" in key or "path" in key or key.endswith(("_file", "_library")) or key in (
+        "init_lora", "resume_from_checkpoint", "conditioning_data", "data_backend_config", "lycoris_config",
+        "caption_filter_list")  # cache_dir_vae, instance_data_dir, ...; not optimizer_config, tread_config, ...
+    if not (pathy and isinstance(value, str)) or value.lstrip().startswith(("{", "[")):  # JSON written in place
         return None
     if len(value.encode()) > PATH_MAX:
         return f"the path is {len(value.encode())} bytes long, more than a file system allows ({PATH_MAX}); shorten it"

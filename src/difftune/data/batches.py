@@ -104,6 +104,7 @@ class TrainingData:
         `regularisation`: ids of the datasets marked is_regularisation_data (their samples are flagged).
         `ondemand`: dataset id -> what writes the cache entries of its samples (vae_cache_ondemand)."""
         self.items = items
+        self.samples_digest: str | None = None  # what names the items, once computed (train/resume_settings.py)
         self.text_caches = text_caches
         self.sampler = sampler
         self.collate_text = collate_text

@@ -156,8 +156,10 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
     with container:
         slack = EPSILON + float(stream.time_base) / 2  # a time this near the last frame is still within the clip
         # two frames this nearly as near a time are equally near (stamps are rounded to the time base, and float
-        # sums are not exact): the earlier one is taken, so a 12 fps clip at 24 fps shows each frame twice
-        tie = EPSILON + float(stream.time_base)
+        # sums are not exact): the earlier one is taken, so a 12 fps clip at 24 fps shows each frame twice. Never a
+        # quarter of the gap or more: an AVI's time base is the frame length itself (1/24), where a time on a frame
+        # would otherwise count as a tie with the frame before
+        rounding = EPSILON + float(stream.time_base)
         gif = _is_gif(container)
         before = before_image = None  # the frame before the one just decoded, and its picture once made
         first = last = previous = None  # the first frame's stamp; the times of the last two frames
@@ -184,7 +186,7 @@ def decode_frames(path: Path, times: list[float]) -> list[Image.Image]:
                 # each time up to this frame's goes to the nearer of it and the frame before
                 while len(out) < len(times) and times[len(out)] <= t:
                     wanted = times[len(out)]
-                    if before is not None and wanted - last <= t - wanted + tie:
+                    if before is not None and wanted - last <= t - wanted + min(rounding, (t - last) / 4):
                         before_image = take(before, before_image)
                     else:
                         image = take(frame, image)

@@ -234,7 +234,7 @@ def set_aside_result(output_dir: Path) -> tuple[Path | None, list[str]]:
     renames: a run that starts from step 0 in that folder would otherwise overwrite it file by file (a SimpleTuner
     LoRA too). Returns that folder and the names moved (None and [] when there were none). Process 0 only."""
     found = [output_dir / name for name in RESULT_NAMES if (output_dir / name).exists()]
-    if not found:
+    if not [p for p in found if p.name != "README.md"]:  # a README alone is the user's, not a result's card
         return None, []
     return _move_aside(output_dir, found, "the earlier result", output_dir), [p.name for p in found]
 

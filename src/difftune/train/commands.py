@@ -91,8 +91,8 @@ def stop_while(output_dir: Path, what: str, interval: float = 0.5, on: bool = Tr
                     sent = float(json.loads(path.read_text()).get("time", started))
                 except (OSError, ValueError, AttributeError, TypeError):
                     continue
-                if sent >= started:  # a stale one is the loop's to report (poll_commands)
-                    path.unlink(missing_ok=True)
+                if sent >= started and not done.is_set():  # a stale one is the loop's to report (poll_commands);
+                    path.unlink(missing_ok=True)  # after `what`, the loop's own polling takes it
                     request_stop(f"stop command while {what}")
                     return
 

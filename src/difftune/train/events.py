@@ -51,6 +51,8 @@ class Events:
         self.total_steps = total_steps
         self._log = None
         self._log_failed = False
+        self._start_line: str | None = None  # the "start" record, for a log begun again (_lost)
+        self._checked = 0.0  # when (time.monotonic) the log file was last looked at
         # Subscribers see every event after it is logged (trackers, hub uploads: train/reporting.py). Each may
         # have a close(), called before the log closes. Uploads emit from their own thread, hence the lock.
         self.subscribers: list[Callable[[str, dict[str, Any]], None]] = []
@@ -94,24 +96,38 @@ class Events:
             self.write(("" if kind in ("info", "eval_loss") else kind.upper() + ": ") + data["message"])
 
     def _append(self, line: str) -> None:
-        if self._log is not None and os.fstat(self._log.fileno()).st_nlink == 0:  # deleted (the output folder, say)
-            self._log.close()
-            self._log = None
-            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-            from difftune.train.run_lock import retake_if_lost
-
-            relocked = retake_if_lost()  # the folder's lock file went with it: a second run would not be refused
-            notice = {"event": "warning", "time": time.time(),
-                      "message": f"{self.log_path} was deleted while this run trained (with its output folder?); "
-                                 "the log begins again here" + (f"; {relocked}" if relocked else "")}
-            self.write(f"WARNING: {notice['message']}")
-            line = json.dumps(notice) + "\n" + line
+        if line.startswith('{"event": "start"'):  # written again at the head of a log that was deleted
+            self._start_line = line
+        if self._log is not None and time.monotonic() >= self._checked + 1.0:  # one fstat a second at most
+            self._checked = time.monotonic()
+            try:
+                deleted = os.fstat(self._log.fileno()).st_nlink == 0  # (the output folder, say)
+            except (OSError, AttributeError, ValueError):  # a log without a file descriptor
+                deleted = False
+            if deleted:
+                line = self._lost() + line
         if self._log is None:
             self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
             if self._log.tell() and not _ends_with_newline(self.log_path):  # a line an earlier run left cut
                 self._log.write("\n")
         self._log.write(line)
         self._log.flush()  # readers (the web UI, a tail -f) see each event at once
+
+    def _lost(self) -> str:
+        """The lines a new log begins with after the old one was deleted: a warning, and the run's "start" again
+        (the web UI counts a run's steps from its start)."""
+        assert self._log is not None
+        self._log.close()
+        self._log = None
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        from difftune.train.run_lock import retake_if_lost
+
+        relocked = retake_if_lost()  # the folder's lock file went with it: a second run would not be refused
+        notice = {"event": "warning", "time": time.time(),
+                  "message": f"{self.log_path} was deleted while this run trained (with its output folder?); the "
+                             "log begins again here" + (f"; {relocked}" if relocked else "")}
+        self.write(f"WARNING: {notice['message']}")
+        return json.dumps(notice) + "\n" + (self._start_line or "")
 
     def _bar(self, step: int) -> tqdm:
         if self.bar is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import queue
 import shlex
+import socket
 import threading
 import time
 from pathlib import Path
@@ -62,10 +63,10 @@ def unreachable(error: BaseException) -> bool:
     hub's answer (which is an HTTP error with a status)."""
     from huggingface_hub.errors import HfHubHTTPError
 
-    network: list[type] = [ConnectionError, TimeoutError]
-    for module, name in (("httpx", "TransportError"), ("requests.exceptions", "ConnectionError"),
-                         ("requests.exceptions", "Timeout")):
-        try:  # huggingface_hub 1.x talks through httpx, older releases through requests
+    network: list[type] = [ConnectionError, TimeoutError, socket.gaierror]  # gaierror: no name resolution
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"),
+                         ("requests.exceptions", "ConnectionError"), ("requests.exceptions", "Timeout")):
+        try:  # huggingface_hub 2 talks through httpx2, 1.x through httpx, older releases through requests
             network.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
             continue
@@ -93,6 +94,11 @@ def access_problem(cfg: Any, api: Any = None) -> str | None:
     try:
         me = api.whoami()
     except Exception as e:  # noqa: BLE001 - no token, a revoked one, no network: each is said as it is
+        from huggingface_hub.errors import OfflineModeIsEnabled
+
+        if isinstance(e, OfflineModeIsEnabled):
+            return (f"{where}: HF_HUB_OFFLINE is set, so nothing can be uploaded; unset it, or set push_to_hub to "
+                    "false to train without uploading")
         if unreachable(e):
             return (f"{where}: the Hugging Face hub cannot be reached ({type(e).__name__}: {e}); check the network "
                     "(or HF_ENDPOINT), or set push_to_hub to false to train without uploading")

@@ -54,8 +54,10 @@ def recorded(run: Run) -> dict[str, Any]:
 def samples_digest(run: Run) -> str:
     """What names the trained files (their idents, data/discovery.Sample), hashed: a resume notices files added,
     removed or renamed even when the number of batches per epoch stays."""
-    names = sorted(item.sample.ident for item in run.data.items)
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    if (digest := getattr(run.data, "samples_digest", None)) is None:  # once per run: every checkpoint records it
+        names = sorted(item.sample.ident for item in run.data.items)
+        digest = run.data.samples_digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    return digest
 
 
 def optimizer_changed(run: Run, saved: dict, path: Path) -> bool:
@@ -142,7 +144,7 @@ def warn_changes(run: Run, saved: dict, path: Path) -> None:
         run.events.emit("warning", message=f"the datasets changed since {path} (files added or removed): {then} "
                         f"batches per epoch then, {now} now. The data order and position follow the new datasets "
                         f"from here{epochs}")
-    elif saved.get("samples_digest") not in (None, recorded(run)["samples_digest"]):
+    elif then == now and saved.get("samples_digest") not in (None, samples_digest(run)):
         run.events.emit("warning", message=f"the datasets' files changed since {path} (added, removed or renamed: "
                         f"{saved.get('samples', '?')} then, {len(run.data.items)} now; the batches per epoch are the "
                         "same). The data order follows the new files from here")

@@ -110,7 +110,8 @@ REPEAT_S = 3.0
 
 
 def _on_sigterm(signum: int, _frame: object) -> None:
-    global _pending, _last
+    global _pending, _last, _reason
+    reason, _reason = _reason, None  # request_stop's, for this signal only (a held or repeated one says the signal)
     now = time.monotonic()
     if _last is not None and now - _last < REPEAT_S:
         return
@@ -120,8 +121,7 @@ def _on_sigterm(signum: int, _frame: object) -> None:
         print("stopping after the step in progress, with a checkpoint (again, 3 s or more from now: at once)",
               file=sys.stderr, flush=True)
         return
-    global _reason
-    _pending, reason, _reason = None, _reason, None
+    _pending = None
     raise Terminated(signum, reason)
 
 
@@ -225,6 +225,7 @@ def output_dir_lock(output_dir: Path, main: bool | None = None, wait_s: float = 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    registered = False  # in _held (retake_if_lost may swap the fd there for a new lock file's)
     try:
         deadline = time.monotonic() + wait_s
         try:
@@ -240,10 +241,10 @@ def output_dir_lock(output_dir: Path, main: bool | None = None, wait_s: float = 
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        _held[output_dir] = fd
+        _held[output_dir], registered = fd, True
         yield
     finally:
-        os.close(_held.pop(output_dir, fd))  # releases the lock
+        os.close(_held.pop(output_dir, fd) if registered else fd)  # releases the lock
 
 
 _held: dict[Path, int] = {}  # output_dir -> the fd of the lock this process holds there

@@ -127,6 +127,7 @@ class Run:
         # this run's trainer has logged its "start": the steps before it are another trainer's (one that writes into
         # the same output_dir, whose lock then made this run fail)
         self._started = False
+        self._inode: int | None = None  # of the log read last: a new file (the folder deleted) is read from its start
         self.next_offset: int | None = None  # where the next run into this output_dir starts (Registry sets it)
         self.events: list[dict[str, Any]] = []  # every event but "step"s, which a long run has by the million
         self.steps: list[tuple[int, float, float | None]] = []  # (step, time, loss) of each "step" event
@@ -159,7 +160,8 @@ class Run:
                 return self.events
             with os.fdopen(fd, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                if f.tell() < self._pos:  # the log was replaced: read it again from the start
+                inode, self._inode = self._inode, os.fstat(f.fileno()).st_ino
+                if f.tell() < self._pos or inode not in (None, self._inode):  # replaced: read it again from the start
                     self._pos, self._partial, self.events, self.steps, self.last_step = 0, b"", [], [], None
                     self._started = False
                 f.seek(self._pos)
