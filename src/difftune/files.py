@@ -76,7 +76,7 @@ MAX_SETTINGS_BYTES = 64 * 2**20  # a config, dataset list, prompt library or fil
 
 
 class NotASettingsFile(OSError):
-    """A path given as a settings file that is a device, FIFO or socket, or far too large to be one."""
+    """A path given as a settings file that is a device or socket, or far too large to be one."""
 
 
 def read_settings_text(path: str | Path, encoding: str = "utf-8-sig") -> str:

@@ -237,7 +237,6 @@ def load_datasets(
     notes: list[str] = []
     defaulted: set[str] = set()  # config-level dataset keys that some entry takes (it does not set its own)
     offered: set[str] = set()  # and those offered to some entry
-    image_entries = 0
     for index, entry in enumerate(raw):
         if not isinstance(entry, dict):
             problems.append(f"{path}: entry {index} must be an object")
@@ -275,7 +274,6 @@ def load_datasets(
                      and not (k == "caption_strategy" and entry.get("type") == "huggingface")}
             defaulted |= given.keys() - entry.keys()
             offered |= given.keys()
-            image_entries += 1
             entry = {**given, **entry}
         text_batch = (defaults or {}).get("text_encoder_batch_size")
         if model is TextEmbedsDataset and text_batch is not None and entry.get("text_encoder_batch_size") is None:
@@ -356,7 +354,7 @@ def load_datasets(
                             "file); add a text_embeds entry with another cache_dir")
     overridden = [k for k in (defaults or {}) if k in offered and k not in defaulted]  # (not aws_* nor a
     # caption_strategy that type 'huggingface' entries do not take)
-    if overridden and image_entries:  # SimpleTuner's meaning (the dataset's own wins), said: nothing silently unused
+    if overridden:  # SimpleTuner's meaning (the dataset's own wins), said: nothing silently unused
         one = len(overridden) == 1
         notes.append(f"config.json's {', '.join(overridden)} appl{'ies' if one else 'y'} to no dataset: every image "
                      f"or video dataset in {path} sets its own; remove {'it' if one else 'them'} from config.json, "

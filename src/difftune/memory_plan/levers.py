@@ -64,10 +64,13 @@ class Step:
     why: str
     phase: str = ""  # when the peak did not move: the phase whose memory it changed, and `saving` is of that phase
 
+    def where(self) -> str:
+        """' of training (not the peak)' for a lever needed below the peak, else ''."""
+        return f" of {self.phase} (not the peak)" if self.phase else ""
+
     def effect(self, digits: int = 1) -> str:
         """'saves 1.2 GiB', or for a lever needed below the peak 'saves 1.2 GiB of training (not the peak)'."""
-        amount = f"{'saves' if self.saving >= 0 else 'costs'} {abs(self.saving) / GIB:.{digits}f} GiB"
-        return f"{amount} of {self.phase} (not the peak)" if self.phase else amount
+        return f"{'saves' if self.saving >= 0 else 'costs'} {abs(self.saving) / GIB:.{digits}f} GiB{self.where()}"
 
 
 def change(before: Prediction, after: Prediction) -> tuple[int, str]:

@@ -54,8 +54,7 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
     table.add_column("saves", justify="right")
     table.add_column("cost")
     for step in choice.steps:
-        saved = gib(step.saving) + (f" of {step.phase} (not the peak)" if step.phase else "")
-        table.add_row(step.key, json.dumps(step.value), saved, step.why)
+        table.add_row(step.key, json.dumps(step.value), gib(step.saving) + step.where(), step.why)
     console.print(table)
     assert choice.after is not None
     console.print(f"[green]with these: predicted peak {gib(choice.after.peak)} ({choice.after.peak_phase}), "
