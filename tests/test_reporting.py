@@ -194,6 +194,30 @@ def test_eval_steps_interval_and_num_eval_images(tmp_path, dataset, tiny_clip):
     assert len(list((run.output_dir / "validation").glob("*.png"))) == 3
 
 
+def test_an_evaluation_at_a_validation_step_scores_its_samples(tmp_path, dataset, tiny_clip, monkeypatch):
+    """An evaluation due at a validation's step scores that validation's live samples (same weights, same seeds)
+    instead of sampling them again: at step 1 the interval's validation, at the last step the final one (the
+    evaluation waits for it). With validation_randomize (other seeds) it samples its own."""
+    from difftune.train import validation
+
+    calls = []
+    real = validation._sample_requests
+    monkeypatch.setattr(validation, "_sample_requests", lambda run, *a, **k: calls.append(run.state.step) or real(run, *a, **k))
+    for randomize, expected in ((False, [1, 2]), (True, [1, 1, 2, 2])):
+        calls.clear()
+        path = write_config(tmp_path / str(randomize), dataset, max_train_steps=2, validation_prompt="a red circle",
+                            validation_resolution="32x32", validation_num_inference_steps=1,
+                            validation_disable_unconditional=True, validation_step_interval=1,
+                            validation_randomize=randomize, evaluation_type="clip", eval_steps_interval=1,
+                            evaluation_clip_model=str(tiny_clip))
+        run = build_run(load_config(path))
+        train(run)
+        log = events(run.output_dir)
+        assert [e["step"] for e in log if e["event"] == "evaluation"] == [1, 2]
+        assert calls == expected, randomize
+        assert run.validated is None  # the samples are not kept past their evaluation
+
+
 def test_ui_summary_charts_clip_scores(tracked_run, tmp_path):
     """The web UI's run detail carries the CLIP scores its chart draws."""
     from difftune.ui.runs import Run as UIRun

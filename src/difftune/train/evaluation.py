@@ -8,7 +8,8 @@ chart read.
 When: with `eval_steps_interval: 0` and no `eval_epoch_interval`, the samples of each validation
 (`after_validation`, called by train/validation.py); otherwise every N optimizer steps and/or every N epochs
 (`evaluate`, when train/triggers.py says so), which samples the first `num_eval_images` validation requests
-without writing files.
+without writing files, or scores a validation's samples of the same step (the last step's evaluation follows the
+final validation for that).
 
 The CLIP model is loaded once (at the first evaluation, so a run that never evaluates never loads it),
 kept in CPU memory, and visits the accelerator only while it scores: it never joins training memory.
@@ -127,19 +128,30 @@ def score(run: Run, results: list[tuple[SampleRequest, Any]]) -> float | None:
     return mean
 
 
-def after_validation(run: Run, results: list[tuple[SampleRequest, Any]]) -> None:
-    """Without a schedule (eval_steps_interval 0, no eval_epoch_interval), each validation's samples are scored."""
+def after_validation(run: Run, results: list[tuple[SampleRequest, Any]], reusable: bool) -> None:
+    """Without a schedule (eval_steps_interval 0, no eval_epoch_interval), each validation's samples are scored.
+    With one, the samples are kept for an evaluation due at the same step when they are what it would sample
+    (`reusable`: the live weights, each request's own seed): sampling them twice doubled that step's sampling."""
     cfg = run.cfg
-    if cfg.evaluation_type == "clip" and cfg.eval_steps_interval == 0 and not cfg.eval_epoch_interval:
+    if cfg.evaluation_type != "clip":
+        return
+    if cfg.eval_steps_interval == 0 and not cfg.eval_epoch_interval:
         score(run, results)
+    elif reusable:
+        run.validated = (run.state.step, results)
 
 
 def evaluate(run: Run) -> None:
-    """Sample the requests an evaluation scores (no files written) and score them; process 0 alone."""
+    """Score the requests an evaluation scores: this step's validation samples when it just made them, else
+    sampled here (no files written); process 0 alone."""
     from difftune.train.validation import sample_requests
 
+    validated, run.validated = run.validated, None
     with eval_weights(run), unsharded(run):  # schedule-free: its averaged weights; FSDP: the weights whole
         if run.ranks.main:
-            requests = scored(run.validation, run.cfg.num_eval_images)
-            score(run, sample_requests(run, requests))
+            if validated is not None and validated[0] == run.state.step:
+                score(run, validated[1])
+            else:
+                score(run, sample_requests(run, scored(run.validation, run.cfg.num_eval_images)))
     run.ranks.barrier()
+

@@ -245,7 +245,7 @@ def _train(run: Run) -> Path:
     try:
         # Several processes: a SIGTERM is held until handle_commands, where they agree on the step to stop after
         with held(run.ranks.count > 1):
-            stopped = _steps(run, batches)
+            stopped, evaluation_owed = _steps(run, batches)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM on the command line (train/run_lock.py)
         checkpoint(run, reason=stop_reason(e))
         raise
@@ -265,9 +265,13 @@ def _train(run: Run) -> Path:
         run.events.emit("info", message=f"stopped by a stop command at step {run.state.step} of {run.total_steps}; "
                         "resume_from_checkpoint 'latest' goes on from here")
         run.events.emit("stopped", step=run.state.step, adapter=str(adapter), reason="stop command")
+        if evaluation_owed:
+            evaluation.evaluate(run)
         run.ranks.barrier()
         return adapter
     samples = sample(run, f"final-step-{run.state.step:06d}")
+    if evaluation_owed:  # the last step's CLIP evaluation, of the final validation's samples
+        evaluation.evaluate(run)
     run.events.emit("done", step=run.state.step, adapter=str(adapter), samples=[str(p) for p in samples])
     return adapter
 
@@ -323,12 +327,12 @@ def _names(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:3])}, ..., {names[-1]}"
 
 
-def _steps(run: Run, batches: Iterator[Batch]) -> bool:
-    """Optimizer steps, each followed by what falls due after it, to `run.total_steps`. Returns True when a stop
-    command ended them early."""
+def _steps(run: Run, batches: Iterator[Batch]) -> tuple[bool, bool]:
+    """Optimizer steps, each followed by what falls due after it, to `run.total_steps`. Returns whether a stop
+    command ended them early, and whether a CLIP evaluation is due after the last one."""
     cfg = run.cfg
     started = time.perf_counter()
-    stopped = False
+    stopped = evaluation_owed = False
     bad_steps = 0
     first = run.state.step + 1  # this process's first optimizer step (later than 1 after a resume)
     before = run.state.position  # where the epoch triggers count from (the checkpoint's position after a resume)
@@ -364,11 +368,13 @@ def _steps(run: Run, batches: Iterator[Batch]) -> bool:
         due, before = triggers.due(run, before), run.state.position  # step and epoch intervals
         if due.validation:
             sample(run, f"step-{step:06d}")
-        if due.evaluation:  # evaluation_type clip
+        if due.evaluation and step == run.total_steps:  # evaluation_type clip: the last step's scores the final
+            evaluation_owed = True                         # validation's samples, after it (train/evaluation.py)
+        elif due.evaluation:
             evaluation.evaluate(run)
         if due.eval_loss:  # dataset_type 'eval': the loss on held-out data
             eval_loss.evaluate(run)
         if due.checkpoint or due.rolling_checkpoint:
             checkpoint(run, rolling=due.rolling_checkpoint)  # checkpointing_rolling_steps: its own series
         stopped = handle_commands(run)
-    return stopped
+    return stopped, evaluation_owed

@@ -100,6 +100,7 @@ class Run:
     streamer: BlockStreamer | None = None  # block streaming (train/offload.py), when on
     fsdp: Sharded | None = None  # FSDP2 (train/fsdp.py), when on with several processes
     evaluator: Any = None  # CLIP evaluation (train/evaluation.py), loaded before the caches fill
+    validated: Any = None  # (step, samples) of the last validation's live weights, which an evaluation due then scores
     eval_set: Any = None  # the eval datasets' batches (train/eval_loss.py), when the run has some
     crepa: crepa.Crepa | None = None  # CREPA / REPA (train/crepa.py), when crepa_enabled
     layersync: layersync.LayerSync | None = None  # LayerSync (train/layersync.py), when layersync_enabled

@@ -54,7 +54,8 @@ def validate(run: Run, label: str, base: bool = False) -> list[Path]:
     # CLIP evaluation (no schedule set) scores the live weights' samples, or the EMA's when only they exist; of
     # num_validation_images per prompt, the first (the request's own seed), so scores compare across settings
     first = {id(request) for request in requests}
-    evaluation.after_validation(run, [(request, out) for request, out, _ in live or ema if id(request) in first])
+    evaluation.after_validation(run, [(request, out) for request, out, _ in live or ema if id(request) in first],
+                                reusable=bool(live) and not base and not run.cfg.validation_randomize)
     return [path for _, _, written in live + ema for path in written]
 
 
