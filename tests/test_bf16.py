@@ -168,12 +168,18 @@ def test_bf16_lycoris_validation_equals_load_lycoris_in_the_stock_bf16_pipeline(
     config, _ = case_config(case, tmp_path, dataset, "lora", max_train_steps=2, validation_step_interval=0,
                             checkpoint_step_interval=0, resume_from_checkpoint=None)
     lycoris = tmp_path / "lycoris.json"
-    lycoris.write_text(json.dumps({"algo": algo, "linear_dim": 4, "linear_alpha": 2}))
+    # lokr: saved with its own key prefix, which the model card's code sets before loading
+    preset = {"apply_preset": {"lora_prefix": "mine"}} if algo == "lokr" else {}
+    lycoris.write_text(json.dumps({"algo": algo, "linear_dim": 4, "linear_alpha": 2, **preset}))
     run_cfg = load_config(config, {"lora_type": "lycoris", "lycoris_config": str(lycoris)})
     run = build_run(run_cfg)
     train(run)
     ours = np.asarray(Image.open(tmp_path / "output" / "validation" / "final-step-000002-64x48.png")).astype(int)
     if algo == "lokr":  # the model card's lycoris code, run as written (without apply_to it sampled the base)
+        assert all(k.startswith("mine_") for k in load_file(tmp_path / "output" / "pytorch_lora_weights.safetensors"))
+        from lycoris import LycorisNetwork
+
+        monkeypatch.setattr(LycorisNetwork, "LORA_PREFIX", LycorisNetwork.LORA_PREFIX)  # the card's code sets it
         run_card_usage(run_cfg, run, tmp_path, monkeypatch, None, (64, 48, None), ours)
     pipe = case.stock(run.comps.source, torch_dtype=torch.bfloat16)
     network = load_lycoris(pipe.transformer, tmp_path / "output" / "pytorch_lora_weights.safetensors")

@@ -66,6 +66,7 @@ TARGET_KEYS = ("target_module", "target_name", "module_algo_map", "name_algo_map
 _PRESET_ATTRS = ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "LORA_PREFIX", "MODULE_ALGO_MAP",
                  "NAME_ALGO_MAP", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
 _LIBRARY_DEFAULTS = {a: copy.deepcopy(getattr(LycorisNetwork, a)) for a in _PRESET_ATTRS}
+LIBRARY_PREFIX = _LIBRARY_DEFAULTS["LORA_PREFIX"]  # the keys' prefix when apply_preset names no lora_prefix
 # The transformer class of each family (the attention projections come from the family's lora_target_modules).
 FAMILY_OF_CLASS = {"Lumina2Transformer2DModel": "lumina2", "Kandinsky5Transformer3DModel": "kandinsky5-image"}
 
@@ -234,7 +235,7 @@ def load_lycoris(transformer: torch.nn.Module, path: str | Path, multiplier: flo
     config = read_config(path) or {}
     if multiplier is None:
         multiplier = float(config.get("multiplier", 1.0))
-    prefix = (config.get("apply_preset") or {}).get("lora_prefix", _LIBRARY_DEFAULTS["LORA_PREFIX"])
+    prefix = (config.get("apply_preset") or {}).get("lora_prefix", LIBRARY_PREFIX)
     with preset_applied({"lora_prefix": prefix}):
         network, _ = create_lycoris_from_weights(multiplier, str(path), transformer, weights_sd=weights)
     stored = {k.split(".", 1)[0] for k in weights if "." in k}

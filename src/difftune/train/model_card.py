@@ -119,16 +119,18 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
                 f"pipe.transformer = type(pipe.transformer).from_pretrained(\"{repo}\", subfolder=\"transformer\",\n"
                 f"    {DTYPE}=torch.bfloat16)\npipe.to(\"cuda\")\n{_generate(run_cfg)}```\n")
     if cfg.lora_type == "lycoris":
-        multiplier = _lycoris_multiplier(cfg)
+        multiplier, prefix = _lycoris_multiplier(cfg), _lycoris_prefix(cfg)
         return ("This is a LyCORIS network (`pytorch_lora_weights.safetensors`, with its `lycoris_config` in the "
                 "file's metadata). diffusers' `load_lora_weights` does not read LyCORIS algorithms: apply it with "
                 "the `lycoris-lora` package on the pipeline's transformer (or with difftune's "
                 "`difftune.adapters.lycoris.load_lycoris(pipe.transformer, path)`, which does the same).\n\n"
                 f"```python\n{_imports(run_cfg, pipeline)}from huggingface_hub import hf_hub_download\n"
-                f"from lycoris import create_lycoris_from_weights\n\n"
+                f"from lycoris import {'LycorisNetwork, ' if prefix else ''}create_lycoris_from_weights\n\n"
                 f"pipe = {pipeline}.from_pretrained(\"{base}\", {DTYPE}=torch.bfloat16)\n{_parts_elsewhere(cfg)}"
                 "pipe.to(\"cuda\")\n"
                 f"path = hf_hub_download(\"{repo}\", \"pytorch_lora_weights.safetensors\")\n"
+                + (f"LycorisNetwork.apply_preset({{\"lora_prefix\": {json.dumps(prefix)}}})  # the prefix its keys "
+                   "were saved with\n" if prefix else "") +
                 f"network, _ = create_lycoris_from_weights({multiplier:g}, path, pipe.transformer)  # the multiplier "
                 "it trained with\n"
                 "network.apply_to()  # hooks it into the transformer's layers: without this it changes nothing\n"
@@ -144,7 +146,20 @@ def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
 
 
 def _lycoris_multiplier(cfg: Any) -> float:
-    return float(json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig")).get("multiplier", 1.0))
+    return float(_lycoris_config(cfg).get("multiplier", 1.0))
+
+
+def _lycoris_prefix(cfg: Any) -> str | None:
+    """The lora_prefix of the config's apply_preset when it is not the library's default (the keys' prefix:
+    create_lycoris_from_weights finds no module of a file saved with another one)."""
+    from difftune.adapters.lycoris import LIBRARY_PREFIX
+
+    prefix = (_lycoris_config(cfg).get("apply_preset") or {}).get("lora_prefix")
+    return prefix if prefix and prefix != LIBRARY_PREFIX else None
+
+
+def _lycoris_config(cfg: Any) -> dict[str, Any]:
+    return json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig"))
 
 
 def _comfyui(cfg: Any) -> str:
