@@ -6,7 +6,12 @@ Each row becomes `<row number, 8 digits>.<ext>` (the image or clip, with its ori
 a format discovery does not train from is re-encoded to PNG) and, with caption_strategy 'huggingface',
 `<row number>.txt` (one caption per line). The names follow the row order of the split, so a later run maps each
 row to the same files: what is there is kept, only what is missing is written, and a caption file whose text
-changed (another caption_column) is rewritten. `.difftune-source.json` names the source the folder holds.
+changed (another caption_column) is rewritten. `.difftune-source.json` names the source the folder holds, with a
+digest of each row's file as downloaded and a stamp of the data it was read from (datasets' fingerprint of a hub
+dataset, which names its revision; a local folder's file names, sizes and times, whose change also makes datasets
+prepare its copy again): when the data changed since (a new revision, an edited folder), each file is checked against its row
+and written again if its row now holds another one (else an image would train with another row's caption), and
+the files of rows that are gone or now skipped are removed.
 
 Without streaming, datasets first prepares its own copy in its cache (cheap to reopen: a second run reads only
 the caption columns and the rows whose files are missing). With streaming the rows are read as they arrive and
@@ -15,6 +20,7 @@ nothing is cached by datasets, so a finished streamed download is trusted as it 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import json
@@ -66,12 +72,20 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
         say(f"dataset {ds.id!r}: the streamed download in {str(folder)!r} is complete ({len(present)} files); "
             f"not read again (delete {MANIFEST} there to read the stream again)")
         return
-    data = _load(ds)
+    local = _folder_stamp(ds)  # a local folder's files, as they are now (None for a hub id)
+    # datasets reuses its prepared copy of a local folder whose files changed: prepared again then
+    data = _load(ds, again=local is not None and (manifest or {}).get("stamp") != local)
     data = _media_column(ds, data, column_key, column, clips)
     _check_columns(ds, data.features, text_columns)
-    _write_manifest(ds, folder, source, captions, complete=False)  # claimed before the first file is written
+    known: dict[str, str] = (manifest or {}).get("files") or {}  # stem -> digest of the row's bytes
+    # a hub dataset's fingerprint names its revision; a stream has none: each row is checked as it is read
+    stamp = local or (getattr(data, "_fingerprint", None) if not ds.streaming else None)
+    unchanged = stamp is not None and (manifest or {}).get("stamp") == stamp
+    # claimed before the first file is written; the digests carried over, the fingerprint only once complete
+    _write_manifest(ds, folder, source, captions, complete=False, files=known)
 
-    fetched = reused = updated = 0
+    fetched = reused = updated = replaced = 0
+    files: dict[str, str] = {}  # the rows trained from, as this run leaves them
     skipped: list[int] = []
 
     def skip(index: int, reason: str) -> None:
@@ -107,13 +121,27 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
                 text = "\n".join(lines) + "\n"
             stem = f"{index:0{DIGITS}d}"
             path = present.get(stem)
-            if path is None:
-                try:
-                    path = _write_media(folder, stem, _media_bytes(media(), column_key), clips)
-                except Unusable as e:
-                    skip(index, str(e))
-                    continue
-                present[stem] = path
+            try:
+                payload = None
+                if path is not None and unchanged and stem in known:
+                    files[stem] = known[stem]
+                elif path is not None:  # the data changed (or no digest yet): is the file still this row's?
+                    payload = _media_bytes(media(), column_key)
+                    if _digest(payload[0]) == known.get(stem, _file_digest(path)):
+                        files[stem] = _digest(payload[0])
+                    else:
+                        _remove(present.pop(stem))
+                        path = None
+                        replaced += 1
+                written = path is None
+                if written:
+                    payload = payload or _media_bytes(media(), column_key)
+                    path = present[stem] = _write_media(folder, stem, payload, clips)
+                    files[stem] = _digest(payload[0])
+            except Unusable as e:
+                skip(index, str(e))
+                continue
+            if written:
                 fetched += 1
                 if text is not None:
                     write_atomic(path.with_suffix(".txt"), text.encode("utf-8"))
@@ -130,9 +158,15 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
     finally:
         if bar is not None:
             bar.close()
-    _write_manifest(ds, folder, source, captions, complete=True, rows=seen, skipped=skipped)
+    gone = [path for stem, path in present.items() if stem not in files]  # rows removed from the data, or skipped
+    for path in gone:
+        _remove(path)
+    _write_manifest(ds, folder, source, captions, complete=True, rows=seen, skipped=skipped, files=files,
+                    stamp=stamp)
     say(f"dataset {ds.id!r}: {fetched} files downloaded, {reused} already there, {len(skipped)} rows skipped"
         + (f", {updated} caption files updated" if updated else "")
+        + (f", {replaced} files replaced (their rows now hold other ones)" if replaced else "")
+        + (f", {len(gone)} files of rows gone or skipped removed" if gone else "")
         + f" (huggingface {ds.dataset_name!r}, split {ds.split!r}) in {str(folder)!r}")
 
 
@@ -178,16 +212,43 @@ def _finished(manifest: dict[str, Any] | None, captions: dict[str, Any] | None, 
 
 
 def _write_manifest(ds: ImageDataset, folder: Path, source: dict[str, Any], captions: dict[str, Any] | None,
-                    complete: bool, rows: int | None = None, skipped: list[int] | None = None) -> None:
-    body = {"type": "huggingface", "source": source, "captions": captions, "complete": complete}
+                    complete: bool, rows: int | None = None, skipped: list[int] | None = None,
+                    files: dict[str, str] | None = None, stamp: str | None = None) -> None:
+    body = {"type": "huggingface", "source": source, "captions": captions, "complete": complete, "files": files or {}}
     if complete:
-        body |= {"rows": rows, "skipped": skipped}
+        body |= {"rows": rows, "skipped": skipped, "stamp": stamp}
     save_manifest(ds, folder, body)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _file_digest(path: Path) -> str:
+    """A file's digest, for a row downloaded before digests were kept (its bytes as they came, unless re-encoded:
+    then it differs, and the row is written once more)."""
+    return _digest(path.read_bytes())
+
+
+def _remove(path: Path) -> None:
+    """A row's file and its caption file."""
+    path.unlink(missing_ok=True)
+    path.with_suffix(".txt").unlink(missing_ok=True)
 
 
 # --- the dataset ----------------------------------------------------------------------------------------------
 
-def _load(ds: ImageDataset) -> Any:
+def _folder_stamp(ds: ImageDataset) -> str | None:
+    """For a dataset_name that is a local folder, a digest of its files' names, sizes and times."""
+    root = Path(os.path.expanduser(ds.dataset_name or ""))
+    if not root.is_dir():
+        return None
+    entries = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                     for p in root.rglob("*") if p.is_file())
+    return _digest(json.dumps(entries).encode("utf-8"))
+
+
+def _load(ds: ImageDataset, again: bool = False) -> Any:
     try:
         import datasets
     except ImportError as e:  # a dependency; only a broken install lacks it
@@ -196,6 +257,8 @@ def _load(ds: ImageDataset) -> Any:
     args = {"path": os.path.expanduser(ds.dataset_name or ""), "name": ds.dataset_config,
             "data_files": ds.data_files, "split": ds.split, "revision": ds.revision, "cache_dir": ds.cache_dir,
             "num_proc": ds.num_proc}
+    if again and not ds.streaming:  # its earlier copy's split sizes would refuse the new one
+        args |= {"download_mode": "force_redownload", "verification_mode": "no_checks"}
     try:
         return datasets.load_dataset(**{k: v for k, v in args.items() if v is not None}, streaming=ds.streaming)
     except Exception as e:  # noqa: BLE001 - the hub, fsspec and the builders raise many types
