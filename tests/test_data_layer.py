@@ -54,6 +54,9 @@ def test_caption_strategies(tmp_path):
     assert caption(img, tmp_path, CaptionRule("textfile"), None).captions == ("first caption", "second caption")
     assert caption(img, tmp_path, CaptionRule("filename"), None).captions == ("a red-circle",)
     assert caption(img, tmp_path, CaptionRule("instanceprompt", "sks dog"), None).captions == ("sks dog",)
+    # prepend_instance_prompt beside caption_strategy instanceprompt: the prompt once (it trained "sks dog sks dog")
+    twice = CaptionRule("instanceprompt", "sks dog", prepend_instance_prompt=True)
+    assert caption(img, tmp_path, twice, None).captions == ("sks dog",)
     prepend = CaptionRule("textfile", "sks", prepend_instance_prompt=True)
     assert caption(img, tmp_path, prepend, None).captions == ("sks first caption", "sks second caption")
     only = CaptionRule("textfile", "sks", only_instance_prompt=True)
@@ -87,6 +90,51 @@ def test_parquet_captions(tmp_path, kind):
         assert caption(tmp_path / "three.png", tmp_path, rule, table).captions == ("a", "b")
     missing = caption(tmp_path / "four_five.png", tmp_path, rule, table)
     assert missing.captions == ("four five",) and "file name" in missing.note
+
+
+def test_caption_table_odd_cells_and_rows(tmp_path):
+    """Null and NaN cells (and items) are no caption (they trained as "None" and "nan"), an object cell is refused,
+    a row twice is noted, a row without its extension hints at identifier_includes_extension, a misspelt column
+    is a problem (it was read as empty), and rows that are not objects or lack a file name are named (tracebacks)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from difftune.config.datasets import ParquetCaptions
+
+    def table(name, text, **keys):
+        path = tmp_path / name
+        path.write_text(text)
+        return CaptionTable(path, ParquetCaptions(path=str(path), filename_column="file", caption_column="text", **keys))
+
+    rule = CaptionRule("parquet")
+    lines = [{"file": "nan.png", "text": float("nan"), "alt": "alt"}, {"file": "list.png", "text": ["x", None]},
+             {"file": "twice.png", "text": "first"}, {"file": "twice.png", "text": "second"},
+             {"file": "noext", "text": "lost"}]
+    rows = table("t.jsonl", "\n".join(json.dumps(r) for r in lines), fallback_caption_column="alt")
+    assert caption(tmp_path / "nan.png", tmp_path, rule, rows).captions == ("alt",)
+    assert caption(tmp_path / "list.png", tmp_path, rule, rows).captions == ("x",)
+    twice = caption(tmp_path / "twice.png", tmp_path, rule, rows)
+    assert twice.captions == ("second",) and "2 rows of the parquet table name it: the last one" in twice.note
+    assert "set identifier_includes_extension false" in caption(tmp_path / "noext.png", tmp_path, rule, rows).note
+    pq.write_table(pa.Table.from_pylist([{"file": "p.png", "text": ["y", None]}]), tmp_path / "t.parquet")
+    parquet = CaptionTable(tmp_path / "t.parquet", ParquetCaptions(path="t.parquet", filename_column="file",
+                                                                   caption_column="text"))
+    assert caption(tmp_path / "p.png", tmp_path, rule, parquet).captions == ("y",)
+    as_array = table("a.json", json.dumps([{"file": "a.png", "text": "from an array"}], indent=2))
+    assert caption(tmp_path / "a.png", tmp_path, rule, as_array).captions == ("from an array",)
+
+    obj = table("o.jsonl", json.dumps({"file": "o.png", "text": {"en": "a", "de": "b"}}))
+    with pytest.raises(ValueError, match="caption column 'text' holds an object"):
+        caption(tmp_path / "o.png", tmp_path, rule, obj)
+    for text, keys, message in (
+            ('{"file": "a.png", "text": "a"}\n{"name": "b.png", "text": "b"}', {}, "row 2 has no 'file'"),
+            ('{"file": "a.png", "text": "a"}\n["b.png", "b"]', {}, "row 2 is not an object"),
+            ('[{"file": "a.png"}, 3]', {}, "item 2 is not an object"),
+            ('{"file": "a.png", "text": "a"}', {"fallback_caption_column": "alt_caption"},
+             "no column named by fallback_caption_column 'alt_caption'; its columns are file, text"),
+            ('{"file": "a.png", "text": "a"}', {"width_column": "w", "height_column": "h"}, "width_column 'w'")):
+        with pytest.raises(ValueError, match=message):
+            table("bad.json", text, **keys)
 
 
 def test_table_sizes_are_checked_against_the_file(tmp_path):

@@ -166,6 +166,31 @@ def test_a_megapixel_resolution_with_a_pixel_type_gets_a_note(tmp_path, dataset,
         assert f"dataset 'train': resolution {resolution:g} with resolution_type '{kind}'" in notes[0]
 
 
+def test_a_pixel_resolution_with_the_area_type_is_refused(tmp_path, dataset):
+    """resolution 1024 with resolution_type 'area' is 1024 megapixels: check passed it, with 32000x32000 buckets
+    and a plan of thousands of GiB."""
+    text = problems(write_config(tmp_path, dataset, dataset={"resolution": 1024, "resolution_type": "area"}))
+    assert ("resolution 1024 with resolution_type 'area' is 1024 megapixels (about 32000x32000 pixels); for "
+            "1024x1024 pixels set resolution_type 'pixel_area' (or keep 'area' with resolution 1.05)") in text
+
+
+def test_caption_settings_the_strategy_does_not_read_are_noted(tmp_path, dataset):
+    run = load_config(write_config(tmp_path, dataset, dataset={
+        "caption_strategy": "instanceprompt", "instance_prompt": "sks", "prepend_instance_prompt": True,
+        "parquet": {"path": "missing.parquet"}}))
+    notes = "\n".join(run.notes())
+    assert "prepend_instance_prompt not used: caption_strategy 'instanceprompt' trains instance_prompt alone" in notes
+    assert "the parquet block is not read: caption_strategy is 'instanceprompt'" in notes
+
+
+def test_lycoris_keys_of_a_full_fine_tune_are_noted(tmp_path, dataset):
+    lycoris = tmp_path / "lycoris.json"
+    lycoris.write_text('{"algo": "lokr"}')
+    run = load_config(write_config(tmp_path, dataset, model_type="full", lora_type="lycoris",
+                                   lycoris_config=str(lycoris)))
+    assert any("lora_type, lycoris_config not used: model_type 'full'" in n for n in run.notes()), run.notes()
+
+
 def test_video_keys_on_an_image_family_are_named_as_written(tmp_path, dataset):
     text = problems(write_config(tmp_path, dataset, framerate=24))
     assert "framerate (difftune's frame_rate) applies only to video families" in text and "remove it for lumina2" in text
@@ -232,3 +257,9 @@ def test_an_image_to_video_frame_count_gets_advice_it_can_take(tmp_path):
                                  validation_num_video_frames=10,
                                  dataset={"dataset_type": "video", "resolution": 32, "video": {"num_frames": 9}}))
     assert "use 17 or more (4k+1)" in text, text
+
+
+def test_int4_torchao_text_encoder_refusal_gives_its_own_reason(tmp_path, dataset):
+    text = problems(write_config(tmp_path, dataset), text_encoder_1_precision="int4-torchao")
+    assert "text_encoder_1_precision 'int4-torchao': torchao's int4 weights have a CUDA layout only" in text
+    assert "backward" not in text  # the base model's reason: a text encoder runs forward only

@@ -118,8 +118,20 @@ def notes(where: str, item: Any) -> list[str]:
             off.append(f"{where}: cache_dir_vae {item.cache_dir_vae!r} is a folder on this machine here (in "
                        "SimpleTuner, a prefix inside the bucket): the latents are cached locally, not in S3")
         return (off + _crop_notes(where, item) + _upscale_notes(where, item) + _pixel_resolution_notes(where, item)
-                + _trigger_notes(where, item) + _shuffle_notes(where, item))
+                + _trigger_notes(where, item) + _shuffle_notes(where, item) + _unread_caption_notes(where, item))
     return []
+
+
+def _unread_caption_notes(where: str, item: Any) -> list[str]:
+    """Caption settings the entry's caption_strategy does not read."""
+    out = []
+    if item.caption_strategy == "instanceprompt" and item.prepend_instance_prompt:
+        out.append(f"{where}: prepend_instance_prompt not used: caption_strategy 'instanceprompt' trains "
+                   "instance_prompt alone already; remove it")
+    if item.parquet is not None and item.caption_strategy != "parquet":
+        out.append(f"{where}: the parquet block is not read: caption_strategy is {item.caption_strategy!r}; set "
+                   "caption_strategy 'parquet' to caption from its table, or remove the block")
+    return out
 
 
 def _upscale_notes(where: str, item: Any) -> list[str]:

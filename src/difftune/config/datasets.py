@@ -351,6 +351,12 @@ class ImageDataset(HuggingfaceSource, CsvSource, AwsSource, DatasetSchedule, Uns
             raise ValueError("conditioning_data pairs images (input images or loss masks) with images; image-to-video "
                              "flavours take each clip's first frame as the input image by themselves, and loss masks "
                              "are for image datasets only: remove conditioning_data")
+        if self.resolution_type == "area" and self.resolution >= 16:
+            side = round((self.resolution * 1e6) ** 0.5)
+            raise ValueError(f"resolution {self.resolution:g} with resolution_type 'area' is {self.resolution:g} "
+                             f"megapixels (about {side}x{side} pixels); for {self.resolution:g}x{self.resolution:g} "
+                             f"pixels set resolution_type 'pixel_area' (or keep 'area' with resolution "
+                             f"{self.resolution ** 2 / 1e6:.2f})")
         if (self.maximum_image_size is None) != (self.target_downsample_size is None):
             raise ValueError("maximum_image_size and target_downsample_size go together: set both or neither")
         needs_prompt = self.caption_strategy == "instanceprompt" or self.prepend_instance_prompt or self.only_instance_prompt

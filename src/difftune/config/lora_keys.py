@@ -125,7 +125,8 @@ def lora_notes(cfg: Any) -> list[str]:
     """peft LoRA settings the chosen adapter does not use. SimpleTuner's LyCORIS and full fine-tune configs carry
     them (it ignores them too), so they are accepted, with a note rather than silently."""
     if cfg.model_type == "full":
-        keys, why = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"), (
+        lycoris = ("lora_type", "lycoris_config") if cfg.lora_type == "lycoris" else ("lycoris_config",)
+        keys, why = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", *lycoris), (
             "model_type 'full' trains every transformer weight, with no adapter")
     elif cfg.lora_type == "lycoris":
         keys, why = ("lora_rank", "lora_alpha", "lora_dropout"), (
@@ -133,7 +134,7 @@ def lora_notes(cfg: Any) -> list[str]:
     else:
         return []
     notes = []
-    if cfg.lora_type == "lycoris" and getattr(cfg, "_lycoris_config_by_default", False):
+    if cfg.model_type == "lora" and cfg.lora_type == "lycoris" and getattr(cfg, "_lycoris_config_by_default", False):
         notes.append(f"lycoris_config not set: the LyCORIS network is the one {cfg.lycoris_config} describes "
                      "(SimpleTuner's default file); set lycoris_config to name another")
     unused = [k for k in keys if k in cfg.model_fields_set and getattr(cfg, k) is not None]

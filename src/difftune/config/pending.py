@@ -399,10 +399,17 @@ PENDING_VALUES |= {
                             "'corner'",
 }
 
-# The text encoders take the precisions of base_model_precision: the same ones are not implemented yet.
+# The text encoders take the precisions of base_model_precision: the same ones are not implemented yet. A text
+# encoder runs forward only, so int4-torchao's reason is another.
 PENDING_VALUES |= {
     (key, value): message.replace("base_model_precision", key)
-    for (base, value), message in list(PENDING_VALUES.items()) if base == "base_model_precision"
+    for (base, value), message in list(PENDING_VALUES.items()) if base == "base_model_precision" and value != "int4-torchao"
+    for key in ("text_encoder_1_precision", "text_encoder_2_precision")
+}
+PENDING_VALUES |= {
+    (key, "int4-torchao"): (f"not implemented yet: {key} 'int4-torchao': torchao's int4 weights have a CUDA layout "
+                            "only (none on the CPU, where difftune's tests run), so this path is untested; use "
+                            "'int4-quanto' or 'nf4-bnb' for 4 bits")
     for key in ("text_encoder_1_precision", "text_encoder_2_precision")
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -157,18 +158,29 @@ class CaptionTable:
     def __init__(self, path: Path, columns: Any):
         self.columns = columns
         rows = _read_rows(path)
-        missing = [c for c in (columns.filename_column, columns.caption_column) if rows and c not in rows[0]]
+        found = list(dict.fromkeys(k for row in rows for k in row))  # a JSONL row may leave a column out
+        keys = {"filename_column": columns.filename_column, "caption_column": columns.caption_column,
+                "fallback_caption_column": columns.fallback_caption_column, "width_column": columns.width_column,
+                "height_column": columns.height_column}
+        missing = [f"{key} {column!r}" for key, column in keys.items() if rows and column and column not in found]
         if missing:
-            raise ValueError(f"{path}: no column {', '.join(missing)}; columns are {', '.join(rows[0])}")
+            raise ValueError(f"{path}: no column named by {', '.join(missing)}; its columns are {', '.join(found)}")
         # each row by its identifier as written (a path below the dataset, or a bare name), and by the bare name
         # alone: a bare name that several rows share (a/cat, b/cat) is taken only by the path that names one of them
         self.rows: dict[str, dict[str, Any]] = {}
-        self.bare: dict[str, list[dict[str, Any]]] = {}
-        for row in rows:
+        self.bare: dict[str, list[str]] = {}  # bare name -> the identifiers that end in it
+        self.twice: dict[str, int] = {}  # identifiers of several rows: the last one is used
+        for number, row in enumerate(rows, 1):
+            if row.get(columns.filename_column) in (None, ""):
+                raise ValueError(f"{path}: row {number} has no {columns.filename_column!r} (filename_column); give "
+                                 "each row the file it captions")
             name = str(row[columns.filename_column]).replace("\\", "/").removeprefix("./")
+            if name in self.rows:
+                self.twice[name] = self.twice.get(name, 1) + 1
+            else:
+                bare = Path(name).name if columns.identifier_includes_extension else Path(name).stem
+                self.bare.setdefault(bare, []).append(name)
             self.rows[name] = row
-            bare = Path(name).name if columns.identifier_includes_extension else Path(name).stem
-            self.bare.setdefault(bare, []).append(row)
 
     def lookup(self, path: Path, root: Path, empty: str = "an empty prompt") -> CaptionResult:
         rel = path.relative_to(root)
@@ -176,18 +188,28 @@ class CaptionTable:
             keys, bare = [rel.as_posix()], path.name
         else:  # the identifier without the extension (a table that writes it anyway matches too)
             keys, bare = [rel.with_suffix("").as_posix(), rel.as_posix()], path.stem
-        row = next((self.rows[k] for k in keys if k in self.rows), None)
-        if row is None and len(self.bare.get(bare, [])) > 1:
+        name = next((k for k in keys if k in self.rows), None)
+        if name is None and len(self.bare.get(bare, [])) > 1:
             return CaptionResult(from_filename(path).captions, note=f"{len(self.bare[bare])} rows of the parquet table "
                                  f"are named {bare!r} and none {keys[0]!r}: used the file name as caption; name each "
                                  "file by its path below the dataset in the table")
-        if row is None and bare in self.bare:
-            row = self.bare[bare][0]
-        if row is None:
-            return CaptionResult(from_filename(path).captions, note="no row in the parquet table: used the file name as caption")
-        captions = _as_captions(row.get(self.columns.caption_column))
+        if name is None and bare in self.bare:
+            name = self.bare[bare][0]
+        if name is None:
+            hint = ""
+            if self.columns.identifier_includes_extension and {rel.with_suffix("").as_posix(), path.stem} & self.rows.keys():
+                hint = (f" (a row names it without its extension {path.suffix!r}: set identifier_includes_extension "
+                        "false in the parquet block)")
+            return CaptionResult(from_filename(path).captions,
+                                 note=f"no row in the parquet table{hint}: used the file name as caption")
+        row = self.rows[name]
+        column = self.columns.caption_column
+        captions = _as_captions(row.get(column), column)
         if not captions and self.columns.fallback_caption_column:
-            captions = _as_captions(row.get(self.columns.fallback_caption_column))
+            column = self.columns.fallback_caption_column
+            captions = _as_captions(row.get(column), column)
+        twice = self.twice.get(name, 0)
+        note = f"{twice} rows of the parquet table name it: the last one is used" if twice else None
         size = None
         if self.columns.width_column and self.columns.height_column:
             try:
@@ -195,37 +217,56 @@ class CaptionTable:
             except (KeyError, TypeError, ValueError):
                 size = None
         if not captions:
-            return CaptionResult(("",), note=f"empty caption in the parquet table: trained with {empty}",
-                                 size=size)
-        return CaptionResult(captions, size=size)
+            empty_note = f"empty caption in the parquet table: trained with {empty}"
+            return CaptionResult(("",), note="; ".join(n for n in (note, empty_note) if n), size=size)
+        return CaptionResult(captions, size=size, note=note)
 
 
-def _as_captions(value: Any) -> tuple[str, ...]:
-    if value is None:
+def _as_captions(value: Any, column: str) -> tuple[str, ...]:
+    """The captions of a table cell: a string, or a list of them; empty, null and NaN values are no caption (a
+    list's null items too: pandas writes a missing caption as NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return ()
     if isinstance(value, str):
         return (value.strip(),) if value.strip() else ()
-    try:
-        return tuple(str(v).strip() for v in value if str(v).strip())
-    except TypeError:
-        return (str(value),)
+    if isinstance(value, dict):
+        raise ValueError(f"caption column {column!r} holds an object ({json.dumps(value)[:80]}): name the column "
+                         "of caption text, or of a list of captions")
+    if isinstance(value, list | tuple):
+        return tuple(text for item in value for text in _as_captions(item, column))
+    return (str(value),)
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The table's rows: a parquet file, JSON Lines (one object per line), or a .json file of one array of objects
+    (or JSON Lines too)."""
     if not path.is_file():
         raise ValueError(f"parquet caption table {path} not found; fix parquet.path")
-    if path.suffix.lower() in (".jsonl", ".json"):
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        import pyarrow.parquet as pq  # imported here: only parquet users need it
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8-sig")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON (line {e.lineno}): {e.msg}") from e
+        where = "item"
+    else:
         rows = []
-        for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: line {number} is not JSON: {e.msg}") from e
-        return rows
-    import pyarrow.parquet as pq  # imported here: only parquet users need it
-
-    return pq.read_table(path).to_pylist()
+        where = "row"
+    bad = next((i for i, row in enumerate(rows, 1) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: {where} {bad} is not an object ({{\"filename\": ..., \"caption\": ...}}); each "
+                         "row must be one")
+    return rows
 
 
 def apply_instance_prompt(result: CaptionResult, rule: CaptionRule) -> CaptionResult:
@@ -266,8 +307,8 @@ def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | Non
         result = from_textfile(path, rule.split_lines, _empty_trains_with(rule))
     elif rule.strategy == "filename":
         result = from_filename(path)
-    elif rule.strategy == "instanceprompt":
-        result = CaptionResult((rule.instance_prompt or "",))
+    elif rule.strategy == "instanceprompt":  # the prompt as it is: prepend_instance_prompt would double it
+        return CaptionResult((rule.instance_prompt or "",))
     else:
         assert table is not None
         result = table.lookup(path, root, _empty_trains_with(rule))
