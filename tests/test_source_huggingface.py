@@ -341,3 +341,18 @@ def test_trains_on_a_huggingface_dataset(tmp_path, dataset):
     events = [json.loads(x) for x in (run_.output_dir / "events.jsonl").read_text().splitlines()]
     assert any("0 files downloaded, 4 already there" in e.get("message", "") for e in events)
     assert sum(e["event"] == "step" for e in events) == 2
+
+
+def test_a_rows_captions_stay_apart_under_disable_multiline_split(tmp_path, dataset):
+    """disable_multiline_split is about the user's caption files: a huggingface row's captions (each a line of the
+    file difftune writes) trained as one caption with its line breaks."""
+    from difftune.train.plan import discover_all
+
+    rows = [(p.read_bytes(), "a caption", ["tag one", "tag two"], None) for p in sorted(dataset.glob("*.png"))[:1]]
+    source = hub_folder(tmp_path / "hub", rows=rows)
+    path = write_config(tmp_path, dataset, disable_multiline_split=True, dataset={
+        "type": "huggingface", "dataset_name": str(source), "instance_data_dir": str(tmp_path / "dl"),
+        "caption_strategy": None, "caption_column": ["caption", "tags"], "cache_dir": str(tmp_path / "hf-cache")})
+    cfg = load_config(path)
+    assert any("disable_multiline_split not used: each caption of a huggingface row" in n for n in cfg.notes())
+    assert discover_all(cfg)[0].samples[0].captions == ("a caption", "tag one", "tag two")

@@ -128,6 +128,9 @@ def _unread_caption_notes(where: str, item: Any) -> list[str]:
     if item.caption_strategy == "instanceprompt" and item.prepend_instance_prompt:
         out.append(f"{where}: prepend_instance_prompt not used: caption_strategy 'instanceprompt' trains "
                    "instance_prompt alone already; remove it")
+    if item.disable_multiline_split and item.caption_strategy == "huggingface":
+        out.append(f"{where}: disable_multiline_split not used: each caption of a huggingface row (a list cell, or "
+                   "each caption_column) is a caption of its own, and a newline inside one is a space")
     if item.parquet is not None and item.caption_strategy != "parquet":
         out.append(f"{where}: the parquet block is not read: caption_strategy is {item.caption_strategy!r}; set "
                    "caption_strategy 'parquet' to caption from its table, or remove the block")

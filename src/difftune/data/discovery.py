@@ -136,10 +136,10 @@ class Discovery:
         """Why a dataset has no usable file, for the error that says so."""
         if self.skipped and all(why.startswith("no caption file ") for _, why in self.skipped):
             # SimpleTuner's default is 'filename', and its web UI's dataset builder writes no caption_strategy
-            return ("none of its files has a caption file, which caption_strategy 'textfile' "
-                    "reads (difftune's default when it is not set); add .txt captions beside them, or set caption_strategy 'filename' to caption each by its "
-                    "file name (SimpleTuner's default), or 'instanceprompt' with an instance_prompt; the files are "
-                    "listed below")
+            return ("none of its files has a caption file, which caption_strategy 'textfile' reads (difftune's "
+                    "default when it is not set); add .txt captions beside them, or set caption_strategy 'filename' "
+                    "to caption each by its file name (SimpleTuner's default), or 'instanceprompt' with an "
+                    "instance_prompt; the files are listed below")
         if self.skipped:
             return "see each file's reason below"
         why = f"no {'/'.join(sorted(self.reads))} file in {self.root}"

@@ -170,7 +170,9 @@ def dataset_spec(run_cfg: RunConfig, ds: ImageDataset, rule: SizeRule, write_met
     return DatasetSpec(
         dataset_id=ds.id, root=Path(ds.instance_data_dir), rule=rule,
         captions=CaptionRule(downloaded_captions(ds.caption_strategy), ds.instance_prompt, ds.prepend_instance_prompt,
-                             ds.only_instance_prompt, split_lines=not ds.disable_multiline_split,
+                             # a huggingface download writes each caption of a row on its own line
+                             ds.only_instance_prompt,
+                             split_lines=not ds.disable_multiline_split or ds.caption_strategy == "huggingface",
                              filters=caption_filters(run_cfg, ds), shuffle=caption_shuffle(run_cfg, ds)),
         table=caption_table(ds), conditioning_root=Path(pairs) if pairs else None,
         metadata_file=run_cfg.datasets.metadata_file(ds, run_cfg.train.model_family),
