@@ -580,6 +580,23 @@ def test_a_larger_gpu_is_planned_without_the_levers_of_a_smaller_one(tmp_path, d
     assert "optimizer adamw_bf16: costs 0.0 GiB of training (not the peak)" in transcript
 
 
+def test_when_nothing_fits_the_config_keeps_its_levers(tmp_path, dataset, monkeypatch):
+    """A GPU too small for anything: the wizard said "Settings that fit: mixed_precision: bf16" and, accepted,
+    deleted every memory setting the config had. Now it says nothing fits, offers the most frugal levers, and keeps
+    the config's."""
+    path = write_config(tmp_path, dataset, mixed_precision="bf16", gradient_checkpointing=True,
+                        offload_during_startup=True, output_dir="out")
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {}, {"GPU memory": ["0.000001"], "Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "nothing fits in 1e-06 GiB" in transcript and "(your memory settings are kept)" in transcript
+    assert "Settings that fit" not in transcript
+    assert "Nothing fits, so the most frugal settings, added to those the config has:" in transcript
+    config = json.loads(path.read_text())
+    assert config["gradient_checkpointing"] is True and config["offload_during_startup"] is True
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""

@@ -99,6 +99,7 @@ class Choice:
     steps: list[Step] = field(default_factory=list)
     message: str = ""
     reserve: float = 0.0  # GiB of `gigabytes` kept free (reserve_for)
+    frugal: dict[str, Any] = field(default_factory=dict)  # when nothing fits: the most frugal settings tried
 
     def settings(self) -> dict[str, Any]:
         return {s.key: s.value for s in self.steps}
@@ -205,7 +206,7 @@ def choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int =
     message = (f"fits with {len(choice.steps) + 1} change(s)" if choice.fits
                else f"{choice.message}; planned with optimizer '{fix['optimizer']}': {why}")
     return Choice(choice.fits, gigabytes, before, choice.after, [step, *choice.steps] if choice.fits else [],
-                  message, reserve)
+                  message, reserve, frugal={} if choice.fits else {**fix, **choice.frugal})
 
 
 def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int, before: Prediction,
@@ -215,12 +216,12 @@ def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int,
     kept = f" ({reserve:g} GiB kept free)" if reserve else ""
     if before.peak <= limit:
         return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed", reserve)
-    frugal = before  # the prediction of the last (most frugal) set tried
+    frugal, frugal_changes = before, {}  # the last (most frugal) set tried, and its prediction
     for rung in ladder(cfg, before, processes):
         # a rung's alternatives save more and more (more blocks swapped, smaller groups): bisect for the first
         options = [(changes, candidate) for changes in rung if (candidate := _valid(cfg, changes)) is not None]
         if options:
-            frugal = predict(options[-1][1], found, processes)
+            frugal, frugal_changes = predict(options[-1][1], found, processes), options[-1][0]
         low, high, best = 0, len(options) - 1, None
         while low <= high:
             middle = (low + high) // 2
@@ -233,9 +234,12 @@ def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int,
             changes, after = _without_needless(cfg, *best, found, processes, limit)
             return Choice(True, gigabytes, before, after, explain(cfg, changes, found, processes, before),
                           f"fits with {len(changes)} change(s)", reserve)
+    if frugal_changes:  # less what the lowest peak does not need (levers of phases below it)
+        frugal_changes, frugal = _without_needless(cfg, frugal_changes, frugal, found, processes, frugal.peak)
     return Choice(False, gigabytes, before, None, [],
                   f"nothing fits in {gigabytes:g} GiB{kept}: the most frugal settings still need "
-                  f"{frugal.peak / GIB:.2f} GiB ({frugal.peak_phase})" + _beyond(cfg, frugal, processes), reserve)
+                  f"{frugal.peak / GIB:.2f} GiB ({frugal.peak_phase})" + _beyond(cfg, frugal, processes), reserve,
+                  frugal=frugal_changes)
 
 
 def _without_needless(cfg: Any, changes: dict[str, Any], after: Prediction, found: list[Any] | None,

@@ -57,13 +57,17 @@ class MemoryQuestions:
             self.say("The config has memory levers: " + ", ".join(f"{k} {_show(v)}" for k, v in kept.items())
                      + "; planned without them (those the plan below does not need are removed if you accept)")
         planned = self.planned(gigabytes, offer, drop=set(kept)) if gigabytes > 0 else None
-        if planned is None:
-            kept = {}  # the fixed suggestion: the config's levers stay
-        else:
-            offer = planned
+        fits = planned is not None and planned[1]
+        if planned is None or not fits:
+            kept = {}  # the fixed suggestion, or nothing fits: the config's levers stay
+        if planned is not None:
+            offer = planned[0]
         if "optimizer" not in offer:
             offer.update(self.lossless_optimizer(offer))
-        self.say("Settings that fit:" if offer else "No suggestion for this size.")
+        header = ("Settings that fit:" if fits or planned is None and gigabytes <= 0 else
+                  "Suggested settings (not planned):" if planned is None else
+                  "Nothing fits, so the most frugal settings, added to those the config has:")
+        self.say(header if offer else "No suggestion for this size.")
         for key, value in offer.items():
             self.say(f"  {key}: {_show(value)}  ({self.train_specs[key]['description']})")
         if _input("Use these settings? [Y/n]: ").strip().lower() in ("", "y", "yes"):
@@ -96,10 +100,12 @@ class MemoryQuestions:
         return {k: v for k, v in self.config.items() if k in SPEED and k in self.train_specs
                 and v != self.train_specs[k]["default"] and (k != "optimizer" or v == lever_optimizer)}
 
-    def planned(self, gigabytes: float, base: dict[str, Any], drop: set[str] = frozenset()) -> dict[str, Any] | None:
+    def planned(self, gigabytes: float, base: dict[str, Any],
+                drop: set[str] = frozenset()) -> tuple[dict[str, Any], bool] | None:
         """The memory planner's choice for this configuration (`difftune plan --gpu-memory`): `base` (bf16 on a
-        GPU) plus the cheapest levers that fit, each said with its saving. None when it cannot plan (the fixed
-        suggestion `memory_settings` stays). `drop`: config keys planned without."""
+        GPU) plus the cheapest levers that fit, each said with its saving, and True; when nothing fits, the most
+        frugal levers it tried and False. None when it cannot plan (the fixed suggestion `memory_settings` stays).
+        `drop`: config keys planned without."""
         from difftune.memory_plan.levers import choose, reserve_for
         from difftune.memory_plan.predict import GIB
 
@@ -122,10 +128,12 @@ class MemoryQuestions:
                  f"({choice.before.peak_phase}).")
         if not choice.fits:
             self.say(f"  {choice.message}")
-            return {**settings}
+            if drop:
+                self.say("  (your memory settings are kept)")
+            return {**settings, **choice.frugal}, False
         for step in choice.steps:
             self.say(f"  {step.key} {_show(step.value)}: {step.effect()} ({step.why})")
         if choice.steps and choice.after is not None:
             self.say(f"  with them: {choice.after.peak / GIB:.1f} GiB ({choice.reserve:g} of the {gigabytes:g} GiB "
                      "kept free for the CUDA context and fragmentation)")
-        return {**settings, **choice.settings()}
+        return {**settings, **choice.settings()}, True
