@@ -597,6 +597,25 @@ def test_when_nothing_fits_the_config_keeps_its_levers(tmp_path, dataset, monkey
     assert config["gradient_checkpointing"] is True and config["offload_during_startup"] is True
 
 
+def test_a_simpletuner_environment_edits_its_own_dataset_list(tmp_path, dataset, monkeypatch):
+    """config/foo/config.json naming "foo/multidatabackend.json" (relative to the configs folder, as SimpleTuner's
+    web UI writes it): the wizard wrote a bare list to ./foo/multidatabackend.json, which check then trained from."""
+    path = write_config(tmp_path, dataset, output_dir="out", dataset={"repeats": 3})
+    env = tmp_path / "config" / "foo"
+    env.mkdir()
+    (tmp_path / "config" / "multidatabackend.json").rename(env / "multidatabackend.json")
+    config = json.loads(path.read_text())
+    (env / "config.json").write_text(json.dumps({**config, "data_backend_config": "foo/multidatabackend.json"}))
+    path.unlink()
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {}, {"GPU memory": ["24"], "Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run("config/foo/config.json")
+    assert code == 0, transcript
+    assert not (tmp_path / "foo").exists()
+    assert json.loads((env / "multidatabackend.json").read_text())[0]["repeats"] == 3
+    assert json.loads((env / "config.json").read_text())["data_backend_config"] == "foo/multidatabackend.json"
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""

@@ -112,8 +112,11 @@ class Wizard(MemoryQuestions, DataProbes):
         print(text, file=self.out, flush=True)
 
     def datasets_path(self) -> Path:
-        value = self.config.get("data_backend_config") or self.train_specs["data_backend_config"]["default"]
-        return Path(value)
+        """The dataset list the loader reads for this config (SimpleTuner's config/<env>/ layout names it relative
+        to the configs folder: the wizard wrote a new list in the working folder instead, which then replaced it)."""
+        from difftune.config.dataset_list import dataset_list_location
+
+        return dataset_list_location(self.config.get("data_backend_config") or None, self.config_path)[0]
 
     # --- one question, from its schema description
     def ask(self, spec: dict[str, Any], values: dict[str, Any], model: type, where: str = "answer",
