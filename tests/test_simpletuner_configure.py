@@ -244,7 +244,7 @@ def test_images_without_captions_say_which_caption_strategy_would_read_them(tmp_
     backend = builder_list(tmp_path, entry)
     run = load_config(write_config(tmp_path, tmp_path / "images", data_backend_config=str(backend)))
     with pytest.raises(DataError, match="none of its files has a caption file, which caption_strategy 'textfile' "
-                                        r"\(difftune's default\) reads.*caption_strategy 'filename'"):
+                                        r"reads \(difftune's default when it is not set\).*caption_strategy 'filename'"):
         discover_all(run)
     backend = builder_list(tmp_path, builder_entry("image", tmp_path / "images", caption_strategy="filename"))
     assert discover_all(load_config(write_config(tmp_path, tmp_path / "images", data_backend_config=str(backend))))
