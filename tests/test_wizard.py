@@ -616,6 +616,33 @@ def test_a_simpletuner_environment_edits_its_own_dataset_list(tmp_path, dataset,
     assert json.loads((env / "config.json").read_text())["data_backend_config"] == "foo/multidatabackend.json"
 
 
+def test_switching_from_a_video_family_to_an_image_one_offers_to_remove_what_it_refuses(tmp_path, dataset,
+                                                                                     monkeypatch):
+    """A Kandinsky 5 Video config edited to Lumina2: the video dataset and the video keys stayed, the review
+    refused them at every pass, and no question could remove them."""
+    from families import make_clips
+
+    clips = make_clips(tmp_path / "clips", count=2, frames=9)
+    path = write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random",
+                        validation_num_video_frames=9, framerate=24, output_dir="out",
+                        dataset={"id": "clips", "dataset_type": "video", "resolution": 32,
+                                 "video": {"num_frames": 9}})
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"],
+                           "instance_data_dir": [str(dataset)], "resolution": ["64"]},
+             {"Remove the dataset 'clips'": ["y"], "Remove them": ["y"], "Use these settings": ["y"],
+              "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "dataset 'clips' holds clips, and lumina2 trains on images" in transcript
+    assert "validation_num_video_frames, framerate: for video families only" in transcript
+    config = json.loads(path.read_text())
+    assert "framerate" not in config and "validation_num_video_frames" not in config
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert [d["dataset_type"] for d in datasets] == ["image", "text_embeds"]
+    assert check(tmp_path, str(path)).returncode == 0
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""
@@ -629,7 +656,7 @@ def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pair
              {"Remove conditioning_data": ["y"], "Use these settings": ["y"], "Write these files": ["y"]})
     code, transcript = wizard_run(str(path))
     assert code == 0, transcript
-    assert "flavour tiny-random trains on single images, but dataset 'train' has conditioning_data 'inputs'" \
+    assert "flavour tiny-random does not train on image pairs, but dataset 'train' has conditioning_data 'inputs'" \
         in transcript
     datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
     assert "conditioning_data" not in datasets[0]

@@ -26,6 +26,8 @@ from difftune.models.registry import FAMILY_FACTS
 if TYPE_CHECKING:
     from difftune.config.schema import TrainConfig
 
+VIDEO_KEYS = ("validation_num_video_frames", "frame_rate", "vae_enable_patch_conv")  # video families only
+
 
 def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> None:
     """`spellings`: difftune key -> the SimpleTuner alias the config wrote it as (config/compat.py), to name it."""
@@ -85,8 +87,7 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
     if cfg.validation_using_datasets and not facts.takes_input_image(cfg.flavour()):
         raise ValueError("validation_using_datasets only applies to image-to-image and image-to-video "
                          "flavours; remove it")
-    video_keys = [k for k in ("validation_num_video_frames", "frame_rate", "vae_enable_patch_conv")
-                  if getattr(cfg, k) not in (None, False)]
+    video_keys = [k for k in VIDEO_KEYS if getattr(cfg, k) not in (None, False)]
     if video_keys and not facts.video:
         named = [f"{spellings[k]} (difftune's {k})" if k in (spellings or {}) else k for k in video_keys]
         one = len(named) == 1

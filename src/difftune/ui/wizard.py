@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config import ConfigError, TrainConfig, load_config
-from difftune.config.compat import family_name
+from difftune.config.compat import KEY_ALIASES, family_name
+from difftune.config.cross_checks import VIDEO_KEYS
 from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES
 from difftune.config.datasets import DATASET_MODELS, VideoOptions
 from difftune.config.jsonfile import JsonFileError, read_json
@@ -268,8 +269,7 @@ class Wizard(MemoryQuestions, DataProbes):
             entry["id"] = re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name) or "images"
         if FAMILY_FACTS[cfg["model_family"]].needs_conditioning(str(cfg.get("model_flavour"))):
             self.conditioning_question(entry)
-        elif entry.get("conditioning_data") is not None or entry.get("conditioning"):  # i2i pairs: now refused
-            self.drop_conditioning(entry)
+        self.leftovers(entry)
         if not any(isinstance(e, dict) and e.get("dataset_type") == "text_embeds" for e in self.datasets):
             self.datasets.append({"id": "text-embeds", "type": "local", "dataset_type": "text_embeds",
                                   "default": True, "cache_dir": f"cache/text/{cfg['model_family']}"})
@@ -356,18 +356,41 @@ class Wizard(MemoryQuestions, DataProbes):
         self.ask(spec, inputs, DATASET_MODELS["conditioning"], label="conditioning.instance_data_dir")
         entry["conditioning_data"] = inputs["id"]
 
+    def leftovers(self, entry: dict[str, Any]) -> None:
+        """After a change of family or flavour: offer to remove what the new one refuses and no question asks about
+        (the review failed on it at every pass): video datasets and video keys under an image family, and the input
+        images (conditioning_data, conditioning) of datasets under a flavour that does not train on image pairs."""
+        cfg = self.config
+        facts = FAMILY_FACTS[cfg["model_family"]]
+        for other in [e for e in self.datasets if isinstance(e, dict) and e is not entry and not facts.video
+                      and e.get("dataset_type") == "video" and not e.get("disabled")]:
+            self.say(f"\n  dataset {other.get('id')!r} holds clips, and {cfg['model_family']} trains on images")
+            if _yes(f"Remove the dataset {other.get('id')!r} from the list? [Y/n]: "):
+                self.datasets.remove(other)
+        names = {k: KEY_ALIASES.get(k, k) for k in cfg}
+        video_keys = [k for k, name in names.items() if name in VIDEO_KEYS and cfg[k] not in (None, False)]
+        if video_keys and not facts.video:
+            self.say(f"\n  {', '.join(video_keys)}: for video families only, and {cfg['model_family']} trains on images")
+            if _yes(f"Remove {'it' if len(video_keys) == 1 else 'them'}? [Y/n]: "):
+                for key in video_keys:
+                    del cfg[key]
+        if not facts.needs_conditioning(str(cfg.get("model_flavour"))):
+            for other in [e for e in self.datasets if isinstance(e, dict) and e.get("dataset_type", "image") == "image"
+                          and (e.get("conditioning_data") is not None or e.get("conditioning"))]:
+                self.drop_conditioning(other)
+
     def drop_conditioning(self, entry: dict[str, Any]) -> None:
-        """Offer to remove the trained dataset's conditioning_data (and the conditioning entry it names, when no other
+        """Offer to remove a dataset's conditioning_data (and the conditioning entry it names, when no other
         dataset names it): a flavour that does not train on pairs refuses it, and no question could change it."""
         flavour = self.config.get("model_flavour")
         if entry.get("conditioning"):
-            self.say(f"\n  flavour {flavour} trains on single images, but dataset {entry.get('id')!r} generates "
-                     "input images for image-to-image flavours (conditioning)")
+            self.say(f"\n  flavour {flavour} does not train on image pairs, but dataset {entry.get('id')!r} "
+                     "generates input images for image-to-image flavours (conditioning)")
             if _yes("Remove conditioning? [Y/n]: "):
                 del entry["conditioning"]
             return  # if not, the review says why it cannot pass
         name = entry["conditioning_data"]
-        self.say(f"\n  flavour {flavour} trains on single images, but dataset "
+        self.say(f"\n  flavour {flavour} does not train on image pairs, but dataset "
                  f"{entry.get('id')!r} has conditioning_data {name!r} (input images for image-to-image flavours)")
         if not _yes(f"Remove conditioning_data and the dataset {name!r}? [Y/n]: "):
             return  # the review says why it cannot pass
