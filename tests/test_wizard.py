@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -641,6 +642,22 @@ def test_switching_from_a_video_family_to_an_image_one_offers_to_remove_what_it_
     datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
     assert [d["dataset_type"] for d in datasets] == ["image", "text_embeds"]
     assert check(tmp_path, str(path)).returncode == 0
+
+
+def test_a_disabled_entry_is_not_the_one_edited_and_a_new_id_is_free(tmp_path, dataset, monkeypatch):
+    """The questions edited the first image entry even when it was disabled (the answers were written and never
+    trained); a folder named text-embeds gave the new dataset the text cache's id, refused with no way out."""
+    path = write_config(tmp_path, dataset, output_dir="out", dataset={"disabled": True, "id": "old"})
+    folder = tmp_path / "text-embeds"
+    shutil.copytree(dataset, folder)
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"instance_data_dir": [str(folder)], "resolution": ["64"]},
+             {"Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert [(d["id"], d.get("instance_data_dir")) for d in datasets if d["dataset_type"] == "image"] == [
+        ("text-embeds-2", str(folder)), ("old", str(dataset))]
 
 
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):

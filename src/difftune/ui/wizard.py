@@ -229,10 +229,11 @@ class Wizard(MemoryQuestions, DataProbes):
     # --- the whole conversation
     def image_entry(self) -> dict[str, Any]:
         kind = self.media()
-        for entry in self.datasets:  # the trained dataset: regularisation data is not the one the questions are about
-            if (isinstance(entry, dict) and entry.get("dataset_type", "image") == kind
-                    and not entry.get("is_regularisation_data") and not entry.get("is_regularization_data")):
-                return entry
+        for entry in self.datasets:  # the trained dataset: regularisation data is not the one the questions are about,
+            if (isinstance(entry, dict) and entry.get("dataset_type", "image") == kind  # nor a disabled one (its
+                    and not entry.get("is_regularisation_data") and not entry.get("is_regularization_data")
+                    and entry.get("disabled") not in (True, "true") and entry.get("disable") not in (True, "true")):
+                return entry  # answers were written into it and never trained)
         entry = {"id": "", "type": "local", "dataset_type": kind}
         self.datasets.insert(0, entry)
         return entry
@@ -255,8 +256,8 @@ class Wizard(MemoryQuestions, DataProbes):
         if cfg.get("lora_type") != "lycoris" and cfg.get("lycoris_config") == self.lycoris_path() \
                 and not Path(self.lycoris_path()).is_file():
             del cfg["lycoris_config"]  # chosen on an earlier pass, never written: it would name a missing file
-        self.say("\n--- the dataset")
         entry = self.image_entry()
+        self.say("\n--- the dataset" + (f" {entry['id']!r}" if entry.get("id") else ""))
         for name in DATASET_QUESTIONS:
             if name == "instance_prompt" and entry.get("caption_strategy") != "instanceprompt":
                 continue
@@ -266,7 +267,8 @@ class Wizard(MemoryQuestions, DataProbes):
         if entry.get("dataset_type") == "video":
             self.video_questions(entry)
         if not entry.get("id"):
-            entry["id"] = re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name) or "images"
+            entry["id"] = self.new_id(re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name)
+                                      or "images")
         if FAMILY_FACTS[cfg["model_family"]].needs_conditioning(str(cfg.get("model_flavour"))):
             self.conditioning_question(entry)
         self.leftovers(entry)
@@ -289,6 +291,16 @@ class Wizard(MemoryQuestions, DataProbes):
             else:
                 self.ask(self.train_specs[name], cfg, TrainConfig)
         self.memory()
+
+    def new_id(self, wanted: str) -> str:
+        """`wanted`, or `wanted-2`, ...: an id no other entry has (a folder named text-embeds gave the dataset the
+        text cache entry's id, which the review refused with no question to change it)."""
+        taken = {e.get("id") for e in self.datasets if isinstance(e, dict)} | {"text-embeds"}
+        n, candidate = 1, wanted
+        while candidate in taken:
+            n += 1
+            candidate = f"{wanted}-{n}"
+        return candidate
 
     def lycoris_question(self) -> None:
         """lora_type 'lycoris' needs a lycoris_config file: an existing one is kept, else the algorithm is asked and
