@@ -256,6 +256,41 @@ def test_short_clips_get_a_num_frames_that_keeps_them(tmp_path, monkeypatch):
     assert datasets[0]["video"] == {"num_frames": 9}  # the review (difftune check's checks and scan) accepted it
 
 
+def test_a_list_min_frames_above_the_clips_is_asked_too(tmp_path, monkeypatch):
+    """An existing list with the spec's num_frames 61 and min_frames 61, over 12-frame clips: the wizard offered
+    num_frames 9, and the review then refused every clip (below min_frames 61), which no question asked."""
+    from families import make_clips
+
+    clips = make_clips(tmp_path / "clips", count=2, frames=12)
+    path = write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random",
+                        output_dir="out", dataset={"id": "clips", "dataset_type": "video", "resolution": 32,
+                                                   "video": {"num_frames": 61, "min_frames": 61}})
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {}, {"Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "video.num_frames [9]: " in asked and "video.min_frames [9]: " in asked
+    datasets = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert datasets[0]["video"] == {"num_frames": 9, "min_frames": 9}
+
+
+def test_image_to_video_validation_frames_are_asked_again_when_too_few(tmp_path, monkeypatch):
+    """tiny-random-i2v: 9 validation frames passed the question (the wizard itself said 9 would be refused) and
+    failed the review; now the question is asked again."""
+    from families import make_clips
+
+    make_clips(tmp_path / "clips", count=2, frames=24)
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["3"], "model_flavour": ["tiny-random-i2v"],
+                                   "instance_data_dir": ["clips"], "resolution": ["32"], "max_train_steps": ["5"],
+                                   "validation_prompt": ["a square"], "validation_num_video_frames": ["9", "17"]},
+                     {"Write these files": ["y"]})
+    code, transcript = wizard_run(None)
+    assert code == 0, transcript
+    assert sum(p.startswith("validation_num_video_frames") for p in asked) == 2
+    assert json.loads((tmp_path / "config" / "config.json").read_text())["validation_num_video_frames"] == 17
+
+
 def test_small_files_get_a_resolution_that_fits_them(tmp_path, monkeypatch):
     """96x64 clips: Enter at the resolution question took 1024, and every clip was left out ("enlarged 13x"), so the
     wizard refused to write its own suggestion. It now offers what the probed files fit."""

@@ -286,8 +286,12 @@ class Wizard(MemoryQuestions, DataProbes):
             if name == "validation_resolution":
                 if cfg.get("validation_prompt") or "validation_resolution" in cfg:  # without a prompt: unused
                     self.ask(self.train_specs[name], cfg, TrainConfig, offer=size)
-            elif name == "validation_num_video_frames":
-                self.ask(self.train_specs[name], cfg, TrainConfig, offer=self.i2v_frames(entry))
+            elif name == "validation_num_video_frames":  # asked again while image-to-video would refuse it
+                offer = self.i2v_frames(entry)
+                while True:
+                    self.ask(self.train_specs[name], cfg, TrainConfig, offer=offer)
+                    if (offer := self.i2v_frames(entry)) is None:
+                        break
             else:
                 self.ask(self.train_specs[name], cfg, TrainConfig)
         self.memory()
@@ -438,15 +442,26 @@ class Wizard(MemoryQuestions, DataProbes):
         self.ask(specs["bucket_strategy"], block, VideoOptions, label="video.bucket_strategy")
         offer = None
         current = block.get("num_frames", specs["num_frames"]["default"])
+        cfg = self.config
+        least = 5 if FAMILY_FACTS[cfg["model_family"]].first_frame(str(cfg.get("model_flavour"))) else 1
         if self.shortest is not None:
             frames, probed, fps = self.shortest
             fit = vae_frames(frames)
             self.say(f"\n  the shortest of {probed} clip(s) probed has {frames} frame(s) at {fps:g} fps: "
                      f"num_frames {fit} or less (4k+1) keeps every clip")
-            if (fit >= 1 and isinstance(current, int) and current > fit
+            if fit < least:
+                self.say(f"  image-to-video trains the frames after the first latent frame: num_frames must be "
+                         f"{least} or more, so clips shorter than {least} frames are left out")
+            if (isinstance(current, int) and current > max(fit, least)
                     and block.get("bucket_strategy", "aspect_ratio") == "aspect_ratio"):
-                offer = fit
+                offer = max(fit, least)
         self.ask(specs["num_frames"], block, VideoOptions, offer=offer, label="video.num_frames")
+        chosen = block.get("num_frames", specs["num_frames"]["default"])
+        if isinstance(block.get("min_frames"), int) and isinstance(chosen, int) and block["min_frames"] > chosen:
+            # the dataset list's own min_frames (the spec's examples set it to num_frames): no question asked it
+            self.say(f"\n  min_frames {block['min_frames']} leaves out every clip shorter than that, more than "
+                     f"num_frames {chosen} needs")
+            self.ask(specs["min_frames"], block, VideoOptions, offer=chosen, label="video.min_frames")
         if block:
             entry["video"] = block
         else:
