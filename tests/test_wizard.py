@@ -695,6 +695,25 @@ def test_a_disabled_entry_is_not_the_one_edited_and_a_new_id_is_free(tmp_path, d
         ("text-embeds-2", str(folder)), ("old", str(dataset))]
 
 
+def test_a_downloaded_dataset_can_be_edited(tmp_path, dataset, monkeypatch):
+    """A type 'huggingface' entry: the wizard asked its instance_data_dir as a required folder of images and
+    looped on "this one is required" (the folder is where the download goes, and optional)."""
+    from test_source_huggingface import hub_folder
+
+    rows = [(p.read_bytes(), p.with_suffix(".txt").read_text(), [], None) for p in sorted(dataset.glob("*.png"))]
+    source = hub_folder(tmp_path / "hub", rows=rows)
+    path = write_config(tmp_path, dataset, output_dir="out", dataset={
+        "type": "huggingface", "dataset_name": str(source), "instance_data_dir": None, "caption_strategy": None,
+        "cache_dir": str(tmp_path / "hf-cache")})
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"resolution": ["64"]}, {"Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert "type 'huggingface': downloaded from its source" in transcript
+    assert not any(p.startswith("instance_data_dir") for p in asked)
+    assert json.loads((tmp_path / "config" / "multidatabackend.json").read_text())[0]["type"] == "huggingface"
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""

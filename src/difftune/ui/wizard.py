@@ -21,7 +21,7 @@ from difftune.config import ConfigError, TrainConfig, load_config
 from difftune.config.compat import KEY_ALIASES, family_name
 from difftune.config.cross_checks import VIDEO_KEYS
 from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES
-from difftune.config.datasets import DATASET_MODELS, VideoOptions
+from difftune.config.datasets import DATASET_MODELS, REMOTE_TYPES, VideoOptions
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.load import _validate
 from difftune.config.problems import split_problem
@@ -258,8 +258,14 @@ class Wizard(MemoryQuestions, DataProbes):
             del cfg["lycoris_config"]  # chosen on an earlier pass, never written: it would name a missing file
         entry = self.image_entry()
         self.say("\n--- the dataset" + (f" {entry['id']!r}" if entry.get("id") else ""))
+        remote = entry.get("type") in REMOTE_TYPES
+        if remote:  # its folder is where the download goes (optional), not a folder of the user's files
+            self.say(f"  type {entry['type']!r}: downloaded from its source; edit the dataset list for the source's "
+                     "keys")
         for name in DATASET_QUESTIONS:
             if name == "instance_prompt" and entry.get("caption_strategy") != "instanceprompt":
+                continue
+            if name == "instance_data_dir" and remote:
                 continue
             if name in self.image_specs:
                 offer = self.resolution_offer(entry) if name == "resolution" else None
@@ -267,8 +273,8 @@ class Wizard(MemoryQuestions, DataProbes):
         if entry.get("dataset_type") == "video":
             self.video_questions(entry)
         if not entry.get("id"):
-            entry["id"] = self.new_id(re.sub(r"[^\w.-]+", "-", Path(entry["instance_data_dir"]).resolve().name)
-                                      or "images")
+            entry["id"] = self.new_id(re.sub(r"[^\w.-]+", "-", Path(entry.get("instance_data_dir") or "images")
+                                             .resolve().name) or "images")
         if FAMILY_FACTS[cfg["model_family"]].needs_conditioning(str(cfg.get("model_flavour"))):
             self.conditioning_question(entry)
         self.leftovers(entry)
