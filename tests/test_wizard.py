@@ -714,6 +714,19 @@ def test_a_downloaded_dataset_can_be_edited(tmp_path, dataset, monkeypatch):
     assert json.loads((tmp_path / "config" / "multidatabackend.json").read_text())[0]["type"] == "huggingface"
 
 
+def test_the_review_shows_what_check_notes(tmp_path, dataset, monkeypatch):
+    """The review said only "difftune check accepts this configuration." where check printed notes too."""
+    first = sorted(dataset.glob("*.txt"))[0]
+    first.write_text("")
+    path = write_config(tmp_path, dataset, output_dir="out", dataset={"instance_prompt": "sks"})
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {}, {"Use these settings": ["y"], "Write these files": ["y"]})
+    code, transcript = wizard_run(str(path))
+    assert code == 0, transcript
+    assert f"note: dataset 'train': {first.with_suffix('.png').name}: empty caption file" in transcript
+    assert "multidatabackend.json: dataset 'train': instance_prompt 'sks' is in no caption" in transcript
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""
