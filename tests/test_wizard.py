@@ -727,6 +727,18 @@ def test_the_review_shows_what_check_notes(tmp_path, dataset, monkeypatch):
     assert "multidatabackend.json: dataset 'train': instance_prompt 'sks' is in no caption" in transcript
 
 
+def test_a_folder_as_the_config_path_holds_config_json(tmp_path, dataset, monkeypatch):
+    """`difftune configure "my cfg/"` wrote a config file named "my cfg" (the list beside it, in the working
+    folder), and the next-step line did not quote the path."""
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "instance_data_dir": [str(dataset)],
+                           "resolution": ["64"], "max_train_steps": ["2"]}, {"Write these files": ["y"]})
+    code, transcript = wizard_run("my cfg/")
+    assert code == 0, transcript
+    assert (tmp_path / "my cfg" / "config.json").is_file() and (tmp_path / "my cfg" / "multidatabackend.json").is_file()
+    assert "next: difftune train --config 'my cfg/config.json'" in transcript
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""

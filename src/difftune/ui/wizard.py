@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import shlex
 import sys
 import tempfile
 import textwrap
@@ -55,6 +57,8 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
         self.train_specs = {f["name"]: f for f in describe_model(TrainConfig)["fields"]}
         self.image_specs = {f["name"]: f for f in describe_model(DATASET_MODELS["image"])["fields"]}
         self.config_path = Path(path or DEFAULT_CONFIG)
+        if path is not None and (self.config_path.is_dir() or path.endswith(("/", os.sep))):
+            self.config_path /= "config.json"  # a folder: its config.json (the name was taken for a file)
         self.config: dict[str, Any] = {}
         self.datasets: list[Any] = []
         self.single_entry: dict[str, Any] | None = None  # a dataset list that is one object: offered a wrap
@@ -451,7 +455,7 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
                 answer = _input("Write these files? [Y/n]: ").strip().lower()
                 if answer in ("", "y", "yes"):
                     self.write()
-                    self.say(f"next: difftune train --config {self.config_path}")
+                    self.say(f"next: difftune train --config {shlex.quote(str(self.config_path))}")
                     return 0
             answer = _input("Go through the questions again (your answers are kept)? [Y/n]: ").strip().lower()
             if answer not in ("", "y", "yes"):
