@@ -340,8 +340,10 @@ def test_unreadable_files_are_named_and_never_block(tmp_path, dataset, capsys):
     (tmp_path / "config" / "multidatabackend.json").write_text("[\n{]")
     assert run_wizard(str(path)) == 2
     assert f"dataset list {tmp_path / 'config' / 'multidatabackend.json'}: not valid JSON at line 2" in capsys.readouterr().err
-    assert run_wizard(str(tmp_path)) == 2
-    assert f"{tmp_path}: is a folder; give the path of the config file, a .json file" in capsys.readouterr().err
+    (tmp_path / "odd" / "config.json").mkdir(parents=True)  # a folder is read as its config.json
+    assert run_wizard(str(tmp_path / "odd")) == 2
+    assert f"{tmp_path / 'odd' / 'config.json'}: is a folder; give the path of the config file, a .json file" in \
+        capsys.readouterr().err
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     assert run_wizard(str(fifo)) == 2  # reading it would wait for a writer forever
@@ -737,6 +739,26 @@ def test_a_folder_as_the_config_path_holds_config_json(tmp_path, dataset, monkey
     assert code == 0, transcript
     assert (tmp_path / "my cfg" / "config.json").is_file() and (tmp_path / "my cfg" / "multidatabackend.json").is_file()
     assert "next: difftune train --config 'my cfg/config.json'" in transcript
+
+
+def test_defaults_offered_for_a_full_fine_tune_and_for_clips(tmp_path, dataset, monkeypatch):
+    """A full fine-tune was offered LoRA's learning rate 1e-4 (the specs: 1e-5 to 5e-6), clips the image default
+    resolution 1024 (the specs' video examples train at 512)."""
+    from families import make_clips
+
+    monkeypatch.chdir(tmp_path)
+    asked = scripted(monkeypatch, {"model_family": ["1"], "model_flavour": ["tiny-random"], "model_type": ["full"],
+                                   "instance_data_dir": [str(dataset)], "resolution": ["64"],
+                                   "max_train_steps": ["2"]}, {"Write these files": ["n"]})
+    wizard_run(None)
+    assert "learning_rate [1e-05]: " in asked
+    make_clips(tmp_path / "clips", count=1, frames=9)
+    (tmp_path / "clips" / "big.mp4").unlink(missing_ok=True)
+    asked = scripted(monkeypatch, {"model_family": ["3"], "model_flavour": ["tiny-random"],
+                                   "instance_data_dir": [str(tmp_path / "clips")]}, {"Write these files": ["n"]})
+    wizard_run(None)
+    assert any(p.startswith("resolution [") for p in asked), asked
+    assert "resolution [1024]: " not in asked
 
 
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):

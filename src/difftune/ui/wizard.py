@@ -48,6 +48,7 @@ RUN_QUESTIONS = ("max_train_steps", "learning_rate", "validation_prompt", "valid
 VIDEO_RUN_QUESTIONS = ("validation_num_video_frames",)  # and the `video` block's bucket_strategy, num_frames
 # The wizard writes `type: local` entries: the other strategies need a table or a remote type it never asks for.
 LOCAL_CAPTIONS = ("textfile", "filename", "instanceprompt")
+FULL_LEARNING_RATE = 1e-5  # offered to a full fine-tune (the specs: 1e-5 to 5e-6; the default 1e-4 suits a LoRA)
 COUNT_CAP = 10_000  # files counted in the folder check; a huge folder is not listed in full
 
 
@@ -287,6 +288,8 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
             if name == "validation_resolution":
                 if cfg.get("validation_prompt") or "validation_resolution" in cfg:  # without a prompt: unused
                     self.ask(self.train_specs[name], cfg, TrainConfig, offer=size)
+            elif name == "learning_rate" and cfg.get("model_type") == "full" and name not in cfg:
+                self.ask(self.train_specs[name], cfg, TrainConfig, offer=FULL_LEARNING_RATE)
             elif name == "validation_num_video_frames":  # asked again while image-to-video would refuse it
                 offer = self.i2v_frames(entry)
                 while True:

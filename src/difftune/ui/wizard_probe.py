@@ -13,6 +13,7 @@ from difftune.data.discovery import NOTE_UPSCALE
 from difftune.data.frames import resampled_count
 from difftune.models.registry import FAMILY_FACTS
 
+VIDEO_RESOLUTION = 512  # the resolution offered for clips
 PROBE_CAP = 32  # files probed for their size or length (a header read or a demux each, no decoding)
 
 
@@ -62,17 +63,19 @@ class DataProbes:
         """A resolution that fits the files probed, offered where the default would enlarge most of them more than
         discovery's note threshold (the wizard's default, 1024, would leave 96x64 clips out altogether), said with
         why; None where the default fits or the entry sets its own."""
-        if "resolution" in entry or not self.sizes:
+        if "resolution" in entry:
             return None
         kind = entry.get("resolution_type", self.image_specs["resolution_type"]["default"])
-        default = self.image_specs["resolution"]["default"]
-        if kind not in ("pixel", "pixel_area", "area") or not isinstance(default, int | float):
-            return None
+        # clips: 512 (the specs' video examples; at 1024 a clip's activations need far more memory than an image's)
+        video = entry.get("dataset_type") == "video" and kind != "area"
+        default = VIDEO_RESOLUTION if video else self.image_specs["resolution"]["default"]
+        if kind not in ("pixel", "pixel_area", "area") or not isinstance(default, int | float) or not self.sizes:
+            return VIDEO_RESOLUTION if video else None
         sizes = sorted(measure(w, h, kind) for w, h in self.sizes)
         median = sizes[len(sizes) // 2]
         scale = math.sqrt(default / median) if kind == "area" else default / median  # linear enlargement
         if scale <= NOTE_UPSCALE:
-            return None
+            return VIDEO_RESOLUTION if video else None
         step = 64 if median >= 64 else 16
         offer = round(median, 2) if kind == "area" else max(16, int(median // step) * step)
         self.say(f"\n  the median of {len(sizes)} file(s) probed is {median:.3g} in {kind} units: resolution {offer:g} "
