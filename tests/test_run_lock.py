@@ -258,3 +258,29 @@ def test_an_output_dir_that_takes_no_file_fails_before_any_model_loads(tmp_path,
     capsys.readouterr()
     assert main(["check", "--config", str(path)]) == 2
     assert f"error: output_dir: cannot write {out / 'events.jsonl'} (Permission denied)" in capsys.readouterr().err
+
+
+def test_a_held_sigterm_abandons_validation_sampling(tmp_path, dataset):
+    """Several processes hold a SIGTERM for the whole loop: process 0 went on sampling (minutes at real size), past
+    torchrun's 30 s before SIGKILL, and the interrupted checkpoint was lost. The sampling now stops at the next
+    transformer call; the signal stays held for the loop's stop after the step."""
+    import json
+
+    from conftest import write_config
+    from difftune.config import load_config
+    from difftune.train import loop
+    from difftune.train.run_lock import held, sigterm_stops, take_held
+    from difftune.train.setup import build_run
+
+    path = write_config(tmp_path, dataset, max_train_steps=1, validation_prompt="a red circle",
+                        validation_resolution="32x32", validation_num_inference_steps=2)
+    run = build_run(load_config(path))
+    with sigterm_stops(), held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert loop.sample(run, "step-000001") == []
+        assert take_held() == signal.SIGTERM
+    run.events.close()
+    log = [json.loads(line) for line in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    assert any("validation step-000001 abandoned: a stop signal came" in e.get("message", "") for e in log)
+    assert not list((run.output_dir / "validation").glob("*.png"))

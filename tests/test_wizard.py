@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys

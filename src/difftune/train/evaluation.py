@@ -17,6 +17,7 @@ kept in CPU memory, and visits the accelerator only while it scores: it never jo
 
 from __future__ import annotations
 
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,7 +145,7 @@ def after_validation(run: Run, results: list[tuple[SampleRequest, Any]], reusabl
 def evaluate(run: Run) -> None:
     """Score the requests an evaluation scores: this step's validation samples when it just made them, else
     sampled here (no files written); process 0 alone."""
-    from difftune.train.validation import sample_requests
+    from difftune.train.validation import SamplingAbandoned, sample_requests
 
     validated, run.validated = run.validated, None
     with eval_weights(run), unsharded(run):  # schedule-free: its averaged weights; FSDP: the weights whole
@@ -152,6 +153,7 @@ def evaluate(run: Run) -> None:
             if validated is not None and validated[0] == run.state.step:
                 score(run, validated[1])
             else:
-                score(run, sample_requests(run, scored(run.validation, run.cfg.num_eval_images)))
+                with suppress(SamplingAbandoned):  # a stop signal came: the run stops after this step
+                    score(run, sample_requests(run, scored(run.validation, run.cfg.num_eval_images)))
     run.ranks.barrier()
 

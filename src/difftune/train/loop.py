@@ -47,7 +47,7 @@ from difftune.train.memory import record_peak_memory
 from difftune.train.optimizers import clip_gradients, eval_weights
 from difftune.train.run_lock import Terminated, held, stop_reason, take_held
 from difftune.train.setup import Run
-from difftune.train.validation import BASE_LABEL, validate
+from difftune.train.validation import BASE_LABEL, SamplingAbandoned, validate
 
 
 def micro_step(run: Run, batch: Batch) -> torch.Tensor:
@@ -185,8 +185,13 @@ def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
 
 def sample(run: Run, label: str, base: bool = False) -> list[Path]:
     # schedule-free: sampled with its averaged weights; FSDP: the weights whole, so that process 0 samples alone
+    paths: list[Path] = []
     with eval_weights(run), unsharded(run):
-        paths = validate(run, label, base) if run.ranks.main else []
+        try:
+            paths = validate(run, label, base) if run.ranks.main else []
+        except SamplingAbandoned:
+            run.events.emit("warning", message=f"validation {label} abandoned: a stop signal came (the run stops "
+                            "after this step, with its checkpoint)")
     run.ranks.barrier()
     return paths
 

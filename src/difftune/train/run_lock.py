@@ -166,6 +166,11 @@ def held(on: bool = True) -> Iterator[None]:
         raise Terminated(signum)
 
 
+def is_held() -> bool:
+    """Whether a SIGTERM is held now (for work that can be abandoned early: validation's sampling)."""
+    return _pending is not None
+
+
 def take_held() -> int | None:
     """The SIGTERM held so far (its number), if any; it is then no longer held."""
     global _pending

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from difftune.train import attention, evaluation
 from difftune.train.model_offload import model_cpu_offload
+from difftune.train.run_lock import is_held
 
 if TYPE_CHECKING:
     from difftune.models.base import SampleRequest
@@ -173,14 +174,28 @@ def as_loaded(model: Any, network: Any = None) -> Iterator[None]:
 Sampled = tuple["SampleRequest", Any, list[Path]]  # request, image or frames, files written
 
 
+class SamplingAbandoned(Exception):
+    """A held SIGTERM (several processes: the others wait while process 0 samples) stops the sampling at the next
+    transformer call: finishing it could outlast torchrun's 30 s before SIGKILL, losing the interrupted checkpoint."""
+
+
+def _abandon_when_stopping(_module: Any, _args: Any) -> None:
+    if is_held():
+        raise SamplingAbandoned
+
+
 def _sample_all(run: Run, label: str | None, suffix: str, requests: list[SampleRequest] | None = None) -> list[Sampled]:
     model = run.accelerator.unwrap_model(run.transformer)
     device = run.accelerator.device
     vae = run.comps.vae
     offload = model_cpu_offload(run.cfg.enable_model_cpu_offload, model, vae, device)
     network = getattr(run.adapter, "network", None)  # LyCORIS
-    with plain_forward(model), as_loaded(model, network), offload, attention.sampling(model):  # sageattention: sampling only
-        return _sample_requests(run, model, vae, label, suffix, run.validation if requests is None else requests)
+    stop = model.register_forward_pre_hook(_abandon_when_stopping)
+    try:
+        with plain_forward(model), as_loaded(model, network), offload, attention.sampling(model):  # sageattention: sampling only
+            return _sample_requests(run, model, vae, label, suffix, run.validation if requests is None else requests)
+    finally:
+        stop.remove()
 
 
 def sample_size(request: SampleRequest) -> str:
