@@ -3,6 +3,7 @@ never resumes them by 'latest'), pruning never takes the one just written, an in
 another trainer's checkpoint is refused before any model loads, and checkpoint errors end as `error:` lines."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -168,18 +169,23 @@ def test_an_fsdp_checkpoint_is_complete(tmp_path, optimizer):
     assert resolve_resume(tmp_path, "latest") == folder
 
 
-def test_an_fsdp_checkpoint_missing_a_shard_is_passed_over(tmp_path):
-    """'latest' took it, and every process failed in torch.distributed.checkpoint's reader."""
+@pytest.mark.parametrize("damage", ["missing", "cut short"])
+def test_an_fsdp_checkpoint_missing_a_shard_is_passed_over(tmp_path, damage):
+    """'latest' took it, and every process failed in torch.distributed.checkpoint's reader (a traceback); a
+    truncated shard too."""
     root = tmp_path / "checkpoints"
     older = fake_checkpoint(root / "checkpoint-0000002", 2, optimizer="rng.pt")
     newest = fake_checkpoint(root / "checkpoint-0000004", 4, optimizer="rng.pt")
     for folder in (older, newest):
         sharded_state(folder / "optimizer_fsdp")
     shard = next((newest / "optimizer_fsdp").glob("*.distcp"))
-    shard.unlink()
+    if damage == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size - 1)
     warned = []
     assert resolve_resume(tmp_path, "latest", warned.append) == older
-    assert f"its optimizer_fsdp/{shard.name} is missing" in warned[0]
+    assert f"its optimizer_fsdp/{shard.name} is {damage}" in warned[0]
 
 
 def test_another_trainers_checkpoint_is_refused_by_check(tmp_path, dataset):
@@ -316,3 +322,23 @@ def test_a_damaged_model_source_record_is_a_warning(tmp_path, dataset):
     train(build_run(load_config(write_config(tmp_path, dataset, max_train_steps=3, resume_from_checkpoint="latest"))))
     assert [e["step"] for e in events_of(out)[seen:] if e["event"] == "step"] == [3]
     assert any("model_source.json" in m and "is not compared" in m for m in warnings_after(out, seen))
+
+
+def test_a_full_disk_under_torch_distributed_checkpoint_is_a_write_error(tmp_path):
+    """FSDP's sharded optimizer state is written by torch.distributed.checkpoint, which wraps each process's OSError
+    in a CheckpointException (a BaseException): a full disk was a traceback on every process, not the one-line
+    error that says which checkpoint a resume takes."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from difftune.train.checkpoint import WriteError, written
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    partial = tmp_path / "checkpoints" / ".tmp-optimizer_fsdp-0000004"
+    partial.mkdir(parents=True)
+    with pytest.raises(WriteError, match=r"cannot write the sharded optimizer state .*\(No space left on device\); "
+                                         "free disk space"):
+        with written("the sharded optimizer state", partial, tmp_path, partial=partial):
+            raise CheckpointException("save failed", {0: _wrap_exception(full)})
+    assert not partial.exists()  # its space given back

@@ -65,6 +65,11 @@ def write_failure(e: BaseException) -> str | None:
         return f"torch.save: {text.splitlines()[0][:160]}"
     if type(e).__name__ == "SafetensorError" and "I/O error" in text:
         return text.split("I/O error: ", 1)[-1]
+    if type(e).__name__ == "CheckpointException":  # torch.distributed.checkpoint: each process's own exception
+        for failure in (getattr(e, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and (reason := write_failure(inner)) is not None:
+                return reason
     return None
 
 
@@ -308,16 +313,23 @@ def missing_file(path: Path) -> str | None:
 
 def _shard_missing(folder: Path) -> str | None:
     """A sharded optimizer state (torch.distributed.checkpoint, one file per process) whose `.metadata` names a file
-    that is not there, described; None when every one is. Only the names are read, not the shards."""
+    that is not there or shorter than its items reach (a truncated shard), described; None when every one is whole.
+    Only the metadata and the files' sizes are read, not the shards."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         meta = FileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # noqa: BLE001 - missing or damaged: the same verdict
         return f"its {folder.name}/.metadata cannot be read ({type(e).__name__})"
-    names = {getattr(info, "relative_path", None) for info in (meta.storage_data or {}).values()} - {None}
-    missing = sorted(name for name in names if not (folder / name).is_file())
-    return f"its {folder.name}/{missing[0]} is missing" if missing else None
+    ends: dict[str, int] = {}  # each shard file's size, as far as its items reach
+    for info in (meta.storage_data or {}).values():
+        if name := getattr(info, "relative_path", None):
+            ends[name] = max(ends.get(name, 0), (getattr(info, "offset", 0) or 0) + (getattr(info, "length", 0) or 0))
+    missing = sorted(name for name in ends if not (folder / name).is_file())
+    if missing:
+        return f"its {folder.name}/{missing[0]} is missing"
+    short = sorted(name for name, end in ends.items() if (folder / name).stat().st_size < end)
+    return f"its {folder.name}/{short[0]} is cut short" if short else None
 
 
 def weights_problem(path: Path) -> str | None:

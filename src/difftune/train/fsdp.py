@@ -319,7 +319,7 @@ def _stage_optimizer(run: Run, sharded: Sharded, step: int | None) -> None:
         return
     import torch.distributed.checkpoint as dcp
 
-    from difftune.train.checkpoint import checkpoints_dir
+    from difftune.train.checkpoint import checkpoints_dir, written
 
     # Beside the checkpoints (a `.tmp-` name: clean_partial removes it after a kill); process 0 moves it
     # into the checkpoint it writes.
@@ -328,7 +328,8 @@ def _stage_optimizer(run: Run, sharded: Sharded, step: int | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.parent.mkdir(parents=True, exist_ok=True)
     run.ranks.barrier()
-    dcp.save({"optimizer": get_optimizer_state_dict(sharded.root, inner)}, checkpoint_id=str(folder))
+    with written(f"the sharded optimizer state of step {step or 0}", folder, run.output_dir, partial=folder):
+        dcp.save({"optimizer": get_optimizer_state_dict(sharded.root, inner)}, checkpoint_id=str(folder))
     run.ranks.barrier()
     sharded.staged = folder
 
