@@ -123,6 +123,18 @@ def test_two_processes_killed_then_resumed(tmp_path, images):
     assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
 
 
+@pytest.mark.slow  # 36 s on 2 cores (three two-process runs)
+def test_a_resume_gives_each_process_its_own_rng(tmp_path, images):
+    """lora_dropout draws from each process's torch RNG; a checkpoint kept process 0's alone and a resume gave it
+    to every process, so the resumed losses differed from the uninterrupted run's (a 1-process run was exact)."""
+    common = dict(train_batch_size=1, checkpoint_step_interval=2, resume_from_checkpoint="latest", lora_dropout=0.5)
+    finish(launch(write_config(tmp_path / "ref", images, max_train_steps=4, **common), 29615))
+    finish(launch(write_config(tmp_path / "cut", images, max_train_steps=2, **common), 29616))
+    finish(launch(write_config(tmp_path / "cut", images, max_train_steps=4, **common), 29617))
+    a, b = losses(tmp_path / "ref" / "output"), losses(tmp_path / "cut" / "output")
+    assert a.keys() == b.keys() == {1, 2, 3, 4} and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a), (a, b)
+
+
 @pytest.mark.slow  # about 20-40 s on 2 cores: in make test-slow; make test keeps the two-process
 # equality and kill/resume tests
 def test_stop_command_stops_every_process(tmp_path, images):

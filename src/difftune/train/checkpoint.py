@@ -147,14 +147,16 @@ def swap_in(new: Path, final: Path, aside: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
+def save_checkpoint(run: Run, rolling: bool = False,
+                    process_rng: list[torch.Tensor] | None = None) -> tuple[Path, list[str]]:
     """Write the run's state as a checkpoint of the regular series, or of the rolling one, then prune that series.
-    Returns the checkpoint and the names of the ones pruning removed (the hub upload removes them there too)."""
+    Returns the checkpoint and the names of the ones pruning removed (the hub upload removes them there too).
+    `process_rng`: with several processes, each one's torch RNG state, by rank."""
     root = checkpoints_dir(run.output_dir)
     final = root / f"{PREFIX}{run.state.step:07d}{ROLLING if rolling else ''}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     with written(f"checkpoint {final.name}", root, run.output_dir, partial=tmp):
-        _write_checkpoint(run, root, tmp)
+        _write_checkpoint(run, root, tmp, process_rng)
         if final.exists():  # the same step saved again (for example at the end): replace it whole
             # Its own prefix: a kill between the two renames leaves it complete, and clean_partial puts it
             # back under its name instead of deleting the only copy of that step.
@@ -166,7 +168,7 @@ def save_checkpoint(run: Run, rolling: bool = False) -> tuple[Path, list[str]]:
     return final, prune_checkpoints(run.output_dir, keep, rolling, written=final)
 
 
-def _write_checkpoint(run: Run, root: Path, tmp: Path) -> None:
+def _write_checkpoint(run: Run, root: Path, tmp: Path, process_rng: list[torch.Tensor] | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -179,7 +181,8 @@ def _write_checkpoint(run: Run, root: Path, tmp: Path) -> None:
     if getattr(run, "crepa", None) is not None:  # the CREPA projector: trained, resumed, never in the adapter
         run.crepa.save(tmp)
     torch.save({"generator": run.generator.get_state(), "generator_device": run.generator.device.type,
-                "torch": torch.get_rng_state()}, tmp / "rng.pt")
+                "torch": torch.get_rng_state(), **({"torch_by_process": process_rng} if process_rng else {})},
+               tmp / "rng.pt")
     _write_adapter(run, tmp)
     if run.ema is not None:
         torch.save(run.ema.state_dict(), tmp / "ema.pt")
@@ -525,7 +528,8 @@ def load_checkpoint(run: Run, path: Path) -> None:
         run.crepa.load(path)
     train_mode(run.optimizer)  # schedule-free: saved in eval mode; recompute the training weights (all loaded now)
     rng = _read(path, "rng.pt")
-    torch.set_rng_state(rng["torch"])
+    by_process = rng.get("torch_by_process") or []  # several processes: each its own (process 0's for all before)
+    torch.set_rng_state(by_process[run.ranks.index] if len(by_process) == run.ranks.count else rng["torch"])
     if run.ema is not None:
         if not (path / "ema.pt").is_file():
             raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "

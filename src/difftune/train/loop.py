@@ -173,9 +173,11 @@ def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
         return
     # schedule-free: its averaged weights and eval-mode state are saved (eval_weights); FSDP: every process
     # gathers, process 0 writes
+    # each process's torch RNG (peft's lora_dropout draws from it): a resume restores every one's own
+    process_rng = run.ranks.gather(torch.get_rng_state()) if run.ranks.count > 1 else None
     with eval_weights(run, for_checkpoint=True), gathered(run, optimizer=True, step=run.state.step):
         if run.ranks.main:
-            path, pruned = save_checkpoint(run, rolling)  # pruned: the series' checkpoints its limit removed
+            path, pruned = save_checkpoint(run, rolling, process_rng)  # pruned: those the series' limit removed
             run.events.emit("checkpoint", step=run.state.step, path=str(path), pruned=pruned,
                             **({"rolling": True} if rolling else {}), **extra)
     run.ranks.barrier()
