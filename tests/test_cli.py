@@ -258,3 +258,19 @@ def test_a_stop_command_during_caching_stops_at_once_with_the_caches_kept(tmp_pa
     assert "stop command while caching" in capsys.readouterr().err
     events = [json.loads(line)["event"] for line in (tmp_path / "output" / "events.jsonl").read_text().splitlines()]
     assert "step" not in events and not list((tmp_path / "output" / "commands").glob("*.json"))
+
+
+def test_an_error_every_process_meets_is_said_once(tmp_path, dataset, monkeypatch, capsys):
+    """Under torchrun every process printed the same config or checkpoint error, interleaved into one garbled line;
+    process 0 says it, another process says only an error of its own, with its number."""
+    from difftune.cli import _error, main
+
+    path = write_config(tmp_path, dataset, learning_rate=-1)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["check", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == ""
+    _error(OSError("its own"), everywhere=False)
+    assert capsys.readouterr().err == "error (process 1): its own\n"
+    monkeypatch.setenv("RANK", "0")
+    assert main(["check", "--config", str(path)]) == 2
+    assert "learning_rate" in capsys.readouterr().err

@@ -286,6 +286,14 @@ def test_an_fsdp_checkpoint_resumed_without_fsdp_is_refused_before_loading(tmp_p
     assert "loads into an FSDP run only" in fsdp_problem(train_cfg, folder)  # two processes, but not sharded
     assert fsdp_problem(train_cfg.model_copy(update={"fsdp_enable": True}), folder) is None
     assert fsdp_problem(train_cfg.model_copy(update={"optimizer": "lion"}), folder) is None  # starts afresh
+    # the other direction: a plain run's optimizer.pt into a sharded run failed only after the caches
+    (folder / "optimizer_fsdp.pt").unlink()
+    (folder / "optimizer.pt").write_bytes(b"")
+    sharded = train_cfg.model_copy(update={"fsdp_enable": True})
+    assert "written by a run without FSDP (its optimizer.pt)" in fsdp_problem(sharded, folder)
+    assert fsdp_problem(train_cfg, folder) is None
+    monkeypatch.setenv("WORLD_SIZE", "1")  # fsdp_enable on one process trains unsharded: its optimizer.pt fits
+    assert fsdp_problem(sharded, folder) is None
 
 
 def test_files_removed_before_a_resume_are_said(tmp_path):

@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args, rest)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e, everywhere=True)
         return 2
     except Exception as e:
         from difftune.data.batches import NoUsableItem
@@ -543,11 +543,23 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
                           | TrackerError | WriteError | NotWritable | NoUsableItem):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        _error(e, everywhere=isinstance(e, DataError | CheckpointError))
         return 2
     except KeyboardInterrupt:  # train and cache say what is kept; check, plan, configure have nothing to keep
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _error(e: BaseException, everywhere: bool) -> None:
+    """The `error:` line. Under torchrun, an error every process meets alike (the config, the data, a checkpoint:
+    the same files) is said by process 0 alone: N copies interleaved in one console read as one garbled line.
+    Another process's own error is said with its number."""
+    import os
+
+    if _main_process():
+        print(f"error: {e}", file=sys.stderr)
+    elif not everywhere:
+        print(f"error (process {os.environ.get('RANK')}): {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -139,19 +139,26 @@ def world_size() -> int:
 
 def fsdp_problem(train: Any, folder: Path) -> str | None:
     """A checkpoint of an FSDP run (its optimizer state in optimizer_fsdp/ or optimizer_fsdp.pt, no optimizer.pt)
-    resumed by a run that will not shard (fsdp_enable off, or one process): why not, found before any model loads.
-    Another optimizer than the checkpoint's starts afresh and needs no saved state."""
-    if (folder / "optimizer.pt").is_file() or not any((folder / n).exists() for n in ("optimizer_fsdp", "optimizer_fsdp.pt")):
+    resumed by a run that will not shard (fsdp_enable off, or one process), or a plain run's (optimizer.pt) by one
+    that will: why not, found before any model loads (the second failed after the caches). Another optimizer than
+    the checkpoint's starts afresh and needs no saved state."""
+    sharding = bool(train.fsdp_enable and world_size() > 1)
+    if (folder / "optimizer.pt").is_file():  # the other direction: a plain run's state into a sharded optimizer
+        refused = sharding
+        problem = (f"{folder} was written by a run without FSDP (its optimizer.pt): it loads into a run that does "
+                   "not shard; resume it with fsdp_enable false (DDP, or one process), or start a new output_dir")
+    elif any((folder / n).exists() for n in ("optimizer_fsdp", "optimizer_fsdp.pt")):
+        problem = (f"{folder} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or gathered) "
+                   "loads into an FSDP run only; resume it with fsdp_enable true on several processes (torchrun "
+                   "--nproc_per_node N -m difftune.cli train), or start a new output_dir")
+        refused = not sharding
+    else:
         return None
-    if train.fsdp_enable and world_size() > 1:
+    if not refused:
         return None
     try:
         saved = json.loads((folder / "training_state.json").read_text()).get("settings") or {}
     except (OSError, ValueError, AttributeError):
         return None
-    if saved.get("optimizer") not in (None, train.optimizer):
-        return None
-    return (f"{folder} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or gathered) loads "
-            "into an FSDP run only; resume it with fsdp_enable true on several processes (torchrun "
-            "--nproc_per_node N -m difftune.cli train), or start a new output_dir")
+    return problem if saved.get("optimizer") in (None, train.optimizer) else None
 
