@@ -129,6 +129,9 @@ def test_lora_target_modules_that_name_no_layer_are_refused_before_any_model_loa
             assert said in err and "Traceback" not in err, err
     assert "its linear layers are named" in err and "to_out.0, to_q" in err
     assert not (tmp_path / "cache").exists()  # refused before caching (on the transformer built without weights)
+    # a JSON list on the command line is a list (it was one name, '["to_q"]', which matched no module)
+    assert main(["check", "--config", str(config), "--lora_target_modules", '["to_q", "to_v"]']) == 0, \
+        capsys.readouterr().err
 
 
 def test_lora_target_modules_are_checked_on_the_loaded_transformer(tmp_path, dataset):

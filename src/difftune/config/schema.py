@@ -8,6 +8,7 @@ import-light by design.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -442,6 +443,11 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     @field_validator("lora_target_modules", "fsdp_transformer_layer_cls_to_wrap", mode="before")
     @classmethod
     def _targets(cls, v: object) -> object:
+        if isinstance(v, str) and v.strip().startswith("["):  # a JSON list as text (the command line, SimpleTuner)
+            try:
+                v = json.loads(v)
+            except ValueError:
+                pass  # left as text: its name is refused as not matching a layer, quoting what was written
         if isinstance(v, str):
             return [part.strip() for part in v.split(",") if part.strip()] or None
         return v
