@@ -251,11 +251,17 @@ def plan_buckets(run_cfg: RunConfig, samples: Iterable[Sample], processes: int) 
         fix = "raise repeats on the dataset entries (or remove it there: allow_dataset_oversubscription raises " \
             "only repeats an entry leaves out)" if cfg.allow_dataset_oversubscription else \
             "set allow_dataset_oversubscription (raises each small dataset's repeats) or repeats on the dataset entries"
+        if processes == 1:
+            pruning = ", or set disable_bucket_pruning"
+        elif cfg.disable_bucket_pruning:  # set already: say why it does not help rather than advise it
+            pruning = " (disable_bucket_pruning keeps small buckets on one process only: a partial batch cannot " \
+                "be split between processes)"
+        else:
+            pruning = ", or train on one process with disable_bucket_pruning (with several a partial batch cannot " \
+                "be split between them)"
         raise NothingToTrain(
             f"every aspect bucket holds fewer images than one global batch ({step.global_batch}); "
-            f"lower train_batch_size, add images, {fix}, or set disable_bucket_pruning"
-            + (" (it keeps small buckets on one process only: a partial batch cannot be split between processes)"
-               if processes > 1 else "")
+            f"lower train_batch_size, add images, {fix}{pruning}"
             + "".join(f"\n  {change.line()}" for change in plan.changes), plan)
     return plan
 
