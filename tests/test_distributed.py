@@ -179,5 +179,5 @@ def test_a_refused_generated_folder_stops_every_process_with_the_one_message(tmp
     config = write_config(tmp_path, images, model_family="kandinsky5-image", model_flavour="tiny-random-i2i",
                           dataset={"conditioning": [{"type": "canny", "instance_data_dir": str(mine)}]})
     out, _ = launch(config, 29697).communicate(timeout=300)
-    assert out.count("already holds files that difftune did not generate") == 2, out[-3000:]
+    assert out.count("already holds files that difftune did not generate") == 1, out[-3000:]  # said by process 0
     assert "Connection closed by peer" not in out and (mine / "000-x.png").read_bytes() == b"the user's own"

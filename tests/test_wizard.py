@@ -761,6 +761,17 @@ def test_defaults_offered_for_a_full_fine_tune_and_for_clips(tmp_path, dataset, 
     assert "resolution [1024]: " not in asked
 
 
+def test_a_model_path_beside_the_flavour_is_said(tmp_path, dataset, monkeypatch):
+    """A changed flavour was taken without a word while pretrained_model_name_or_path (which wins) stayed."""
+    source = str(tmp_path / "my-lumina2")  # what it holds is the review's business: the note comes before
+    (tmp_path / "my-lumina2").mkdir()
+    path = write_config(tmp_path, dataset, output_dir="out", pretrained_model_name_or_path=source)
+    monkeypatch.chdir(tmp_path)
+    scripted(monkeypatch, {}, {"Use these settings": ["y"], "Write these files": ["n"]})
+    _, transcript = wizard_run(str(path))
+    assert f"note: the config loads pretrained_model_name_or_path {source!r}, not the flavour's own" in transcript
+
+
 def test_switching_away_from_an_image_to_image_flavour_offers_to_remove_its_pairs(tmp_path, dataset, monkeypatch):
     """An i2i config edited to a text-to-image flavour kept conditioning_data, which that flavour refuses, and no
     question could remove it."""

@@ -65,6 +65,7 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
         self.single_entry: dict[str, Any] | None = None  # a dataset list that is one object: offered a wrap
         self.notes: list[str] = []  # said before the first question
         self.shortest: tuple[int, int, float] | None = None  # video: (frames, clips probed, fps) of the shortest
+        self.answered: set[str] = set()  # keys typed in this session: an offer never replaces them on a second pass
         self.sizes: list[tuple[int, int]] = []  # (width, height) of the first files probed in the dataset's folder
         self.problems_seen: list[str] = []  # the last review's problems
         self.lycoris: Any = None  # the lycoris_config file to write beside config.json, when the wizard makes one
@@ -123,7 +124,7 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
         name = spec["name"]
         label = label or name
         current = values.get(name, spec["default"] if spec["has_default"] else None)
-        if offer is not None:
+        if offer is not None and label not in self.answered:
             current = offer
         choices = spec.get("choices")
         if name == "model_flavour":
@@ -145,6 +146,8 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
         while True:
             hint = "" if current is None else f" [{_show(current)}]"
             answer = _input(f"{label}{hint}: ").strip()
+            if answer:
+                self.answered.add(label)
             if answer == "" and name not in values and spec["has_default"] and current == spec["default"]:
                 return  # the default stays implicit: nothing written for it
             if answer == "":
@@ -249,6 +252,10 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
                     cfg["lora_type"] = values["lora_type"]
                 continue
             self.ask(self.train_specs[name], cfg, TrainConfig)
+            if name == "model_flavour" and cfg.get("pretrained_model_name_or_path"):
+                self.say(f"  note: the config loads pretrained_model_name_or_path "
+                         f"{cfg['pretrained_model_name_or_path']!r}, not the flavour's own; the flavour says what "
+                         "that model is (edit the config to change the path)")
         if cfg.get("lora_type") != "lycoris" and cfg.get("lycoris_config") == self.lycoris_path() \
                 and not Path(self.lycoris_path()).is_file():
             del cfg["lycoris_config"]  # chosen on an earlier pass, never written: it would name a missing file
@@ -296,6 +303,7 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
                     self.ask(self.train_specs[name], cfg, TrainConfig, offer=offer)
                     if (offer := self.i2v_frames(entry)) is None:
                         break
+                    self.answered.discard(name)  # the answer is refused: the offer replaces it
             else:
                 self.ask(self.train_specs[name], cfg, TrainConfig)
         self.memory()
