@@ -304,3 +304,35 @@ def test_a_hub_model_id_the_hub_refuses_is_a_config_error(tmp_path, dataset):
 
     text = config_problems(write_config(tmp_path, dataset, **{**HUB, "hub_model_id": "bad id/x y"}))
     assert "hub_model_id 'bad id/x y' is not a hub repository name" in text and "'user/name'" in text
+
+
+def test_the_card_passes_an_empty_negative_prompt(tmp_path, dataset):
+    """validation_negative_prompt "": Kandinsky 5 Video's pipelines put their own negative prompt in place of none,
+    so the card's code (which left it out) sampled something else than the validation samples shown."""
+    from types import SimpleNamespace
+
+    from families import make_clips
+
+    from difftune.train.model_card import model_card
+
+    clips = make_clips(tmp_path / "clips", count=1, frames=9)
+    cfg = load_config(write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random",
+                                   validation_prompt="a square", validation_negative_prompt="",
+                                   dataset={"dataset_type": "video", "video": {"num_frames": 9}}))
+    card = model_card(cfg, SimpleNamespace(data=SimpleNamespace(items=[]), state=SimpleNamespace(step=2)), [])
+    assert "negative_prompt=''" in card
+
+
+def test_the_card_says_which_samples_and_weights_are_the_ema(tmp_path, dataset):
+    """ema_validation ema_only: the card showed EMA samples over code that loads the live LoRA, and never named
+    ema/."""
+    from types import SimpleNamespace
+
+    from difftune.train.model_card import model_card
+
+    cfg = load_config(write_config(tmp_path, dataset, validation_prompt="a red circle", use_ema=True,
+                                   ema_validation="ema_only"))
+    samples = [Path("validation/final-step-000002-64x64-ema.png")]
+    card = model_card(cfg, SimpleNamespace(data=SimpleNamespace(items=[]), state=SimpleNamespace(step=2)), samples)
+    assert "those ending in -ema are the EMA weights', in ema/" in card
+    assert "load `ema/pytorch_lora_weights.safetensors` (`subfolder=\"ema\"`)" in card

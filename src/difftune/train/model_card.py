@@ -13,6 +13,8 @@ from difftune.config.dataset_entry_keys import validation_video_fps, validation_
 from difftune.config.reporting_keys import pipeline_name
 from difftune.models.registry import FAMILY_FACTS
 
+ADAPTER_FILE = "pytorch_lora_weights.safetensors"  # the LoRA file of a result (and of its ema/ folder)
+
 
 def _dtype_keyword() -> str:
     """diffusers 0.40 takes `dtype=` in from_pretrained and from_single_file, and from 0.42 a pipeline warns that
@@ -83,8 +85,9 @@ def _generate(run_cfg: RunConfig) -> str:
     args += [f"height={height}", f"width={width}"]
     if video:
         args.append(f"num_frames={validation_video_frames(cfg, run_cfg.datasets)}")
-    if cfg.validation_negative_prompt:  # the samples shown were made with it: the code reproduces them
-        args.append(f"negative_prompt={cfg.validation_negative_prompt!r}")
+    # the samples shown were made with it: the code reproduces them (an empty one too: Kandinsky 5 Video's
+    # pipelines put a negative prompt of their own in place of none)
+    args.append(f"negative_prompt={cfg.validation_negative_prompt!r}")
     args += [f"num_inference_steps={cfg.validation_num_inference_steps}", f"guidance_scale={cfg.guidance():g}"]
     if not cfg.validation_randomize:  # the first sample's seed: its noise drawn where validation draws it
         seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
@@ -230,8 +233,14 @@ def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
         rows.append(("EMA decay", cfg.ema_decay))
     lines += ["## Training settings", "", "| setting | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     if samples:
-        lines += ["## Samples", "", f"Validation samples at step {run.state.step}"
-                  + (f" for \"{cfg.validation_prompt}\"" if cfg.validation_prompt else "") + ":", ""]
+        # a file name ending in -ema is the EMA weights' sample (train/validation.py names them)
+        ema = any(p.stem.endswith("-ema") for p in samples)
+        lines += ["## Samples", "", f"Validation samples at step {run.state.step} (the file names say the prompt "
+                  "and size" + ("; those ending in -ema are the EMA weights', in ema/" if ema else "") + "):", ""]
         lines += [f"![{p.stem}]({p.as_posix()})" for p in samples] + [""]
-    lines += ["## Use with diffusers", "", _usage(run_cfg, repo, pipeline, base), "## Use with ComfyUI", "", _comfyui(cfg)]
+    lines += ["## Use with diffusers", "", _usage(run_cfg, repo, pipeline, base)]
+    if cfg.use_ema and cfg.model_type == "lora":
+        lines += [f"The EMA weights are in `ema/` beside them: load `ema/{ADAPTER_FILE}` (`subfolder=\"ema\"`) in "
+                  "their place.", ""]
+    lines += ["## Use with ComfyUI", "", _comfyui(cfg)]
     return "\n".join(lines)
