@@ -64,6 +64,15 @@ def test_missing_config_file(tmp_path):
     assert "config.json" in text and "config.json.example" in text
 
 
+def test_validation_sizes_keep_their_orientation_and_come_once(tmp_path, dataset):
+    """40x24 snapped to 32x32 (round() half to even: a landscape turned square); a size named twice, or twice
+    after snapping, was sampled twice into the same files."""
+    run = load_config(write_config(tmp_path, dataset, validation_resolution="40x24,32x32,40x40,32x32"))
+    assert run.train.validation_sizes() == [(48, 32), (32, 32), (48, 48)]
+    assert any("names a size twice (after snapping): each is sampled once (48x32, 32x32, 48x48)" in n
+               for n in run.notes())
+
+
 def test_validation_resolution_snapped_to_multiple_of_16(tmp_path, dataset):
     run = load_config(write_config(tmp_path, dataset, validation_resolution="100x100,480x854,64x64"))
     assert run.train.validation_sizes() == [(96, 96), (480, 848), (64, 64)]

@@ -558,14 +558,18 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     def validation_sizes(self) -> list[tuple[int, int]]:
         """(width, height) of each validation size, snapped to the family's pixel multiple."""
         multiple = FAMILY_FACTS[self.model_family].pixel_multiple
-        return [snap_size(w, h, multiple) for w, h in self._given_sizes()]
+        return list(dict.fromkeys(snap_size(w, h, multiple) for w, h in self._given_sizes()))  # each size once
 
     def validation_notes(self) -> list[str]:
         """One line per validation size that was snapped (to print before the run starts)."""
         multiple = FAMILY_FACTS[self.model_family].pixel_multiple
-        return [f"validation_resolution {w}x{h}: sides must be multiples of {multiple}; validation samples are "
-                f"{snap_size(w, h, multiple)[0]}x{snap_size(w, h, multiple)[1]}"
-                for w, h in self._given_sizes() if snap_size(w, h, multiple) != (w, h)]
+        notes = [f"validation_resolution {w}x{h}: sides must be multiples of {multiple}; validation samples are "
+                 f"{snap_size(w, h, multiple)[0]}x{snap_size(w, h, multiple)[1]}"
+                 for w, h in self._given_sizes() if snap_size(w, h, multiple) != (w, h)]
+        if len(self.validation_sizes()) < len(self._given_sizes()):  # each sampled once: twice wrote one file twice
+            notes.append(f"validation_resolution {self.validation_resolution!r} names a size twice (after snapping): "
+                         f"each is sampled once ({', '.join(f'{w}x{h}' for w, h in self.validation_sizes())})")
+        return notes
 
     def _given_sizes(self) -> list[tuple[int, int]]:
         return parse_resolutions(self.validation_resolution or FAMILY_FACTS[self.model_family].default_resolution)

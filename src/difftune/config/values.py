@@ -4,6 +4,7 @@ Each raises ValueError with the reason; the schema turns it into the key's error
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -28,8 +29,10 @@ def parse_resolutions(value: str) -> list[tuple[int, int]]:
 
 
 def snap_size(w: int, h: int, multiple: int) -> tuple[int, int]:
-    """The nearest size whose sides are positive multiples of `multiple` (854 -> 848 for 16)."""
-    return tuple(max(multiple, round(side / multiple) * multiple) for side in (w, h))  # type: ignore[return-value]
+    """The nearest size whose sides are positive multiples of `multiple` (854 -> 848 for 16); a side halfway between
+    two goes up (Python's round() takes the even one: 40x24 became 32x32, a landscape turned square)."""
+    return tuple(max(multiple, math.floor(side / multiple + 0.5) * multiple)  # type: ignore[return-value]
+                 for side in (w, h))
 
 
 def read_json_file(path: str, what: str) -> object:
