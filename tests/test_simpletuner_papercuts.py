@@ -263,3 +263,10 @@ def test_int4_torchao_text_encoder_refusal_gives_its_own_reason(tmp_path, datase
     text = problems(write_config(tmp_path, dataset), text_encoder_1_precision="int4-torchao")
     assert "text_encoder_1_precision 'int4-torchao': torchao's int4 weights have a CUDA layout only" in text
     assert "backward" not in text  # the base model's reason: a text encoder runs forward only
+
+
+def test_ema_and_eval_dataset_keys_that_change_nothing_are_noted(tmp_path, dataset):
+    notes = "\n".join(load_config(write_config(tmp_path, dataset, ema_decay=0.9, ema_validation="ema_only",
+                                               eval_dataset_id="train")).notes())
+    assert "ema_decay, ema_validation not used: use_ema is off" in notes
+    assert "eval_dataset_id 'train' not used" in notes

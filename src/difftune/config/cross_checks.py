@@ -146,6 +146,14 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
             not FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()):
         notes.append(f"validation_stitch_input_location not used: flavour {cfg.flavour()!r} samples without an input "
                      "image; remove it (it applies to image-to-image and image-to-video flavours)")
+    ema_keys = [k for k in ("ema_decay", "ema_update_interval", "ema_validation") if k in cfg.model_fields_set]
+    if ema_keys and not cfg.use_ema:
+        notes.append(f"{', '.join(ema_keys)} not used: use_ema is off, so no EMA is kept; set use_ema true, or "
+                     f"remove {'them' if len(ema_keys) > 1 else 'it'}")
+    if cfg.eval_dataset_id and not cfg.validation_using_datasets:
+        notes.append(f"eval_dataset_id {cfg.eval_dataset_id!r} not used: it names the dataset whose image "
+                     "validation_using_datasets takes as the input image, and that is off; set "
+                     "validation_using_datasets true (image-to-image and image-to-video flavours), or remove it")
     idle = [i for i, r in enumerate(getattr(cfg.tread_config, "routes", None) or []) if r.selection_ratio == 0]
     if idle:
         notes.append(f"tread_config route{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} (counting from "
