@@ -130,7 +130,7 @@ def test_a_past_runs_view_has_its_prompts_saves_and_plain_data_errors(tmp_path):
     run = fake_run(tmp_path, [
         {"event": "start", "total_steps": 9, "step": 0, "pid": 999999999},
         {"event": "sample", "step": 3, "path": str(tmp_path / "out" / "validation" / "a.png"), "prompt": "validation",
-         "text": "a red circle"},
+         "text": "a red circle", "size": "64x64", "ema": True, "image": "1of2"},
         {"event": "checkpoint", "step": 3, "path": str(tmp_path / "out" / "checkpoint-3")},
         {"event": "error", "message": "DataError: dataset(s) 'image' have no usable image\nthe data report",
          "traceback": "Traceback (most recent call last): ..."}], pid=999999999, exit_code=2)
@@ -143,6 +143,8 @@ def test_a_past_runs_view_has_its_prompts_saves_and_plain_data_errors(tmp_path):
         os.utime(tmp_path / "out" / written, (time.time() - 60, time.time() - 60))
     summary = run.summary(detail=True)
     assert [(s["prompt"], s["text"]) for s in summary["samples"]] == [("validation", "a red circle")]
+    # what tells a step's samples apart, for the gallery's caption (EMA or live, size, which of N)
+    assert [(s["size"], s["ema"], s["image"]) for s in summary["samples"]] == [("64x64", True, "1of2")]
     assert summary["checkpoints"] == [{"step": 3, "path": "checkpoint-3"}]
     assert [o["path"] for o in summary["outputs"]] == ["pytorch_lora_weights.safetensors", "validation/a.png"]
     assert summary["status"] == "failed" and summary["message"].endswith("\nthe data report")

@@ -321,8 +321,10 @@ class Run:
         return self.files.relative(path)
 
     def _sample(self, event: dict[str, Any], past: float | None) -> dict[str, Any]:
+        # size, EMA and the image's number tell apart the samples of one step (the gallery's caption)
         return {"step": event.get("step"), "prompt": event.get("prompt"), "text": event.get("text"),
-                "path": self.files.locate(event.get("path"), past)}
+                "path": self.files.locate(event.get("path"), past), "size": event.get("size"),
+                "ema": bool(event.get("ema")), "image": event.get("image")}
 
     def outputs(self) -> list[dict[str, Any]]:
         """Files at the top of output_dir and the media under validation/ (for past runs)."""

@@ -561,11 +561,15 @@ function renderRun(run) {
   const key = (run.samples || []).map((s) => s.path).join("|");
   if (key !== S.galleryKey) {
     S.galleryKey = key;
-    const items = [...(run.samples || [])].reverse();
+    // a video's contact sheet (the PNG beside its MP4) is not shown twice
+    const videos = new Set((run.samples || []).filter((s) => /\.mp4$/i.test(s.path)).map((s) => s.path.replace(/\.mp4$/i, "")));
+    const items = [...(run.samples || [])].reverse().filter((s) => !(/\.png$/i.test(s.path) && videos.has(s.path.replace(/\.png$/i, ""))));
     $("#run-samples").replaceChildren(...(items.length ? items.map((s) => h("figure", {},
       /\.(mp4|webm)$/i.test(s.path) ? h("video", { src: fileUrl(run.id, s.path), controls: true, loop: true, muted: true }) : h("img", { src: fileUrl(run.id, s.path), alt: s.text || s.prompt || "sample" }),
-      // the prompt's text; its name where there is none (unconditional, runs from before the text was logged)
-      h("figcaption", {}, `step ${s.step} · ${s.text || s.prompt || ""}`))) : [h("p", { class: "hint" }, "None yet.")]));
+      // the prompt's text (its name where there is none: unconditional, runs from before the text was logged),
+      // then what tells a step's samples apart: size, image number, EMA
+      h("figcaption", {}, [`step ${s.step}`, s.text || s.prompt || "", s.size, s.image, s.ema ? "EMA" : ""]
+        .filter(Boolean).join(" · ")))) : [h("p", { class: "hint" }, "None yet.")]));
   }
   const saves = [...(run.adapter ? [h("li", {}, "LoRA: ", h("a", { href: fileUrl(run.id, run.adapter), target: "_blank" }, run.adapter))] : []),
     ...[...(run.checkpoints || [])].reverse().map((c) => h("li", {}, `step ${c.step}: `, h("code", {}, c.path || "(outside the output folder)")))];
