@@ -311,9 +311,8 @@ def test_the_card_passes_an_empty_negative_prompt(tmp_path, dataset):
     so the card's code (which left it out) sampled something else than the validation samples shown."""
     from types import SimpleNamespace
 
-    from families import make_clips
-
     from difftune.train.model_card import model_card
+    from families import make_clips
 
     clips = make_clips(tmp_path / "clips", count=1, frames=9)
     cfg = load_config(write_config(tmp_path, clips, model_family="kandinsky5-video", model_flavour="tiny-random",

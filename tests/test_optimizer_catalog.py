@@ -5,6 +5,8 @@ with a resume. (Every name builds, learns and resumes from its state_dict in tes
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -155,11 +157,18 @@ def test_a_lora_trains_and_resumes_exactly(tmp_path, monkeypatch, name) -> None:
     images = tmp_path / "images"
     make_dataset(images, count=4)
     common = dict(max_train_steps=4, checkpoint_step_interval=2, train_batch_size=2, optimizer=name,
-                  learning_rate=1e-2, resume_from_checkpoint="latest")
+                  learning_rate=1e-2, resume_from_checkpoint="latest", lr_scheduler="linear")
     train(build_run(load_config(write_config(tmp_path / "a", images, **common))))
     expected = losses(tmp_path / "a" / "output")
     crash_then_resume(monkeypatch, write_config(tmp_path / "b", images, **common), at_step=3)
     assert losses(tmp_path / "b" / "output") == expected
+
+    def rates(out):  # each step's logged rate (the last logged, after a resume): torchao's was "tensor(0.0010)"
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        return {e["step"]: e["lr"] for e in events if e["event"] == "step"}
+
+    assert rates(tmp_path / "b" / "output") == rates(tmp_path / "a" / "output")
+    assert all(isinstance(v, float) for v in rates(tmp_path / "a" / "output").values())
     assert all(torch.isfinite(torch.tensor(v)) for v in expected.values()) and len(expected) == 4
     assert (tmp_path / "b" / "output" / "pytorch_lora_weights.safetensors").is_file()
 

@@ -270,3 +270,13 @@ def test_ema_and_eval_dataset_keys_that_change_nothing_are_noted(tmp_path, datas
                                                eval_dataset_id="train")).notes())
     assert "ema_decay, ema_validation not used: use_ema is off" in notes
     assert "eval_dataset_id 'train' not used" in notes
+
+
+def test_rollouts_use_validation_num_inference_steps_without_a_prompt(tmp_path, dataset):
+    """Rollouts take their step schedule from validation_num_inference_steps: the note told to remove it."""
+    notes = "\n".join(load_config(write_config(tmp_path, dataset, validation_num_inference_steps=4,
+                                               scheduled_sampling_max_step_offset=2,
+                                               scheduled_sampling_probability=1.0)).notes())
+    assert "validation_num_inference_steps" not in notes
+    notes = "\n".join(load_config(write_config(tmp_path, dataset, validation_num_inference_steps=4)).notes())
+    assert "validation_num_inference_steps not used: no validation prompt is set" in notes

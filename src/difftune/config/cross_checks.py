@@ -187,8 +187,10 @@ def unsampled_notes(cfg: TrainConfig) -> list[str]:
     empty validation_prompt is how a SimpleTuner config switches validation off and keeps its settings."""
     if cfg.validation_prompts() or cfg.validation_disable:  # validation_disable has its own note (cross_notes)
         return []
+    # rollouts (scheduled_sampling_max_step_offset) take their step schedule from validation_num_inference_steps
+    rollout = "validation_num_inference_steps" if getattr(cfg, "scheduled_sampling_max_step_offset", 0) else None
     unused = [k + (" (validation_steps)" if k == "validation_step_interval" else "") for k in SAMPLE_KEYS
-              if k in cfg.model_fields_set and getattr(cfg, k) not in (None, 0, "")]
+              if k in cfg.model_fields_set and getattr(cfg, k) not in (None, 0, "") and k != rollout]
     if "disable_benchmark" in cfg.model_fields_set and not cfg.disable_benchmark:
         unused.append("disable_benchmark false")  # SimpleTuner's config.json.example writes it
     if not unused:

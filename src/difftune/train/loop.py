@@ -346,7 +346,9 @@ def _steps(run: Run, batches: Iterator[Batch]) -> tuple[bool, bool]:
     while run.state.step < run.total_steps and not stopped:
         with held():  # a SIGTERM waits for the step to end: a checkpoint mid-step would not resume exactly
             began = time.perf_counter()
-            lr = run.lr_scheduler.get_last_lr()[0]  # the rate this step trains with (the step advances it)
+            # the rate this step trains with (the step advances it); torchao's optimizers keep it as a tensor,
+            # which the scheduler then changes in place: read as a number now
+            lr = float(run.lr_scheduler.get_last_lr()[0])
             loss = optimizer_step(run, batches)
             # before the first step's memory event resets CUDA's peak counter (train/throughput.py)
             speed = run.throughput.step_fields(time.perf_counter() - began)

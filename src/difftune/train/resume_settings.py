@@ -169,6 +169,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _show(value: Any) -> str:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:  # torchao's optimizers: a tensor
+        value = float(value.item())
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, list | tuple):
