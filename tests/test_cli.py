@@ -268,6 +268,9 @@ def test_an_error_every_process_meets_is_said_once(tmp_path, dataset, monkeypatc
     path = write_config(tmp_path, dataset, learning_rate=-1)
     monkeypatch.setenv("RANK", "1")
     assert main(["check", "--config", str(path)]) == 2
+    assert "learning_rate" in capsys.readouterr().err  # RANK alone (no WORLD_SIZE): one process, said as ever
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["check", "--config", str(path)]) == 2
     assert capsys.readouterr().err == ""
     _error(OSError("its own"), everywhere=False)
     assert capsys.readouterr().err == "error (process 1): its own\n"

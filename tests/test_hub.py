@@ -334,4 +334,4 @@ def test_the_card_says_which_samples_and_weights_are_the_ema(tmp_path, dataset):
     samples = [Path("validation/final-step-000002-64x64-ema.png")]
     card = model_card(cfg, SimpleNamespace(data=SimpleNamespace(items=[]), state=SimpleNamespace(step=2)), samples)
     assert "those ending in -ema are the EMA weights', in ema/" in card
-    assert "load `ema/pytorch_lora_weights.safetensors` (`subfolder=\"ema\"`)" in card
+    assert 'load_lora_weights("your-name/your-model", subfolder="ema", weight_name="pytorch_lora_weights' in card

@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
                           | TrackerError | WriteError | NotWritable | NoUsableItem):
             raise
-        _error(e, everywhere=isinstance(e, DataError | CheckpointError))
+        # met alike by every process: the same files read, or a collective write (FSDP's sharded checkpoint)
+        _error(e, everywhere=isinstance(e, DataError | CheckpointError | WriteError | ComponentError | HubAccessError))
         return 2
     except KeyboardInterrupt:  # train and cache say what is kept; check, plan, configure have nothing to keep
         print("interrupted", file=sys.stderr)
@@ -556,7 +557,8 @@ def _error(e: BaseException, everywhere: bool) -> None:
     Another process's own error is said with its number."""
     import os
 
-    if _main_process():
+    several = os.environ.get("WORLD_SIZE", "1") not in ("1", "")  # a launcher that sets RANK alone: said as ever
+    if _main_process() or not several:
         print(f"error: {e}", file=sys.stderr)
     elif not everywhere:
         print(f"error (process {os.environ.get('RANK')}): {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import-light by design.
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -444,10 +445,8 @@ class TrainConfig(CrepaKeys, RolloutKeys, SpeedKeys, DatasetDefaultKeys, LossKey
     @classmethod
     def _targets(cls, v: object) -> object:
         if isinstance(v, str) and v.strip().startswith("["):  # a JSON list as text (the command line, SimpleTuner)
-            try:
+            with suppress(ValueError):  # else left as text: refused as matching no layer, quoting what was written
                 v = json.loads(v)
-            except ValueError:
-                pass  # left as text: its name is refused as not matching a layer, quoting what was written
         if isinstance(v, str):
             return [part.strip() for part in v.split(",") if part.strip()] or None
         return v

@@ -165,6 +165,12 @@ class CaptionTable:
         missing = [f"{key} {column!r}" for key, column in keys.items() if rows and column and column not in found]
         if missing:
             raise ValueError(f"{path}: no column named by {', '.join(missing)}; its columns are {', '.join(found)}")
+        for number, row in enumerate(rows, 1):  # here, where the caller says it as the dataset's error
+            for column in (columns.caption_column, columns.fallback_caption_column):
+                if isinstance(row.get(column or ""), dict):
+                    raise ValueError(f"{path}: row {number}: caption column {column!r} holds an object "
+                                     f"({json.dumps(row[column])[:80]}): name the column of caption text, or of a "
+                                     "list of captions")
         # each row by its identifier as written (a path below the dataset, or a bare name), and by the bare name
         # alone: a bare name that several rows share (a/cat, b/cat) is taken only by the path that names one of them
         self.rows: dict[str, dict[str, Any]] = {}
@@ -203,11 +209,9 @@ class CaptionTable:
             return CaptionResult(from_filename(path).captions,
                                  note=f"no row in the parquet table{hint}: used the file name as caption")
         row = self.rows[name]
-        column = self.columns.caption_column
-        captions = _as_captions(row.get(column), column)
+        captions = _as_captions(row.get(self.columns.caption_column))
         if not captions and self.columns.fallback_caption_column:
-            column = self.columns.fallback_caption_column
-            captions = _as_captions(row.get(column), column)
+            captions = _as_captions(row.get(self.columns.fallback_caption_column))
         twice = self.twice.get(name, 0)
         note = f"{twice} rows of the parquet table name it: the last one is used" if twice else None
         size = None
@@ -222,18 +226,15 @@ class CaptionTable:
         return CaptionResult(captions, size=size, note=note)
 
 
-def _as_captions(value: Any, column: str) -> tuple[str, ...]:
+def _as_captions(value: Any) -> tuple[str, ...]:
     """The captions of a table cell: a string, or a list of them; empty, null and NaN values are no caption (a
     list's null items too: pandas writes a missing caption as NaN)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ()
     if isinstance(value, str):
         return (value.strip(),) if value.strip() else ()
-    if isinstance(value, dict):
-        raise ValueError(f"caption column {column!r} holds an object ({json.dumps(value)[:80]}): name the column "
-                         "of caption text, or of a list of captions")
     if isinstance(value, list | tuple):
-        return tuple(text for item in value for text in _as_captions(item, column))
+        return tuple(text for item in value for text in _as_captions(item))
     return (str(value),)
 
 
@@ -312,6 +313,6 @@ def caption(path: Path, root: Path, rule: CaptionRule, table: CaptionTable | Non
     else:
         assert table is not None
         result = table.lookup(path, root, _empty_trains_with(rule))
-    if rule.strategy != "instanceprompt" and not rule.only_instance_prompt:  # else no caption of the data is used
+    if not rule.only_instance_prompt:  # else no caption of the data is used
         result = apply_shuffle(apply_filters(result, rule), rule)
     return apply_instance_prompt(result, rule)

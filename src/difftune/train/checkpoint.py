@@ -148,10 +148,10 @@ def swap_in(new: Path, final: Path, aside: Path) -> None:
 
 
 def save_checkpoint(run: Run, rolling: bool = False,
-                    process_rng: list[torch.Tensor] | None = None) -> tuple[Path, list[str]]:
+                    process_rng: list[dict[str, Any]] | None = None) -> tuple[Path, list[str]]:
     """Write the run's state as a checkpoint of the regular series, or of the rolling one, then prune that series.
     Returns the checkpoint and the names of the ones pruning removed (the hub upload removes them there too).
-    `process_rng`: with several processes, each one's torch RNG state, by rank."""
+    `process_rng`: each process's `rng_states()`, by rank."""
     root = checkpoints_dir(run.output_dir)
     final = root / f"{PREFIX}{run.state.step:07d}{ROLLING if rolling else ''}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
@@ -168,7 +168,12 @@ def save_checkpoint(run: Run, rolling: bool = False,
     return final, prune_checkpoints(run.output_dir, keep, rolling, written=final)
 
 
-def _write_checkpoint(run: Run, root: Path, tmp: Path, process_rng: list[torch.Tensor] | None = None) -> None:
+def rng_states() -> dict[str, Any]:
+    """This process's torch RNG states: the CPU's, and the current CUDA device's where there is one."""
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _write_checkpoint(run: Run, root: Path, tmp: Path, process_rng: list[dict[str, Any]] | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -181,8 +186,7 @@ def _write_checkpoint(run: Run, root: Path, tmp: Path, process_rng: list[torch.T
     if getattr(run, "crepa", None) is not None:  # the CREPA projector: trained, resumed, never in the adapter
         run.crepa.save(tmp)
     torch.save({"generator": run.generator.get_state(), "generator_device": run.generator.device.type,
-                "torch": torch.get_rng_state(), **({"torch_by_process": process_rng} if process_rng else {})},
-               tmp / "rng.pt")
+                "torch": torch.get_rng_state(), "by_process": process_rng or [rng_states()]}, tmp / "rng.pt")
     _write_adapter(run, tmp)
     if run.ema is not None:
         torch.save(run.ema.state_dict(), tmp / "ema.pt")
@@ -528,8 +532,13 @@ def load_checkpoint(run: Run, path: Path) -> None:
         run.crepa.load(path)
     train_mode(run.optimizer)  # schedule-free: saved in eval mode; recompute the training weights (all loaded now)
     rng = _read(path, "rng.pt")
-    by_process = rng.get("torch_by_process") or []  # several processes: each its own (process 0's for all before)
-    torch.set_rng_state(by_process[run.ranks.index] if len(by_process) == run.ranks.count else rng["torch"])
+    # each process its own states (before: process 0's CPU state for all, no CUDA state); another process count:
+    # process 0's
+    by_process = rng.get("by_process") or [{"torch": rng["torch"], "cuda": None}]
+    own = by_process[run.ranks.index] if len(by_process) == run.ranks.count else by_process[0]
+    torch.set_rng_state(own["torch"])
+    if own.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(own["cuda"])
     if run.ema is not None:
         if not (path / "ema.pt").is_file():
             raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "

@@ -35,6 +35,7 @@ from difftune.train.checkpoint import (
     is_rolling,
     load_checkpoint,
     resolve_resume,
+    rng_states,
     save_adapter,
     save_checkpoint,
     set_aside_later,
@@ -173,8 +174,8 @@ def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
         return
     # schedule-free: its averaged weights and eval-mode state are saved (eval_weights); FSDP: every process
     # gathers, process 0 writes
-    # each process's torch RNG (peft's lora_dropout draws from it): a resume restores every one's own
-    process_rng = run.ranks.gather(torch.get_rng_state()) if run.ranks.count > 1 else None
+    # each process's torch RNG states, CPU and CUDA (peft's lora_dropout draws from them): a resume restores its own
+    process_rng = run.ranks.gather(rng_states())
     with eval_weights(run, for_checkpoint=True), gathered(run, optimizer=True, step=run.state.step):
         if run.ranks.main:
             path, pruned = save_checkpoint(run, rolling, process_rng)  # pruned: those the series' limit removed
@@ -381,6 +382,7 @@ def _steps(run: Run, batches: Iterator[Batch]) -> tuple[bool, bool]:
             evaluation_owed = True                         # validation's samples, after it (train/evaluation.py)
         elif due.evaluation:
             evaluation.evaluate(run)
+        run.validated = None  # a validation's samples wait for an evaluation of their own step only
         if due.eval_loss:  # dataset_type 'eval': the loss on held-out data
             eval_loss.evaluate(run)
         if due.checkpoint or due.rolling_checkpoint:

@@ -240,7 +240,9 @@ def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
         lines += [f"![{p.stem}]({p.as_posix()})" for p in samples] + [""]
     lines += ["## Use with diffusers", "", _usage(run_cfg, repo, pipeline, base)]
     if cfg.use_ema and cfg.model_type == "lora":
-        lines += [f"The EMA weights are in `ema/` beside them: load `ema/{ADAPTER_FILE}` (`subfolder=\"ema\"`) in "
-                  "their place.", ""]
+        how = (f'hf_hub_download("{repo}", "ema/{ADAPTER_FILE}")' if cfg.lora_type == "lycoris" else
+               f'load_lora_weights("{repo}", subfolder="ema", weight_name="{ADAPTER_FILE}")')
+        lines += [f"The EMA weights are in `ema/` beside them: load `ema/{ADAPTER_FILE}` in their place "
+                  f"(`{how}`).", ""]
     lines += ["## Use with ComfyUI", "", _comfyui(cfg)]
     return "\n".join(lines)

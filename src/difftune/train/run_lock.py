@@ -10,7 +10,8 @@ A SIGTERM, or a Ctrl-C on the command line, that arrives during an optimizer ste
 not, and a checkpoint saved there would resume with other batches and noise than the uninterrupted run. A second
 one (REPEAT_S or more later) stops at once. Several processes (torchrun passes SIGTERM on to every worker) hold it
 through the whole loop until the exchange after each step (`loop.handle_commands`): each says whether it got one,
-and all stop after the same step, where the checkpoint's collectives meet.
+and all stop after the same step, where the checkpoint's collectives meet; sampling that process 0 does alone
+meanwhile (validation, CLIP evaluation) looks at `is_held` and stops at the next transformer call.
 
 The lock (`output_dir_lock`) is an flock on `output_dir/.difftune.lock`, which holds the pid of the run that took
 it. The kernel releases it when that process ends in any way (SIGKILL and the out-of-memory killer included), so a

@@ -30,7 +30,7 @@ from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
 from difftune.ui.terminal import Cancelled, _input, _show, _yes
-from difftune.ui.wizard_datasets import DatasetQuestions
+from difftune.ui.wizard_datasets import DatasetQuestions, disabled
 from difftune.ui.wizard_memory import MemoryQuestions
 from difftune.ui.wizard_probe import DataProbes
 
@@ -231,7 +231,7 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
         for entry in self.datasets:  # the trained dataset: regularisation data is not the one the questions are about,
             if (isinstance(entry, dict) and entry.get("dataset_type", "image") == kind  # nor a disabled one (its
                     and not entry.get("is_regularisation_data") and not entry.get("is_regularization_data")
-                    and entry.get("disabled") not in (True, "true") and entry.get("disable") not in (True, "true")):
+                    and not disabled(entry)):
                 return entry  # answers were written into it and never trained)
         entry = {"id": "", "type": "local", "dataset_type": kind}
         self.datasets.insert(0, entry)
@@ -366,6 +366,10 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
         data_path = self.datasets_path()
         with tempfile.TemporaryDirectory(prefix="difftune-configure-") as tmp:
             tmp_cfg, tmp_data = self.stage(Path(tmp), {})
+
+            def real(text: str) -> str:  # the staged files' paths as the files about to be written
+                return text.replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data), str(data_path)) \
+                    .replace(str(Path(tmp) / "lycoris.json"), self.lycoris_path())
             try:
                 run_cfg = load_config(tmp_cfg)
                 from difftune.train.plan import DataError, discover_all
@@ -376,11 +380,9 @@ class Wizard(MemoryQuestions, DataProbes, DatasetQuestions):
                     found = discover_all(run_cfg, write_metadata=False)  # a cancelled wizard writes nothing
                 except (DataError, NotWritable) as e:
                     return [str(e)]
-                self.review_notes = [n.replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data), str(data_path))
-                                     for n in run_cfg.notes()] + data_notes(found)
+                self.review_notes = [real(n) for n in run_cfg.notes()] + data_notes(found)
             except ConfigError as e:
-                return [p.replace(str(tmp_cfg), str(self.config_path)).replace(str(tmp_data), str(data_path))
-                        .replace(str(Path(tmp) / "lycoris.json"), self.lycoris_path()) for p in e.problems]
+                return [real(p) for p in e.problems]
         return []
 
     def review(self) -> bool:

@@ -10,6 +10,7 @@ from difftune.config.compat import KEY_ALIASES
 from difftune.config.cross_checks import VIDEO_KEYS
 from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES
 from difftune.config.datasets import DATASET_MODELS, VideoOptions
+from difftune.config.pending import coerce
 from difftune.data.frames import vae_frames
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
@@ -24,6 +25,12 @@ INPUT_IMAGES: list[tuple[dict[str, Any] | None, str]] = [
     ({"type": "random_masks", "output_mode": "masked_image"},
      "the training images with random areas painted white (random_masks): learns inpainting"),
 ]
+
+
+def disabled(entry: dict[str, Any]) -> bool:
+    """An entry switched off (`disabled`, or SimpleTuner's `disable`), in any spelling the loader reads as true."""
+    return any(coerce(entry.get(key)) in (True, 1) or str(entry.get(key)).lower() in ("yes", "on")
+               for key in ("disabled", "disable"))
 
 
 class DatasetQuestions:
@@ -77,7 +84,7 @@ class DatasetQuestions:
         cfg = self.config
         facts = FAMILY_FACTS[cfg["model_family"]]
         for other in [e for e in self.datasets if isinstance(e, dict) and e is not entry and not facts.video
-                      and e.get("dataset_type") == "video" and not e.get("disabled")]:
+                      and e.get("dataset_type") == "video" and not disabled(e)]:
             self.say(f"\n  dataset {other.get('id')!r} holds clips, and {cfg['model_family']} trains on images")
             if _yes(f"Remove the dataset {other.get('id')!r} from the list? [Y/n]: "):
                 self.datasets.remove(other)

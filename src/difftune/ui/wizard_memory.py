@@ -73,7 +73,9 @@ class MemoryQuestions:
         if _input("Use these settings? [Y/n]: ").strip().lower() in ("", "y", "yes"):
             for key in kept.keys() - offer.keys():
                 del self.config[key]
-            self.config.update(offer)
+            # nothing fits: added to the config's own settings, which stay as they are
+            self.config.update(offer if fits or planned is None else {k: v for k, v in offer.items()
+                                                                      if k not in self.config})
             return
         for name in memory_fields:
             self.ask(self.train_specs[name], self.config, TrainConfig)

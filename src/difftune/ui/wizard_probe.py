@@ -62,7 +62,8 @@ class DataProbes:
     def resolution_offer(self, entry: dict[str, Any]) -> float | None:
         """A resolution that fits the files probed, offered where the default would enlarge most of them more than
         discovery's note threshold (the wizard's default, 1024, would leave 96x64 clips out altogether), said with
-        why; None where the default fits or the entry sets its own."""
+        why; for clips at most VIDEO_RESOLUTION (offered as it is where they fit it); None where the default fits
+        or the entry sets its own."""
         if "resolution" in entry:
             return None
         kind = entry.get("resolution_type", self.image_specs["resolution_type"]["default"])
@@ -79,6 +80,6 @@ class DataProbes:
         step = 64 if median >= 64 else 16
         offer = round(median, 2) if kind == "area" else max(16, int(median // step) * step)
         self.say(f"\n  the median of {len(sizes)} file(s) probed is {median:.3g} in {kind} units: resolution {offer:g} "
-                 f"fits them (the default {default:g} would enlarge it {scale:.1f}x)")
+                 f"fits them ({'the clips' if video else 'the'} default {default:g} would enlarge it {scale:.1f}x)")
         return offer
 

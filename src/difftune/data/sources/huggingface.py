@@ -5,16 +5,16 @@ gated dataset uses huggingface_hub's usual login: HF_TOKEN or `hf auth login`).
 Each row becomes `<row number, 8 digits>.<ext>` (the image or clip, with its original bytes and format; an image in
 a format discovery does not train from is re-encoded to PNG) and, with caption_strategy 'huggingface',
 `<row number>.txt` (one caption per line). The names follow the row order of the split, so a later run maps each
-row to the same files: what is there is kept, only what is missing is written, and a caption file whose text
-changed (another caption_column) is rewritten. `.difftune-source.json` names the source the folder holds, with a
+row to the same files: what is there is kept (while the source is unchanged, unread), only what is missing is
+written, and a caption file whose text changed (another caption_column) is rewritten. `.difftune-source.json` names the source the folder holds, with a
 digest of each row's file as downloaded and a stamp of the data it was read from (datasets' fingerprint of a hub
 dataset, which names its revision; a local folder's file names, sizes and times, whose change also makes datasets
 prepare its copy again): when the data changed since (a new revision, an edited folder), each file is checked against its row
 and written again if its row now holds another one (else an image would train with another row's caption), and
 the files of rows that are gone or now skipped are removed.
 
-Without streaming, datasets first prepares its own copy in its cache (cheap to reopen: a second run reads only
-the caption columns and the rows whose files are missing). With streaming the rows are read as they arrive and
+Without streaming, datasets first prepares its own copy in its cache (cheap to reopen: a second run of an
+unchanged source reads only the caption columns and the rows whose files are missing). With streaming the rows are read as they arrive and
 nothing is cached by datasets, so a finished streamed download is trusted as it is and not read again.
 """
 
@@ -127,7 +127,7 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
                     files[stem] = known[stem]
                 elif path is not None:  # the data changed (or no digest yet): is the file still this row's?
                     payload = _media_bytes(media(), column_key)
-                    if _digest(payload[0]) == known.get(stem, _file_digest(path)):
+                    if _digest(payload[0]) == (known[stem] if stem in known else _file_digest(path)):
                         files[stem] = _digest(payload[0])
                     else:
                         _remove(present.pop(stem))
@@ -243,8 +243,8 @@ def _folder_stamp(ds: ImageDataset) -> str | None:
     root = Path(os.path.expanduser(ds.dataset_name or ""))
     if not root.is_dir():
         return None
-    entries = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                     for p in root.rglob("*") if p.is_file())
+    entries = sorted((str(p.relative_to(root)), st.st_size, st.st_mtime_ns)
+                     for p in root.rglob("*") if p.is_file() and (st := p.stat()))
     return _digest(json.dumps(entries).encode("utf-8"))
 
 
