@@ -216,7 +216,7 @@ def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int,
     kept = f" ({reserve:g} GiB kept free)" if reserve else ""
     if before.peak <= limit:
         return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed", reserve)
-    frugal, frugal_changes = before, {}  # the last (most frugal) set tried, and its prediction
+    frugal, frugal_changes = before, {}  # the prediction of the last (most frugal) set tried, and that set
     for rung in ladder(cfg, before, processes):
         # a rung's alternatives save more and more (more blocks swapped, smaller groups): bisect for the first
         options = [(changes, candidate) for changes in rung if (candidate := _valid(cfg, changes)) is not None]

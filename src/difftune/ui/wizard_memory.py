@@ -60,8 +60,8 @@ class MemoryQuestions:
         fits = planned is not None and planned[1]
         if planned is None or not fits:
             kept = {}  # the fixed suggestion, or nothing fits: the config's levers stay
-        if planned is not None:
-            offer = planned[0]
+        if planned is not None:  # nothing fits: added to the config's own settings, which stay as they are
+            offer = planned[0] if fits else {k: v for k, v in planned[0].items() if k not in self.config}
         if "optimizer" not in offer:
             offer.update(self.lossless_optimizer(offer))
         header = ("Settings that fit:" if fits or planned is None and gigabytes <= 0 else
@@ -73,9 +73,7 @@ class MemoryQuestions:
         if _input("Use these settings? [Y/n]: ").strip().lower() in ("", "y", "yes"):
             for key in kept.keys() - offer.keys():
                 del self.config[key]
-            # nothing fits: added to the config's own settings, which stay as they are
-            self.config.update(offer if fits or planned is None else {k: v for k, v in offer.items()
-                                                                      if k not in self.config})
+            self.config.update(offer)
             return
         for name in memory_fields:
             self.ask(self.train_specs[name], self.config, TrainConfig)

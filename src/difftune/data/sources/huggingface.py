@@ -6,16 +6,17 @@ Each row becomes `<row number, 8 digits>.<ext>` (the image or clip, with its ori
 a format discovery does not train from is re-encoded to PNG) and, with caption_strategy 'huggingface',
 `<row number>.txt` (one caption per line). The names follow the row order of the split, so a later run maps each
 row to the same files: what is there is kept (while the source is unchanged, unread), only what is missing is
-written, and a caption file whose text changed (another caption_column) is rewritten. `.difftune-source.json` names the source the folder holds, with a
-digest of each row's file as downloaded and a stamp of the data it was read from (datasets' fingerprint of a hub
-dataset, which names its revision; a local folder's file names, sizes and times, whose change also makes datasets
-prepare its copy again): when the data changed since (a new revision, an edited folder), each file is checked against its row
-and written again if its row now holds another one (else an image would train with another row's caption), and
-the files of rows that are gone or now skipped are removed.
+written, and a caption file whose text changed (another caption_column) is rewritten. `.difftune-source.json`
+names the source the folder holds, with a digest of each row's file as downloaded and a stamp of the data it was
+read from (datasets' fingerprint of a hub dataset, which names its revision; a local folder's file names, sizes
+and times, whose change also makes datasets prepare its copy again): when the data changed since (a new revision,
+an edited folder), each file is checked against its row and written again if its row now holds another one (else
+an image would train with another row's caption), and the files of rows that are gone or now skipped are removed.
 
 Without streaming, datasets first prepares its own copy in its cache (cheap to reopen: a second run of an
-unchanged source reads only the caption columns and the rows whose files are missing). With streaming the rows are read as they arrive and
-nothing is cached by datasets, so a finished streamed download is trusted as it is and not read again.
+unchanged source reads only the caption columns and the rows whose files are missing). With streaming the rows
+are read as they arrive and nothing is cached by datasets, so a finished streamed download is trusted as it is
+and not read again.
 """
 
 from __future__ import annotations
