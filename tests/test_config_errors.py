@@ -284,3 +284,10 @@ def test_fp16_full_finetune_message_follows_what_made_the_weights_fp16(tmp_path,
     assert "base_model_default_dtype 'fp16'" in text and "mixed_precision 'fp16'" not in text
     assert "keep mixed_precision 'fp16' with base_model_default_dtype 'fp32'" in problems(
         write_config(tmp_path, dataset, model_type="full", mixed_precision="fp16"))
+
+
+def test_null_for_a_key_that_needs_a_value_says_remove_it_for_its_default(tmp_path, dataset):
+    said = problems(write_config(tmp_path, dataset, lr_warmup_steps=None, gradient_accumulation_steps=None))
+    assert "lr_warmup_steps: null: Input should be a valid integer; remove the key for its default (0)" in said
+    assert "gradient_accumulation_steps: null:" in said and "default (1)" in said
+    assert "None" not in said

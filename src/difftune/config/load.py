@@ -188,6 +188,8 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
             elif err["type"] == "extra_forbidden" and len(err["loc"]) == 2 and str(err["loc"][0]) in _blocks(model):
                 block = _blocks(model)[str(err["loc"][0])]  # a misspelt key inside a block (video.num_frame)
                 msg = f"unknown key {err['loc'][1]!r}{_suggest(str(err['loc'][1]), list(block.model_fields))}"
+            elif "input" in err and err["input"] is None and err["type"] not in ("value_error", "assertion_error"):
+                msg = f"null: {msg}; {_null_fix(model, err['loc'])}"  # JSON's null, not Python's None
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"{err['input']!r}: {msg}"
             where = where_of(first) if first else _where_of_named(where_of, msg, data)
@@ -195,6 +197,13 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
                 loc = f"{spellings[first]} (difftune's {first})" + loc[len(first):]
             problems.append(f"{where}: {loc + ': ' if loc else ''}{msg}")
         return None
+
+
+def _null_fix(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """What to do about a null a key cannot take: remove the key for its default, which is said when known."""
+    info = model.model_fields.get(str(loc[0])) if len(loc) == 1 else None
+    default = info.get_default(call_default_factory=True) if info is not None and not info.is_required() else None
+    return "remove the key" + (f" for its default ({default!r})" if default is not None else "") + " or give a value"
 
 
 def _where_of_named(where_of: Where, message: str, data: dict[str, Any]) -> str:
