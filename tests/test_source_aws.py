@@ -222,7 +222,12 @@ def test_broken_object_is_reported_and_skipped(tmp_path, store, shapes):
     again = fetch(aws_entry(folder, store))  # not downloaded again while it is unchanged, still reported
     assert "unchanged since the last download" in "\n".join(again) and "0 downloaded" in again[-1]
     store.put("sets/shapes/broken.png", next(shapes.glob("*.png")).read_bytes())  # mended in the bucket
+    from difftune.data.discovery import _not_downloaded  # what the data report lists as left out
+
+    assert [(w, r.split(":")[0]) for w, r in _not_downloaded(folder)] == [(f"s3://{BUCKET}/sets/shapes/broken.png",
+                                                                        "not a readable image")]
     assert "1 downloaded" in fetch(aws_entry(folder, store))[-1] and (folder / "broken.png").is_file()
+    assert _not_downloaded(folder) == []
 
 
 def test_foreign_folders_are_refused_and_left_alone(tmp_path, store, shapes):

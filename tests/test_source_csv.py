@@ -330,3 +330,22 @@ def test_trains_on_a_csv_dataset(tmp_path, site):
     steps = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in steps if e["event"] == "step"] == [1, 2]
     assert any(e["event"] == "info" and "0 fetched, 4 reused, 0 skipped" in e.get("message", "") for e in steps)
+
+
+def test_rows_skipped_while_downloading_are_in_the_data_report(tmp_path, site):
+    from difftune.data.report import DataReport
+    from difftune.train.plan import discover_all
+
+    good = images(site)
+    rows = [(f"{site.url}/{good[0].name}", "good"), (f"{site.url}/missing.png", "404"),
+            (f"{site.url}/{good[1].name}", ""), (f"{site.url}/{good[2].name}", "also good")]
+    path = write_config(tmp_path, tmp_path / "dl", dataset={
+        "type": "csv", "csv_file": str(write_table(tmp_path / "list.csv", rows)), "csv_caption_column": "caption",
+        "caption_strategy": "csv"})
+    for _ in range(2):  # downloaded, then reused: the skipped rows are still said
+        found = discover_all(load_config(path))
+        report = DataReport(found, [], {}).render()
+        assert len(found[0].samples) == 2, report
+        assert re.search(r"\s4\s+2\s+2\n", report), report  # found, used, left out
+        assert re.search(r"csv_file line 3 \(\S+missing.png\): HTTP 404 .*\(skipped while downloading\)", report), report
+        assert "csv_file line 4 (" in report and "the 'caption' column is empty" in report, report

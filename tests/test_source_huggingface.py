@@ -154,6 +154,9 @@ def test_download_resume_and_captions(tmp_path):
     assert list((tmp_path / "hf-cache").rglob("*.arrow")), "cache_dir holds datasets' prepared copy"
     manifest = json.loads((folder / hf.MANIFEST).read_text())
     assert manifest["type"] == "huggingface" and manifest["source"]["dataset_name"] == str(source)
+    from difftune.data.discovery import _not_downloaded  # what the data report lists as left out
+
+    assert [where for where, _ in _not_downloaded(folder)] == ["row 3", "row 4"]
 
     before = stamps(folder)  # a second run: nothing written
     assert "0 files downloaded, 3 already there, 2 rows skipped" in run(ds)[-1]

@@ -48,6 +48,7 @@ from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
 from difftune.files import as_created, clean_leftovers, writer_prefix
 
 SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
+SOURCE_LEFT_OUT = "left_out"  # the manifest's [where, why] of each row or object the download skipped
 
 # Clips PyAV demuxes and decodes (PyAV is imported on demand; each was checked with clips PyAV wrote): the one list
 VIDEO_SUFFIXES = {".mp4", ".mov", ".webm", ".mkv", ".avi", ".m4v", ".mpg", ".mpeg"}
@@ -269,6 +270,16 @@ def walk(root: Path, skip: tuple[Path, ...] = ()) -> Walk:
     return result
 
 
+def _not_downloaded(root: Path) -> list[tuple[str, str]]:
+    """What a downloaded dataset's source held that its download skipped (a broken image, an empty caption), as
+    the download's manifest records it (data/sources), so that the data report counts and names them."""
+    try:
+        found = json.loads((root / SOURCE_MANIFEST).read_text(encoding="utf-8")).get(SOURCE_LEFT_OUT) or []
+        return [(str(where), str(why)) for where, why in found]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []  # no manifest (a local folder), or one this version did not write
+
+
 def _generated_here(folder: Path) -> bool:
     """Whether `folder` holds generated input images (its manifest says so: data/generated_conditioning.py)."""
     try:
@@ -444,6 +455,7 @@ def discover(spec: DatasetSpec) -> Discovery:
         result.notes.append((folder, "inside the dataset's folder: read as its input images or masks only, not "
                                      "as images to train on"))
     result.skipped += listing.errors
+    result.skipped += [(spec.root, f"{where}: {why} (skipped while downloading)") for where, why in _not_downloaded(spec.root)]
     for folder in listing.generated:
         result.notes.append((folder, "generated input images (its .difftune-source.json says so): not read as "
                                      "images to train on"))

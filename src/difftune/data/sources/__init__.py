@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config.datasets import REMOTE_TYPES, ConditioningDataset, ImageDataset
-from difftune.data.discovery import SOURCE_MANIFEST as MANIFEST  # noqa: F401 (the name the sources use)
+from difftune.data.discovery import SOURCE_LEFT_OUT as LEFT_OUT  # noqa: F401 (the names the sources use)
+from difftune.data.discovery import SOURCE_MANIFEST as MANIFEST  # noqa: F401
 
 MODULES = {"huggingface": "huggingface", "csv": "csv_table", "aws": "s3"}
 assert set(MODULES) == set(REMOTE_TYPES)
@@ -91,12 +92,13 @@ def first_visible(folder: Path) -> str | None:
 
 
 def save_manifest(ds: ImageDataset | ConditioningDataset, folder: Path, manifest: dict[str, Any]) -> None:
-    """Write the folder's manifest (atomically), making the folder first."""
+    """Write the folder's manifest (atomically, and only when it changed: a reused download rewrites nothing),
+    making the folder first."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SourceError(f"{_where(ds, folder)} cannot be made ({e}); choose another folder") from e
-    write_atomic(folder / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    write_if_changed(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 @contextmanager

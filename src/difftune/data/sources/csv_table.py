@@ -29,7 +29,7 @@ from urllib.request import url2pathname
 from difftune.config.datasets import ImageDataset
 from difftune.data.discovery import CLIP_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS
-from difftune.data.sources import SourceError, open_folder, partial, save_manifest, write_if_changed
+from difftune.data.sources import LEFT_OUT, SourceError, open_folder, partial, save_manifest, write_if_changed
 
 WORKERS = 8  # parallel downloads
 ATTEMPTS = 4  # tries per URL on a connection error, a timeout, HTTP 408, 429 or 5xx
@@ -82,8 +82,8 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None] = print) ->
     """Fill `folder` with the files of the rows of `ds.csv_file` (and their caption files with caption_strategy
     'csv'): what is already there is reused, the rest fetched; unusable rows are reported and skipped."""
     table = Path(str(ds.csv_file)).expanduser()
-    rows, skipped = read_table(ds, table, lambda note: say(f"dataset {ds.id!r}: {note}"))
-    claim(ds, folder, table)
+    rows, left_out = read_table(ds, table, lambda note: say(f"dataset {ds.id!r}: {note}"))
+    identity = claim(ds, folder, table)
     suffixes = CLIP_SUFFIXES if ds.video is not None else IMAGE_EXTENSIONS
     present = {p.stem: p.name for p in folder.iterdir()
                if STEM.match(p.stem) and p.suffix.lower() in suffixes and p.is_file()}
@@ -92,14 +92,16 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None] = print) ->
         outcomes = fetcher.run(rows, present)
     finally:
         fetcher.close()
-    counts = {"fetched": 0, "reused": 0, "skipped": skipped}
+    counts = {"fetched": 0, "reused": 0, "skipped": len(left_out)}
     kept: set[str] = set()
     for row, (status, detail) in zip(rows, outcomes, strict=True):
         counts[status] += 1
         if status == "skipped":
             say(f"dataset {ds.id!r}: skipped csv_file line {row.line} ({shown(row.location)}): {detail}")
+            left_out.append((f"csv_file line {row.line} ({shown(row.location)})", detail))
         else:
             kept.add(row.stem)
+    save_manifest(ds, folder, {**identity, "dataset": ds.id, LEFT_OUT: sorted(left_out, key=_line_of)})
     removed = remove_stale(folder, kept, suffixes)
     if removed:
         say(f"dataset {ds.id!r}: removed {removed} earlier download(s) whose rows are gone from csv_file (or were "
@@ -108,9 +110,9 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None] = print) ->
         f"from {table} into {folder}")
 
 
-def read_table(ds: ImageDataset, table: Path, say: Callable[[str], None]) -> tuple[list[Row], int]:
-    """The usable rows (one per location, the last row's caption winning, as SimpleTuner) and how many rows were
-    left out (each reported)."""
+def read_table(ds: ImageDataset, table: Path, say: Callable[[str], None]) -> tuple[list[Row], list[tuple[str, str]]]:
+    """The usable rows (one per location, the last row's caption winning, as SimpleTuner) and the rows left out
+    (each reported), as (which row, why)."""
     where = f"dataset {ds.id!r}: csv_file {str(table)!r}"
     if not table.is_file():
         raise SourceError(f"{where} is not a file; fix csv_file")
@@ -128,21 +130,20 @@ def read_table(ds: ImageDataset, table: Path, say: Callable[[str], None]) -> tup
                 raise SourceError(f"{where} has no column {', '.join(repr(c) for _, c in missing)} (its columns: "
                                   f"{', '.join(repr(c) for c in columns)}); fix {', '.join(k for k, _ in missing)}")
             by_location: dict[str, Row] = {}
-            skipped = 0
+            skipped: list[tuple[str, str]] = []
             repeated: list[int] = []
             line = reader.line_num + 1
             for record in reader:
                 start, line = line, reader.line_num + 1
                 location = (record.get(url_column) or "").strip()
                 caption = " ".join((record.get(caption_column) or "").split()) if wants_caption else None
-                if not location:
-                    skipped += 1
-                    say(f"skipped csv_file line {start}: the {url_column!r} column is empty")
-                    continue
-                if wants_caption and not caption:
-                    skipped += 1
-                    say(f"skipped csv_file line {start} ({shown(location)}): the {caption_column!r} column is "
-                        "empty (add a caption, or use caption_strategy 'instanceprompt')")
+                why = (f"the {url_column!r} column is empty" if not location else
+                       f"the {caption_column!r} column is empty (add a caption, or use caption_strategy "
+                       "'instanceprompt')" if wants_caption and not caption else None)
+                if why is not None:
+                    label = f"csv_file line {start}" + (f" ({shown(location)})" if location else "")
+                    skipped.append((label, why))
+                    say(f"skipped {label}: {why}")
                     continue
                 if location in by_location:
                     repeated.append(start)
@@ -159,9 +160,9 @@ def read_table(ds: ImageDataset, table: Path, say: Callable[[str], None]) -> tup
     return list(by_location.values()), skipped
 
 
-def claim(ds: ImageDataset, folder: Path, table: Path) -> None:
+def claim(ds: ImageDataset, folder: Path, table: Path) -> dict[str, str]:
     """Make `folder` this table's download folder (a manifest naming the table), or refuse one that holds
-    something else."""
+    something else; returns the manifest's identity."""
     identity = {"type": "csv", "csv_file": str(table.resolve())}
 
     def other(found: dict) -> str:
@@ -173,6 +174,11 @@ def claim(ds: ImageDataset, folder: Path, table: Path) -> None:
            "that one yourself to reuse it)")
     if open_folder(ds, folder, identity, fix, other=other, strangers="are not a download of this table") is None:
         save_manifest(ds, folder, {**identity, "dataset": ds.id})
+    return identity
+
+
+def _line_of(left_out: tuple[str, str]) -> int:
+    return int(left_out[0].split()[2])  # "csv_file line 12 (...)"
 
 
 def remove_stale(folder: Path, kept: set[str], suffixes: set[str]) -> int:

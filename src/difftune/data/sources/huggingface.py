@@ -35,6 +35,7 @@ from difftune.config.datasets import ImageDataset
 from difftune.data.discovery import CLIP_SUFFIXES, VIDEO_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.data.sources import (
+    LEFT_OUT,
     MANIFEST,
     SourceError,
     first_visible,
@@ -87,10 +88,10 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
 
     fetched = reused = updated = replaced = 0
     files: dict[str, str] = {}  # the rows trained from, as this run leaves them
-    skipped: list[int] = []
+    skipped: list[tuple[int, str]] = []  # (row, why)
 
     def skip(index: int, reason: str) -> None:
-        skipped.append(index)
+        skipped.append((index, reason))
         if len(skipped) <= SHOWN:
             say(f"dataset {ds.id!r}: row {index}: {reason}; skipped")
         if len(skipped) == SHOWN:
@@ -163,7 +164,7 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
     for path in gone:
         _remove(path)
     _write_manifest(ds, folder, source, captions, complete=True, rows=seen, skipped=skipped, files=files,
-                    stamp=stamp)
+                    stamp=stamp)  # the skipped rows with their reasons, for the data report (data/discovery.py)
     say(f"dataset {ds.id!r}: {fetched} files downloaded, {reused} already there, {len(skipped)} rows skipped"
         + (f", {updated} caption files updated" if updated else "")
         + (f", {replaced} files replaced (their rows now hold other ones)" if replaced else "")
@@ -213,11 +214,12 @@ def _finished(manifest: dict[str, Any] | None, captions: dict[str, Any] | None, 
 
 
 def _write_manifest(ds: ImageDataset, folder: Path, source: dict[str, Any], captions: dict[str, Any] | None,
-                    complete: bool, rows: int | None = None, skipped: list[int] | None = None,
+                    complete: bool, rows: int | None = None, skipped: list[tuple[int, str]] | None = None,
                     files: dict[str, str] | None = None, stamp: str | None = None) -> None:
     body = {"type": "huggingface", "source": source, "captions": captions, "complete": complete, "files": files or {}}
     if complete:
-        body |= {"rows": rows, "skipped": skipped, "stamp": stamp}
+        body |= {"rows": rows, "skipped": [index for index, _ in skipped or []], "stamp": stamp,
+                 LEFT_OUT: [[f"row {index}", why] for index, why in skipped or []]}
     save_manifest(ds, folder, body)
 
 

@@ -25,7 +25,7 @@ from difftune.config.datasets import ImageDataset
 from difftune.config.source_aws_keys import AWS_DEFAULT_POOL
 from difftune.data.discovery import CLIP_SUFFIXES, VIDEO_SUFFIXES
 from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
-from difftune.data.sources import MANIFEST, SourceError, open_folder, partial, save_manifest
+from difftune.data.sources import LEFT_OUT, MANIFEST, SourceError, open_folder, partial, save_manifest
 from difftune.data.sources import PARTIAL as PART_SUFFIX  # noqa: F401 (the name the tests give a leftover)
 
 MAX_THREADS = 8  # downloads at once (fewer with a smaller aws_max_pool_connections)
@@ -294,7 +294,9 @@ def fetch(ds: ImageDataset, folder: Path, say: Callable[[str], None]) -> None:
                 "download)")
     try:
         _download_all(bucket, folder, todo, manifest, counts, say)
-    finally:
+    finally:  # the objects left out, with their reasons, for the data report (data/discovery.py)
+        manifest[LEFT_OUT] = [[f"s3://{bucket.name}/{item.key}", records[item.name]["unusable"]] for item in items
+                              if "unusable" in records.get(item.name, {})]
         save_manifest(ds, folder, manifest)
     summary = ", ".join(f"{n} {what}" for what, n in counts.items())
     if todo:
