@@ -82,7 +82,7 @@ def test_permission_vanished_and_stat_errors_are_reported(tmp_path, monkeypatch)
     (root / "locked").mkdir()
     image(root / "locked" / "inner.png")
     real_probe, real_caption, real_stat, real_scandir = (
-        discovery.probe_size, discovery.caption, discovery.Path.stat, os.scandir)
+        discovery.probe_image, discovery.caption, discovery.Path.stat, os.scandir)
 
     def probe(path):
         if path.name == "denied.png":  # what a non-root user gets from a chmod 000 file
@@ -104,7 +104,7 @@ def test_permission_vanished_and_stat_errors_are_reported(tmp_path, monkeypatch)
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)
 
-    monkeypatch.setattr(discovery, "probe_size", probe)
+    monkeypatch.setattr(discovery, "probe_image", probe)
     monkeypatch.setattr(discovery, "caption", caption)
     monkeypatch.setattr(discovery.Path, "stat", stat)
     monkeypatch.setattr(os, "scandir", scandir)
@@ -196,3 +196,24 @@ def test_photos_above_pils_warning_size_are_read(tmp_path, monkeypatch):
     assert probe_size(tmp_path / "big.png") == (50, 30)
     with pytest.raises(BadImage, match="too many pixels"):
         probe_size(tmp_path / "huge.png")
+
+
+def test_animations_are_noted_as_trained_on_their_first_frame(tmp_path):
+    root = tmp_path / "data"
+    image(root / "still.png")
+    frames = [Image.new("RGB", (64, 64), colour) for colour in ((255, 0, 0), (0, 255, 0))]
+    for name, fmt in (("moving.gif", "GIF"), ("moving.webp", "WEBP"), ("moving.png", "PNG")):
+        frames[0].save(root / name, fmt, save_all=True, append_images=frames[1:], duration=100, loop=0)
+        (root / name).with_suffix(".txt").write_text("a caption")
+    frames[0].save(root / "one-frame.gif")
+    frames[0].save(root / "phone.jpg", "MPO", save_all=True, append_images=frames[1:])  # a photo and its preview
+    for name in ("one-frame", "phone"):
+        (root / f"{name}.txt").write_text("a caption")
+    spec = DatasetSpec("d", root, RULE, CaptionRule("textfile"), metadata_file=tmp_path / "meta.json")
+    for _ in range(2):  # probed, then read from the metadata cache
+        found = discover(spec)
+        noted = {p.name for p, why in found.notes if "an animation: trained on its first frame only" in why}
+        assert noted == {"moving.gif", "moving.webp", "moving.png"}, found.notes
+        assert len(found.samples) == 6
+    with Image.open(root / "phone.jpg") as img:
+        assert img.format == "MPO" and img.n_frames == 2  # what the probe passes over

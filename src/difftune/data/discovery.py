@@ -44,7 +44,7 @@ from difftune.data.buckets import (
 )
 from difftune.data.captions import CaptionRule, CaptionTable, caption
 from difftune.data.frames import TEMPORAL, FrameRule, plan_clip, resampled_count, same_rate
-from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
+from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_image, probe_size
 from difftune.files import as_created, clean_leftovers, writer_prefix
 
 SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
@@ -152,12 +152,13 @@ class Discovery:
 
 # Raised when the probe learns to see more (2: files cut off at their end, a PNG's EXIF after its pixels): entries
 # of an earlier probe are read again once, instead of passing such files while their size and time are unchanged
-PROBE_VERSION = 4  # 3: TIFF, BMP and GIF checked for truncation (data/images.py); 4: GIF clips timed as played
+PROBE_VERSION = 5  # 3: TIFF, BMP and GIF checked for truncation (data/images.py); 4: GIF clips timed as played;
+# 5: animated images noted
 
 
 class MetadataCache:
-    """{"version": PROBE_VERSION, "entries": {relative path: [size, mtime_ns, width, height, problem]}} for one
-    dataset folder."""
+    """{"version": PROBE_VERSION, "entries": {relative path: [size, mtime_ns, width, height, problem, animated]}} for
+    one dataset folder (a clip's: [size, mtime_ns, VideoInfo's fields, problem])."""
 
     def __init__(self, path: Path | None):
         self.path = path
@@ -180,16 +181,20 @@ class MetadataCache:
         st = file.stat()
         self.seen.add(rel)
         entry = self.entries.get(rel)
-        if entry and len(entry) == 5 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
+        if entry and len(entry) == 6 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
             return (None if entry[2] is None else (entry[2], entry[3])), entry[4], False
         self.changed = True
         try:
-            width, height = probe_size(file)
-            self.entries[rel] = [st.st_size, st.st_mtime_ns, width, height, None]
+            width, height, animated = probe_image(file)
+            self.entries[rel] = [st.st_size, st.st_mtime_ns, width, height, None, animated]
             return (width, height), None, True
         except (BadImage, OSError) as e:
-            self.entries[rel] = [st.st_size, st.st_mtime_ns, None, None, str(e)]
+            self.entries[rel] = [st.st_size, st.st_mtime_ns, None, None, str(e), False]
             return None, str(e), True
+
+    def animated(self, rel: str) -> bool:
+        """Whether the image `size` read last is an animation (after `size`)."""
+        return bool(self.entries[rel][5])
 
     def video(self, file: Path, rel: str):
         """(VideoInfo or None, problem or None, whether the file was probed now)."""
@@ -539,6 +544,9 @@ def _one(path: Path, spec: DatasetSpec, pairs, metadata: MetadataCache, result: 
         if size is None:
             return problem or "unreadable"
         width, height = size
+        if not spec.sizes_from_table and metadata.animated(rel):
+            result.notes.append((path, "an animation: trained on its first frame only (a video dataset, "
+                                       "dataset_type 'video', reads a GIF as a clip)"))
         if not spec.sizes_from_table and captioned.size is not None and tuple(captioned.size) != (width, height):
             table = f"{captioned.size[0]}x{captioned.size[1]}"
             turned = tuple(captioned.size) == (height, width)

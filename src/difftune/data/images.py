@@ -44,7 +44,14 @@ _CHECKED_AT_OPEN = ("WEBP", "AVIF", "HEIF")  # PIL's plugins for these decode or
 
 
 def probe_size(path: Path) -> tuple[int, int]:
-    """(width, height) as displayed (EXIF rotation applied), reading only the header, plus a look at the file's end:
+    width, height, _ = probe_image(path)
+    return width, height
+
+
+def probe_image(path: Path) -> tuple[int, int, bool]:
+    """(width, height, animated): the size as displayed (EXIF rotation applied), reading only the header, and
+    whether it is an animation (GIF, APNG, WebP: training reads its first frame; an MPO phone photo's second image
+    is a depth map or a preview, not a frame); plus a look at the file's end:
     a JPEG not ending in its EOI marker, or a PNG whose chunks stop before IEND, is decoded in full to decide
     (it is most often cut off by a copy or download; data appended after the image, as phones' motion photos have,
     decodes fine), so a truncated file is left out here rather than failing at training."""
@@ -80,7 +87,8 @@ def probe_size(path: Path) -> tuple[int, int]:
                 raise BadImage(f"truncated or damaged: {where}it does not decode ({type(e).__name__}: {e}); re-copy or "
                                "re-download it") from e
         orientation = exif.get(0x0112, 1) if exif is not None else 1
-    return (height, width) if orientation in _ROTATED else (width, height)
+        animated = bool(getattr(img, "is_animated", False)) and img.format != "MPO"
+    return (height, width, animated) if orientation in _ROTATED else (width, height, animated)
 
 
 def _xmp_orientation(img: Image.Image) -> int | None:
