@@ -215,6 +215,10 @@ def test_caption_table_rows_named_by_path_in_subfolders(tmp_path, with_extension
     assert caption(tmp_path / "x" / "dog.png", tmp_path, rule, table).captions == ("a dog",)  # a bare name: one row
     ambiguous = caption(tmp_path / "c" / "cat.png", tmp_path, rule, table)
     assert ambiguous.captions == ("cat",) and "2 rows of the parquet table are named" in ambiguous.note
+    # rows that name no file are said (discovery notes them): only dog's, when no dog is there
+    files = [tmp_path / "a" / "cat.png", tmp_path / "x" / "cat.png"]
+    assert table.unmatched(files, tmp_path) == [f"dog{ext}"]
+    assert table.unmatched([*files, tmp_path / "x" / "dog.png"], tmp_path) == []
     if not with_extension:  # a table that writes the extension anyway still matches
         (tmp_path / "ext.jsonl").write_text(json.dumps({"file": "a/cat.png", "text": "with ext"}))
         loose = CaptionTable(tmp_path / "ext.jsonl", columns.model_copy(update={"path": str(tmp_path / "ext.jsonl")}))

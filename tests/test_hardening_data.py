@@ -217,3 +217,19 @@ def test_animations_are_noted_as_trained_on_their_first_frame(tmp_path):
         assert len(found.samples) == 6
     with Image.open(root / "phone.jpg") as img:
         assert img.format == "MPO" and img.n_frames == 2  # what the probe passes over
+
+
+def test_caption_table_rows_naming_no_file_are_noted(tmp_path):
+    import json
+
+    from difftune.config.datasets import ParquetCaptions
+    from difftune.data.captions import CaptionTable
+
+    root = tmp_path / "data"
+    image(root / "one.png")
+    table_path = tmp_path / "captions.jsonl"
+    table_path.write_text("\n".join(json.dumps({"file": f"{n}.png", "text": n}) for n in ("one", "renamed", "gone")))
+    table = CaptionTable(table_path, ParquetCaptions(path=str(table_path), filename_column="file", caption_column="text"))
+    found = discover(DatasetSpec("d", root, RULE, CaptionRule("parquet"), table=table))
+    assert [s.caption for s in found.samples] == ["one"]
+    assert (table_path, f"2 row(s) name no image in {root}: not used ('renamed.png', 'gone.png')") in found.notes

@@ -137,6 +137,19 @@ def world_size() -> int:
         return 1
 
 
+def written_by_fsdp(folder: Path) -> str:
+    """Why a run that does not shard cannot resume `folder` (here before any model loads, and at load time)."""
+    return (f"{folder} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or gathered) loads "
+            "into an FSDP run only; resume it with fsdp_enable true on several processes (torchrun "
+            "--nproc_per_node N -m difftune.cli train), or start a new output_dir")
+
+
+def not_written_by_fsdp(folder: Path) -> str:
+    """Why an FSDP run cannot resume `folder`, a plain run's checkpoint."""
+    return (f"{folder} was written by a run without FSDP (its optimizer.pt): it loads into a run that does not "
+            "shard; resume it with fsdp_enable false (DDP, or one process), or start a new output_dir")
+
+
 def fsdp_problem(train: Any, folder: Path) -> str | None:
     """A checkpoint of an FSDP run (its optimizer state in optimizer_fsdp/ or optimizer_fsdp.pt, no optimizer.pt)
     resumed by a run that will not shard (fsdp_enable off, or one process), or a plain run's (optimizer.pt) by one
@@ -144,14 +157,9 @@ def fsdp_problem(train: Any, folder: Path) -> str | None:
     the checkpoint's starts afresh and needs no saved state."""
     sharding = bool(train.fsdp_enable and world_size() > 1)
     if (folder / "optimizer.pt").is_file():  # the other direction: a plain run's state into a sharded optimizer
-        refused = sharding
-        problem = (f"{folder} was written by a run without FSDP (its optimizer.pt): it loads into a run that does "
-                   "not shard; resume it with fsdp_enable false (DDP, or one process), or start a new output_dir")
+        refused, problem = sharding, not_written_by_fsdp(folder)
     elif any((folder / n).exists() for n in ("optimizer_fsdp", "optimizer_fsdp.pt")):
-        problem = (f"{folder} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or gathered) "
-                   "loads into an FSDP run only; resume it with fsdp_enable true on several processes (torchrun "
-                   "--nproc_per_node N -m difftune.cli train), or start a new output_dir")
-        refused = not sharding
+        refused, problem = not sharding, written_by_fsdp(folder)
     else:
         return None
     if not refused:

@@ -156,7 +156,7 @@ class CaptionTable:
     """A parquet or JSONL table: file name -> captions (and size)."""
 
     def __init__(self, path: Path, columns: Any):
-        self.columns = columns
+        self.path, self.columns = path, columns
         rows = _read_rows(path)
         found = list(dict.fromkeys(k for row in rows for k in row))  # a JSONL row may leave a column out
         keys = {"filename_column": columns.filename_column, "caption_column": columns.caption_column,
@@ -187,6 +187,18 @@ class CaptionTable:
                 bare = Path(name).name if columns.identifier_includes_extension else Path(name).stem
                 self.bare.setdefault(bare, []).append(name)
             self.rows[name] = row
+
+    def unmatched(self, files: list[Path], root: Path) -> list[str]:
+        """The identifiers of rows that name none of `files` (a renamed or deleted image: said, not silently
+        unused), as lookup matches them: by the path below `root`, with or without the extension, or the bare name."""
+        with_extension = self.columns.identifier_includes_extension
+        keys, bares = set(), set()
+        for path in files:
+            rel = path.relative_to(root)
+            keys |= {rel.as_posix()} if with_extension else {rel.as_posix(), rel.with_suffix("").as_posix()}
+            bares.add(path.name if with_extension else path.stem)
+        return [name for name in self.rows
+                if name not in keys and (Path(name).name if with_extension else Path(name).stem) not in bares]
 
     def lookup(self, path: Path, root: Path, empty: str = "an empty prompt") -> CaptionResult:
         rel = path.relative_to(root)

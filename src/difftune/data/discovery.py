@@ -491,6 +491,11 @@ def discover(spec: DatasetSpec) -> Discovery:
             shown = ", ".join(unpaired[:3]) + (", ..." if len(unpaired) > 3 else "")
             result.notes.append((root, f"{len(unpaired)} {what}(s) with no file of the same name in {spec.root} to "
                                        f"train: not used ({shown})"))
+    readable = [p for p in listing.files if p.suffix.lower() in suffixes]
+    if spec.table is not None and (orphans := spec.table.unmatched(readable, spec.root)):
+        shown = ", ".join(repr(name) for name in orphans[:3]) + (", ..." if len(orphans) > 3 else "")
+        result.notes.append((spec.table.path, f"{len(orphans)} row(s) name no {'clip' if spec.frames else 'image'} "
+                                              f"in {spec.root}: not used ({shown})"))
     if spec.write_metadata and (problem := metadata.save()) is not None:
         result.notes.append((spec.metadata_file, problem))
     return result

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from difftune.config.resume_check import written_by_fsdp
 from difftune.files import tree_as_created
 from difftune.train import resume_settings
 from difftune.train.fsdp import load_optimizer, save_optimizer
@@ -520,9 +521,7 @@ def load_checkpoint(run: Run, path: Path) -> None:
         raise ValueError(f"{path}: {e}") from e
     if not sharded and not afresh:
         if not (path / "optimizer.pt").is_file():
-            raise ValueError(f"{path} was written by an FSDP run: its optimizer state (optimizer_fsdp, sharded or "
-                             "gathered) loads into an FSDP run only; resume it with fsdp_enable true and several "
-                             "processes, or start a new output_dir")
+            raise ValueError(written_by_fsdp(path))
         run.optimizer.load_state_dict(_read(path, "optimizer.pt"))
     run.lr_scheduler.load_state_dict(_read(path, "lr_scheduler.pt"))
     run.state.step = state["step"]

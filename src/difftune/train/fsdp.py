@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from difftune.config.resume_check import not_written_by_fsdp
+
 if TYPE_CHECKING:
     from difftune.train.distributed import Ranks
     from difftune.train.setup import Run
@@ -365,8 +367,7 @@ def load_optimizer(run: Run, folder: Path) -> None:
         state = torch.load(folder / FULL_OPTIMIZER, map_location="cpu", weights_only=True)
         set_optimizer_state_dict(sharded.root, inner, state, options=StateDictOptions(full_state_dict=True))
     else:
-        raise ValueError(f"{folder} was not written by an FSDP run (no {SHARDED_OPTIMIZER}/ or {FULL_OPTIMIZER}); "
-                         "resume it with fsdp_enable false, or start a new output_dir")
+        raise ValueError(not_written_by_fsdp(folder))
 
 
 @contextmanager
