@@ -177,6 +177,8 @@ def test_a_past_run_links_its_own_files_after_a_later_run_set_them_aside(tmp_pat
 
     def view() -> tuple:
         summary = run.summary(detail=True)
+        outputs = [o["path"] for o in summary["outputs"]]  # the Outputs card: the same files as the links
+        assert outputs == sorted(x for x in [summary["adapter"], *(s["path"] for s in summary["samples"])] if x)
         return ([s["path"] for s in summary["samples"]], summary["adapter"], summary["checkpoints"],
                 run.summary()["last_sample"])
 
@@ -192,6 +194,7 @@ def test_a_past_run_links_its_own_files_after_a_later_run_set_them_aside(tmp_pat
     for rel in ("validation/s.png", "pytorch_lora_weights.safetensors"):
         write(rel, after)
     write("checkpoints/checkpoint-0000002", after, folder=True)
+    write("validation/later-only.png", after)  # the later run's alone: not the past run's output
     samples, adapter, checkpoints, last = view()
     assert samples == ["superseded-20260101T000000Z/validation/s.png"] and last["path"] == samples[0]
     assert adapter == "superseded-20260101T000000Z/pytorch_lora_weights.safetensors"
@@ -207,3 +210,47 @@ def test_a_run_stopped_before_its_first_step_is_stopped_not_failed(tmp_path):
     (run.folder / "stop-requested").touch()
     status, message = run.status()
     assert status == "stopped" and "before training began" in message
+
+
+def test_polls_at_once_read_each_event_once(tmp_path, monkeypatch):
+    """The page polls the run list and the open run in worker threads: two reading the new bytes at once counted
+    every event twice (each checkpoint listed twice, the loss curve's steps out of order)."""
+    import threading
+
+    events = [{"event": "start", "total_steps": 20000, "step": 0, "pid": 999999999}]
+    for step in range(1, 20001):
+        events.append({"event": "step", "step": step, "loss": 0.5})
+        if step % 1000 == 0:
+            events.append({"event": "checkpoint", "step": step, "path": f"/x/checkpoint-{step:07d}", "pruned": []})
+    run = fake_run(tmp_path, events, pid=999999999, exit_code=0)
+    together, fdopen = threading.Barrier(2), os.fdopen
+
+    class Log:  # each reader, having read, waits for the other before going on: the race, every time
+        def __init__(self, *args):
+            self.file = fdopen(*args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def read(self, *args):
+            data = self.file.read(*args)
+            try:
+                together.wait(timeout=1)
+            except threading.BrokenBarrierError:
+                pass  # the other reader waits for this one to finish: they take turns
+            return data
+
+    monkeypatch.setattr(os, "fdopen", Log)
+    threads = [threading.Thread(target=run.read_events) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [s for s, _, _ in run.steps] == list(range(1, 20001))
+    assert [e["step"] for e in run.events if e["event"] == "checkpoint"] == list(range(1000, 20001, 1000))

@@ -53,9 +53,9 @@ class RunFiles:
         parts = rel.split("/")
         root, inner = (("checkpoints", "/".join(parts[1:])) if parts[0] == "checkpoints" and len(parts) > 1
                        else ("", rel))
-        return [rel] + [f"{root}/{name}/{inner}".lstrip("/") for name in self._superseded(root)]
+        return [rel] + [f"{root}/{name}/{inner}".lstrip("/") for name in self.superseded(root)]
 
-    def _superseded(self, root: str) -> list[str]:
+    def superseded(self, root: str) -> list[str]:
         """The superseded-* folders in output_dir/root, listed again only when that folder changed."""
         parent = self.output_dir / root
         try:

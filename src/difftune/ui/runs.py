@@ -26,6 +26,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ class Run:
         self.steps: list[tuple[int, float, float | None]] = []  # (step, time, loss) of each "step" event
         self.last_step: dict[str, Any] | None = None  # the last "step" event whole (lr, throughput)
         self.files = RunFiles(self.output_dir)
+        self._reading = threading.Lock()
 
     # --- reading
     def _events_end(self) -> int | None:
@@ -150,6 +152,12 @@ class Run:
         return next((e.get("pid") for e in self.events if e["event"] == "start"), None)
 
     def read_events(self) -> list[dict[str, Any]]:
+        # the web UI's polls run in worker threads (the run list every 3 s, the open run's detail every second): two
+        # reading the same bytes at once counted every event twice (each checkpoint listed twice, steps out of order)
+        with self._reading:
+            return self._read_new_events()
+
+    def _read_new_events(self) -> list[dict[str, Any]]:
         if self._closed:
             return self.events
         end = self._events_end()
@@ -313,7 +321,7 @@ class Run:
         user_error = error is not None and str(error.get("message", "")).startswith(tuple(f"{n}:" for n in USER_ERRORS))
         out["traceback"] = error.get("traceback") if error and not user_error else None
         out["log_tail"] = self.log_tail() if status in ("failed", "starting") or detail else []
-        out["outputs"] = self.outputs()
+        out["outputs"] = self.outputs(past)
         return out
 
     def relative(self, path: str | None) -> str | None:
@@ -326,20 +334,31 @@ class Run:
                 "path": self.files.locate(event.get("path"), past), "size": event.get("size"),
                 "ema": bool(event.get("ema")), "image": event.get("image")}
 
-    def outputs(self) -> list[dict[str, Any]]:
-        """Files at the top of output_dir and the media under validation/ (for past runs)."""
+    def outputs(self, past: float | None = None) -> list[dict[str, Any]]:
+        """Files at the top of output_dir and the media under validation/; for a past run (`past`: when it ended)
+        the files as it left them (ui/run_files.py): a later run's of the same name are not its, and its own that a
+        later start moved into a superseded folder are."""
+        places = [""] + ([f"{name}/" for name in self.files.superseded("")] if past is not None else [])
+        names: dict[str, None] = {}
+        for place in places:
+            for sub in ("", "validation/"):
+                try:
+                    entries = sorted((self.output_dir / place / sub).iterdir())
+                except OSError:
+                    continue
+                for entry in entries:
+                    # not the event log, nor hidden files (the run lock .difftune.lock, temporary files)
+                    if entry.is_file() and not entry.is_symlink() and entry.name != "events.jsonl" \
+                            and not entry.name.startswith(".") and (not sub or entry.suffix.lower() in MEDIA):
+                        names[sub + entry.name] = None
         found = []
-        for folder in (self.output_dir, self.output_dir / "validation"):
+        for rel in sorted(names):
+            if (where := self.files.locate(str(self.output_dir / rel), past)) is None:
+                continue  # a later run's file
             try:
-                entries = sorted(folder.iterdir())
+                found.append({"path": where, "size": (self.output_dir / where).stat().st_size})
             except OSError:
                 continue
-            for entry in entries:
-                # not the event log, nor hidden files (the run lock .difftune.lock, temporary files)
-                if entry.is_file() and not entry.is_symlink() and entry.name != "events.jsonl" \
-                        and not entry.name.startswith("."):
-                    if folder == self.output_dir or entry.suffix.lower() in MEDIA:
-                        found.append({"path": self.relative(str(entry)), "size": entry.stat().st_size})
         return found
 
 
