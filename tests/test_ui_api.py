@@ -251,6 +251,29 @@ def test_a_dataset_list_that_is_one_object_is_reported_not_emptied(client, root)
     assert r.status_code == 422 and "must be a JSON list" in r.json()["problems"][0]["message"]
 
 
+def test_a_dataset_list_with_a_json_mistake_opens_its_config_to_fix_it(client, root):
+    config_path, data_path = root / "config" / "config.json", root / "config" / "multidatabackend.json"
+    data_path.write_text('[{"id": "a",}]')
+    opened = client.get("/api/config", params={"path": str(config_path)})
+    assert opened.status_code == 200, opened.text
+    opened = opened.json()
+    assert not opened["ok"] and opened["datasets"] == [] and opened["config"]["model_family"]
+    assert any("cannot use it as the dataset list" in p["message"] and "line 1" in p["message"]
+               for p in opened["problems"]), opened["problems"]
+    assert str(data_path) not in opened["versions"]  # a save asks before replacing it
+    body = {"path": str(config_path), "config": opened["config"], "datasets": [], "opened": opened["versions"]}
+    assert client.put("/api/config", json=body).status_code == 409
+    assert data_path.read_text() == '[{"id": "a",}]'
+
+
+def test_saved_configs_keep_their_text_readable(client, root):
+    body = body_of(root)
+    body["config"]["validation_prompt"] = "un gato 猫 बिल्ली"
+    assert client.put("/api/config", json=body).status_code == 200
+    text = (root / "config" / "config.json").read_text(encoding="utf-8")
+    assert '"validation_prompt": "un gato 猫 बिल्ली"' in text
+
+
 def test_server_start_up_errors_are_one_line_and_exit_2(tmp_path, capsys):
     """A missing root, a file as root and a port out of range ended in tracebacks; a busy port printed the URL
     (which opened whatever held the port) before failing."""
@@ -266,7 +289,8 @@ def test_server_start_up_errors_are_one_line_and_exit_2(tmp_path, capsys):
         for args, words in ((["--root", str(tmp_path / "missing")], "is not a folder"),
                             (["--root", str(tmp_path / "afile")], "is not a folder"),
                             (["--port", "99999"], "from 1 to 65535"),
-                            (["--port", str(port)], "nothing was started")):
+                            (["--port", str(port)], "nothing was started"),
+                            (["--state-dir", str(tmp_path / "afile")], "cannot keep the runs there")):
             assert main(["server", "--state-dir", str(tmp_path / "state"), *args]) == 2
             out, err = capsys.readouterr()
             assert err.startswith("error: ") and words in err and "Traceback" not in err, err

@@ -126,7 +126,7 @@ def _write_json(path: Path, data: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     as_created(fd)  # the user's config: the mode their editor would give it
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
+        json.dump(data, f, indent=2, ensure_ascii=False)  # a prompt in Chinese or Hindi stays readable
         f.write("\n")
     os.replace(tmp, path)
 
@@ -172,7 +172,11 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
         from difftune.models.tiny import difftune_home
 
         state_dir = difftune_home() / "ui"
-    registry = Registry(Path(state_dir), confined.base)
+    try:
+        registry = Registry(Path(state_dir), confined.base)
+    except OSError as e:  # a file of that name, no permission
+        raise ValueError(f"--state-dir {state_dir}: cannot keep the runs there ({e.strerror or e}); choose a folder "
+                         "this user can write") from e
     saving, starting = threading.Lock(), threading.Lock()  # the routes run in worker threads
     hosts = allowed_hosts if allowed_hosts is not None else (() if token else LOOPBACK_NAMES)
     app = FastAPI(title="difftune", docs_url=None, redoc_url=None, openapi_url=None)
@@ -326,12 +330,19 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
             data_path = datasets_location(confined, config_path, config)
         except PathRefused:
             data_path = None  # the check below shows the problem at data_backend_config
+        unreadable = None  # a dataset list with a JSON mistake: the config opens, to fix it from the page
         if data_path is not None and data_path.is_file():
-            loaded = _read_json(data_path, "dataset list", twice)
-        result, _ = check(confined, config_path, config, loaded, scan=True, found=twice)
-        # a dataset list that is not a list is shown with the loader's problem and no entries; it is left out of
-        # the opened versions, so that a save asks before replacing it
-        opened = [config_path] + ([data_path] if data_path is not None and isinstance(loaded, list) else [])
+            try:
+                loaded = _read_json(data_path, "dataset list", twice)
+            except ApiError as e:
+                if e.status != 422:
+                    raise
+                loaded, unreadable = [], e.message
+        result, _ = check(confined, config_path, config, loaded, scan=True, found=twice + [unreadable] * bool(unreadable))
+        # a dataset list that is not a list (or not JSON) is shown with the problem and no entries; it is left out
+        # of the opened versions, so that a save asks before replacing it
+        opened = [config_path] + ([data_path] if data_path is not None and isinstance(loaded, list)
+                                  and unreadable is None else [])
         versions = {str(p): v for p in opened if (v := _version(p)) is not None}
         return {"path": str(config_path), "config": config, "datasets": loaded if isinstance(loaded, list) else [],
                 "versions": versions, **result}
@@ -501,8 +512,8 @@ def serve(host: str = "127.0.0.1", port: int = 8001, roots: list[str] | None = N
     token = access_token(host, token)
     try:
         app = create_app(roots or [os.getcwd()], token=token, state_dir=state_dir)
-    except ValueError as e:  # a root that is missing or not a folder
-        raise ConfigError([f"--root: {e}"]) from None
+    except ValueError as e:  # a root that is missing or not a folder, a state folder that cannot be used
+        raise ConfigError([str(e) if str(e).startswith("--state-dir") else f"--root: {e}"]) from None
     sock = _listen(host, port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}/"
