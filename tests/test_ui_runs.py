@@ -254,3 +254,21 @@ def test_polls_at_once_read_each_event_once(tmp_path, monkeypatch):
         thread.join()
     assert [s for s, _, _ in run.steps] == list(range(1, 20001))
     assert [e["step"] for e in run.events if e["event"] == "checkpoint"] == list(range(1000, 20001, 1000))
+
+
+def test_the_trainers_messages_name_the_users_files_not_the_runs_snapshot(tmp_path):
+    """The trainer reads a snapshot of the checked config in the run's folder: its errors said "fix
+    <state>/runs/<id>/multidatabackend.json", a copy nothing reads."""
+    snapshot = tmp_path / "state" / "r1"
+    problem = f"{snapshot / 'multidatabackend.json'}: dataset 'imgs': instance_data_dir is not a folder; fix the path"
+    run = fake_run(tmp_path, [{"event": "start", "total_steps": 2, "step": 0, "pid": 999999999},
+                              {"event": "error", "message": f"ConfigError: {problem}", "traceback": "tb"}],
+                   pid=999999999, exit_code=2)
+    run.info.update(config_path="/home/me/config/config.json", datasets_path="/home/me/config/multidatabackend.json")
+    (run.folder / "log.txt").write_text(f"error: {problem}\n  - {snapshot / 'config.json'}: learning_rate: bad\n")
+    summary = run.summary(detail=True)
+    assert summary["message"] == "ConfigError: /home/me/config/multidatabackend.json: dataset 'imgs': " \
+        "instance_data_dir is not a folder; fix the path"
+    assert summary["log_tail"] == [summary["message"].replace("ConfigError:", "error:"),
+                                   "  - /home/me/config/config.json: learning_rate: bad"]
+    assert str(snapshot) not in json.dumps(summary["messages"] + summary["log_tail"])

@@ -213,7 +213,17 @@ class Run:
         return bool(start) and self.exit_info() is None and process_alive(start.get("pid"), None)
 
     def log_tail(self, count: int = 40) -> list[str]:
-        return tail_lines(self.folder / "log.txt", count)
+        return [self.as_user(line) for line in tail_lines(self.folder / "log.txt", count)]
+
+    def as_user(self, text: Any) -> Any:
+        """The trainer's text with the snapshot's file names (which it reads) as the user's files: an error that
+        says "fix <state folder>/runs/<id>/multidatabackend.json" sends the user to a copy that nothing reads."""
+        if not isinstance(text, str):
+            return text
+        for name, key in (("multidatabackend.json", "datasets_path"), ("config.json", "config_path")):
+            if isinstance(shown := self.info.get(key), str):
+                text = text.replace(str(self.folder / name), shown)
+        return text
 
     # --- status
     def status(self) -> tuple[str, str | None]:
@@ -268,6 +278,7 @@ class Run:
 
     def summary(self, detail: bool = False) -> dict[str, Any]:
         status, message = self.status()
+        message = self.as_user(message)
         events = self.events
         start = next((e for e in events if e["event"] == "start"), None)
         steps, last = self.steps, self.last_step
@@ -315,11 +326,12 @@ class Run:
                               and Path(str(e.get("path"))).name not in pruned]
         done = next((e for e in events if e["event"] in ("done", "stopped") and e.get("adapter")), None)
         out["adapter"] = self.files.locate(done.get("adapter"), past) if done else None
-        out["messages"] = [{"event": e["event"], "message": e.get("message") or e.get("text") or e.get("command")}
+        out["messages"] = [{"event": e["event"],
+                            "message": self.as_user(e.get("message") or e.get("text") or e.get("command"))}
                            for e in events if e["event"] in ("info", "warning", "data_report", "command")][-50:]
         error = next((e for e in reversed(events) if e["event"] == "error"), None)
         user_error = error is not None and str(error.get("message", "")).startswith(tuple(f"{n}:" for n in USER_ERRORS))
-        out["traceback"] = error.get("traceback") if error and not user_error else None
+        out["traceback"] = self.as_user(error.get("traceback")) if error and not user_error else None
         out["log_tail"] = self.log_tail() if status in ("failed", "starting") or detail else []
         out["outputs"] = self.outputs(past)
         return out
@@ -420,10 +432,12 @@ class Registry:
                 return run
         return None
 
-    def spawn(self, config_path: Path, output_dir: Path, config: dict[str, Any], datasets: Any) -> Run:
+    def spawn(self, config_path: Path, output_dir: Path, config: dict[str, Any], datasets: Any,
+              datasets_path: Path | None = None) -> Run:
         """Start a run of `config` and `datasets`, the values that were checked: the trainer reads a snapshot of
         them in the run's folder, not the user's files, which a save right after Start may already have changed
-        (to something the check would refuse). `config_path` is only shown."""
+        (to something the check would refuse). `config_path` and `datasets_path` are only shown (in the trainer's
+        messages, in place of the snapshot's)."""
         run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         folder = self.dir / run_id
         folder.mkdir(parents=True)
@@ -436,7 +450,8 @@ class Registry:
         events = output_dir / "events.jsonl"
         for stale in (output_dir / "commands").glob("*.json"):  # commands meant for an earlier run
             stale.unlink(missing_ok=True)
-        info = {"id": run_id, "config_path": str(config_path), "output_dir": str(output_dir),
+        info = {"id": run_id, "config_path": str(config_path), "datasets_path": str(datasets_path or snapshot_list),
+                "output_dir": str(output_dir),
                 "events_offset": events.stat().st_size if events.exists() else 0, "started": time.time(),
                 "cwd": str(self.base)}
         _write_json(folder / "run.json", info)

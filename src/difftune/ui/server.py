@@ -441,7 +441,8 @@ def create_app(roots: list[str | Path], token: str | None = None, state_dir: str
                 raise ApiError(409, f"output_dir {output_dir} is in use by another training run ({holder}); wait for "
                                "it to end or stop it, or choose another output_dir")
             output_dir.mkdir(parents=True, exist_ok=True)
-            run = registry.spawn(config_path, output_dir, config, datasets)  # what was checked, not the file again
+            # what was checked, not the files again
+            run = registry.spawn(config_path, output_dir, config, datasets, datasets_path=data_path)
         return run.summary(detail=True)
 
     @app.get("/api/runs/{run_id}")
