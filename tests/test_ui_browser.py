@@ -258,3 +258,35 @@ def test_other_keys_and_dashed_keys_are_never_lost(page, server):
     saved.pop("not_a_form_key")
     path.write_text(json.dumps(saved))
     assert load_config(path).train.max_train_steps == 4
+
+
+def test_a_dataset_cards_other_keys_and_a_string_boolean_are_shown_as_read(page, server):
+    """An entry's "Other keys" box with a JSON mistake was passed over: Save wrote the entry's last valid keys. A
+    SimpleTuner config's "false" ticked its box, though the trainer reads it as off."""
+    import json
+
+    from conftest import write_config
+
+    url, root = server
+    path = write_config(root, root / "images", max_train_steps=3, gradient_checkpointing="false")
+    lists = root / "config" / "multidatabackend.json"
+    entries = json.loads(lists.read_text())
+    entries[0]["not_a_form_key"] = 1
+    lists.write_text(json.dumps(entries))
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+    page.click("#btn-open")
+    page.locator("#picker-list li.file", has_text="config.json").click()
+    page.wait_for_selector("#notice:has-text('opened')")
+    assert not page.is_checked(field("gradient_checkpointing"))
+    box = page.locator(".dataset[data-index='0'] [data-field='__other'] textarea")
+    box.fill('{"not_a_form_key": 2,')
+    expect(page.locator(".dataset[data-index='0'] [data-field='__other'] .error")).to_contain_text("not valid JSON")
+    before = (path.read_text(), lists.read_text())
+    page.click("#btn-save")
+    page.wait_for_selector("#notice:has-text('Other keys of this entry')")
+    assert (path.read_text(), lists.read_text()) == before  # nothing written
+    box.fill('{"not_a_form_key": 2}')
+    page.click("#btn-save")
+    page.wait_for_selector("#notice:has-text('saved')")
+    assert json.loads(lists.read_text())[0]["not_a_form_key"] == 2

@@ -54,6 +54,12 @@ function parseScalar(text, kind) {
   return s; // not a number: sent as typed, and the check says what is wrong with it
 }
 
+// A boolean as the loader (pydantic) reads it: a SimpleTuner config's "false" or "0" is off, not a ticked box
+function asBoolean(value) {
+  if (typeof value === "string") return !["0", "off", "f", "false", "n", "no"].includes(value.trim().toLowerCase());
+  return !!value;
+}
+
 function fieldWidget(spec, obj, onchange, prefix = "") {
   const key = spec.name, path = prefix + key, value = obj[key];
   const wrap = h("div", { class: "field", "data-field": path });
@@ -72,7 +78,7 @@ function fieldWidget(spec, obj, onchange, prefix = "") {
     input.addEventListener("change", () => set(input.value === "" ? undefined : JSON.parse(input.value)));
   } else if (spec.kind === "boolean") {
     input = h("input", { id, name: key, type: "checkbox" });
-    input.checked = value === undefined ? !!spec.default : !!value;
+    input.checked = value === undefined ? !!spec.default : asBoolean(value);
     input.addEventListener("change", () => set(input.checked === !!spec.default && !(key in S.loadedKeys(obj)) ? undefined : input.checked));
   } else if (spec.kind === "const") {
     input = h("input", { id, name: key, value: fmt(value ?? spec.choices[0]), readonly: true });
@@ -199,16 +205,20 @@ function datasetCard(entry, index) {
   const known = new Set(model ? model.fields.map((f) => f.name) : []);
   const extra = Object.fromEntries(Object.entries(entry).filter(([k]) => !known.has(k) && k !== "dataset_type"));
   if (Object.keys(extra).length) {
-    const ta = h("textarea", { rows: 3, spellcheck: "false" });
+    const ta = h("textarea", { rows: 3, spellcheck: "false" }), said = h("div", { class: "error" });
     ta.value = JSON.stringify(extra, null, 2);
     ta.addEventListener("input", () => {
-      try {
-        const parsed = JSON.parse(ta.value || "{}");
-        for (const k of Object.keys(extra)) delete entry[k];
-        Object.assign(entry, parsed); changed();
-      } catch { /* wait for valid JSON */ }
+      let parsed;
+      try { parsed = JSON.parse(ta.value || "{}"); } catch (e) { parsed = e; }
+      const object = parsed !== null && typeof parsed === "object" && !Array.isArray(parsed) && !(parsed instanceof Error);
+      // marked until it parses: collect() sends nothing meanwhile, since a save would write the entry's last keys
+      ta.toggleAttribute("data-bad-json", !object);
+      said.textContent = object ? "" : `${parsed instanceof Error ? `not valid JSON (${parsed.message})` : "not a JSON object of keys and values"}: fix it or empty it`;
+      if (!object) return;
+      for (const k of Object.keys(extra)) { delete entry[k]; delete extra[k]; }
+      Object.assign(entry, parsed); Object.assign(extra, parsed); changed();
     });
-    card.append(h("div", { class: "field", "data-field": "__other" }, h("label", {}, "Other keys of this entry (JSON)"), ta, h("div", { class: "error" })));
+    card.append(h("div", { class: "field", "data-field": "__other" }, h("label", {}, "Other keys of this entry (JSON)"), ta, said));
   }
   card.append(h("div", { class: "error", "data-card-error": "" }));
   return card;
@@ -238,6 +248,8 @@ function collect() {
   }
   $('[data-error="other"]').textContent = error ? `${error}: fix it or empty it` : "";
   if (error) return { error: `the "Other keys (JSON)" box: ${error}; fix it first (nothing was sent)` };
+  const card = document.querySelector("textarea[data-bad-json]")?.closest(".dataset");
+  if (card) return { error: `dataset ${card.querySelector("strong").textContent}: its "Other keys of this entry" box is not a JSON object; fix it first (nothing was sent)` };
   S.extra = extra;
   return { path: $("#config-path").value.trim(), config: { ...S.config, ...extra }, datasets: S.datasets };
 }
