@@ -651,3 +651,17 @@ def test_run_files_that_could_script_the_page_are_downloads(client, root, tmp_pa
     for name in ("a.png", "n.txt"):
         r = c.get(f"/api/runs/{run.id}/file", params={"path": name})
         assert r.headers["content-disposition"].startswith("inline"), name
+
+
+def test_a_new_config_environments_list_is_written_in_its_folder(root, tmp_path, monkeypatch):
+    """SimpleTuner's web UI names a config environment's list relative to the configs folder
+    (env2/multidatabackend.json for config/env2/config.json): it was written in <root>/env2/."""
+    monkeypatch.chdir(root)  # the folder the server (and its trainers) run in
+    client = TestClient(create_app([root], state_dir=tmp_path / "state"), base_url="http://localhost")
+    body = body_of(root)
+    body["path"] = str(root / "config" / "env2" / "config.json")
+    body["config"]["data_backend_config"] = "env2/multidatabackend.json"
+    saved = client.put("/api/config", json=body)
+    assert saved.status_code == 200, saved.text
+    assert (root / "config" / "env2" / "multidatabackend.json").is_file() and not (root / "env2").exists()
+    assert load_config(Path("config/env2/config.json")).datasets is not None  # where the loader finds it

@@ -36,7 +36,13 @@ def datasets_location(roots: Roots, config_path: Path, config: dict[str, Any]) -
     value = clean_keys(config).get(DATASETS_KEY)
     if value is not None and (not isinstance(value, str) or not value):
         value = str(config_path.parent / "multidatabackend.json")
-    return roots.confine_config(str(dataset_list_location(value, config_path)[0]))
+    found = dataset_list_location(value, config_path)[0]
+    parts = Path(value).parts if value is not None else ()
+    if not found.exists() and not Path(value or "/").is_absolute() and parts[:1] == (config_path.parent.name,):
+        # a new list of a config environment, named as SimpleTuner's web UI names it (env2/multidatabackend.json for
+        # config/env2/config.json): written in the environment's folder, where the loader then finds it
+        found = config_path.parent.parent / value
+    return roots.confine_config(str(found))
 
 
 def _unexpected(where: Path, e: Exception) -> str:
