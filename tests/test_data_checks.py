@@ -228,6 +228,12 @@ def test_image_to_video_floor_of_frames_is_named(tmp_path):
     skipped, _ = i2v_discovery(tmp_path, {"num_frames": 9, "bucket_strategy": "resolution_frames",
                                           "frame_rate": 24, "min_frames": 6})
     assert skipped["short.mp4"] == "3 frame(s) at 24 fps, below min_frames 6"
+    # aspect_ratio buckets: the dataset's own num_frames leaves it out, not a min_frames it never set
+    skipped, _ = i2v_discovery(tmp_path, {"num_frames": 17, "frame_rate": 24})
+    assert "min_frames" not in skipped["short.mp4"] and "num_frames 17" in skipped["short.mp4"], skipped
+    # a clip of another rate: its own frames are said beside the counts at the dataset's rate
+    skipped, _ = i2v_discovery(tmp_path, {"num_frames": 17, "frame_rate": 12})
+    assert skipped["short.mp4"].endswith("(the clip has 3 frames at 24 fps, taken at 12 fps)"), skipped
 
 
 # ----------------------------------------------------------------- i2i input images of another aspect

@@ -432,6 +432,12 @@ def clip_frames(path: Path, rel: str, metadata: MetadataCache, rule: FrameRule, 
         own = plan_clip(available, info.fps, as_set) if as_set is not None else None
         if own is not None and own.frames is not None:  # only image-to-video's floor leaves it out
             problem = first_frame_problem(available, own.frames, rule)
+        elif own is not None:  # the dataset's own settings leave it out too: said in their words (not the floor's)
+            problem = own.problem or problem
+        # the counts above are at the rule's rate: the clip's own too, for a clip that has another
+        if info.frames > 1 and info.fps > 0 and (info.variable_rate or not same_rate(info.fps, rule.frame_rate)):
+            problem += (f" (the clip has {info.frames} frames at {info.fps:.3g} fps, taken at {rule.frame_rate:g} "
+                        "fps)")
         result.skipped.append((path, problem))
         return None
     notes = [plan.note] if plan.note else []
