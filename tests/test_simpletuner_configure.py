@@ -193,6 +193,12 @@ def test_the_web_ui_builders_dataset_list_loads_with_its_placeholders_filled(tmp
     entries[-1]["crop_style"] = "center"  # not the builder's value: a misplaced key, named as before
     backend.write_text(json.dumps(entries))
     assert "crop_style" in problems(write_config(tmp_path, dataset, data_backend_config=str(backend)))
+    # a conditioning entry's repeats or probability of another value: said as such, not as an unknown key
+    backend = builder_list(tmp_path, builder_entry("image", dataset),
+                           builder_entry("conditioning", dataset, id="inputs", repeats=3, probability=0.5))
+    text = problems(write_config(tmp_path, dataset, data_backend_config=str(backend)))
+    assert "repeats 3 does nothing on a conditioning entry" in text and "probability 0.5 does nothing" in text, text
+    assert "unknown key" not in text, text
 
 
 def test_an_unknown_placeholder_and_an_entry_without_an_id_are_named(tmp_path, dataset):

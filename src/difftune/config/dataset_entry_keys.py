@@ -89,6 +89,11 @@ def prepare(entry: dict[str, Any], where: str, problems: list[str], notes: list[
     for key, left in BUILDER_LEFTOVERS.get(kind if isinstance(kind, str) else "", {}).items():
         if key in out and any(type(out[key]) is type(v) and out[key] == v for v in left):
             del out[key]
+    for key in [k for k in ("repeats", "probability") if k in out and kind == "conditioning"]:
+        # said in its own words, not as an unknown key: the pairs follow their dataset's draws
+        problems.append(f"{where}: {key} {out.pop(key)!r} does nothing on a conditioning entry: its input images are "
+                        f"drawn with the images they pair with; set {key} on the dataset whose conditioning_data "
+                        "names it, and remove it here")
     if "cache_dir_text" in out and kind in ("image", "video", "eval"):  # SimpleTuner's dataset wizard writes it
         notes.append(f"{where}: cache_dir_text {out.pop('cache_dir_text')!r} is not used on a dataset entry: the text "
                      "cache's folder is the text_embeds entry's cache_dir (or config.json's cache_dir_text); remove it")
