@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from safetensors.torch import load_file
 
 from conftest import write_config
@@ -90,12 +90,16 @@ def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset,
     ours = np.asarray(Image.open(tmp_path / "output" / "validation" / name)).astype(int)
     pipe = case.stock(run.comps.source, torch_dtype=torch.bfloat16)  # as a user loads it
     pipe.load_lora_weights(tmp_path / "output")
-    image = None
+    image = original = None
     if case.i2i:
-        image = fit(Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB"), (64, 48), "center",
-                    (0.5, 0.5))  # fitted to the sample's size, as validation fits it
+        original = Image.open(sorted((tmp_path / "inputs").glob("*.png"))[0]).convert("RGB")
     if case.i2v:
-        image = fit(decode_frames(sorted(data.glob("*.mp4"))[0], [0.0])[0], (64, 48), "center", (0.5, 0.5))
+        original = decode_frames(sorted(data.glob("*.mp4"))[0], [0.0])[0]
+    if original is not None:
+        image = fit(original, (64, 48), "center", (0.5, 0.5))  # fitted to the sample's size, as validation fits it
+        # the card's code fits the input itself (ImageOps.fit): the same picture
+        card_fit = ImageOps.fit(original, (64, 48), Image.Resampling.LANCZOS)
+        assert np.abs(np.asarray(card_fit).astype(int) - np.asarray(image).astype(int)).max() <= 2
     kw = {"num_frames": 17 if case.i2v else 9} if case.video else {}
     theirs = case.stock_sample(pipe, "a red circle", "blurry", 64, 48, 2, 4.0, 11, image=image,
                                device=run.accelerator.device, **kw)[0]
@@ -106,7 +110,7 @@ def test_bf16_validation_equals_the_stock_bf16_pipeline(case, tmp_path, dataset,
     theirs = np.asarray(theirs).astype(int)
     assert ours.shape == theirs.shape and ours.std() > 0
     assert np.abs(ours - theirs).max() <= 2
-    run_card_usage(run_cfg, run, tmp_path, monkeypatch, image, (64, 48, (17 if case.i2v else 9) if case.video else None),
+    run_card_usage(run_cfg, run, tmp_path, monkeypatch, original, (64, 48, (17 if case.i2v else 9) if case.video else None),
                    ours)
 
 

@@ -155,6 +155,9 @@ def test_model_card_note_near_the_top(tmp_path, dataset):
     assert lines[title + 2] == note and lines[title + 4].startswith("A LoRA of")
     plain = model_card(load_config(write_config(tmp_path, dataset, hub_model_id="me/model")), run, [])
     assert note not in plain and plain.splitlines()[title + 2].startswith("A LoRA of")
+    assert "max_sequence_length" not in plain  # the pipeline's default, as validation sampled
+    short = model_card(load_config(write_config(tmp_path, dataset, tokenizer_max_length=128)), run, [])
+    assert "max_sequence_length=128" in short  # what validation sampled at
 
 
 # --- text_encoder_batch_size and conditioning_image_embed_batch_size at config level

@@ -89,11 +89,15 @@ def _generate(run_cfg: RunConfig) -> str:
     # pipelines put a negative prompt of their own in place of none)
     args.append(f"negative_prompt={cfg.validation_negative_prompt!r}")
     args += [f"num_inference_steps={cfg.validation_num_inference_steps}", f"guidance_scale={cfg.guidance():g}"]
+    if cfg.tokenizer_max_length is not None:  # the prompt length validation encoded and sampled at
+        args.append(f"max_sequence_length={cfg.tokenizer_max_length}")
     if not cfg.validation_randomize:  # the first sample's seed: its noise drawn where validation draws it
         seed = cfg.validation_seed if cfg.validation_seed is not None else cfg.seed
         device = "cpu" if cfg.validation_seed_source == "cpu" else "cuda"
         args.append(f'generator=torch.Generator("{device}").manual_seed({seed})')
-    head = 'image = load_image("input.png")  # the input image\n' if takes_image else ""
+    head = ('image = load_image("input.png")  # the input image\n'
+            f"# to cover {width}x{height}, center-cropped, as validation fits its input (the pipeline would stretch it)\n"
+            f"image = ImageOps.fit(image, ({width}, {height}), Image.Resampling.LANCZOS)\n") if takes_image else ""
     if video:
         return (head + f"frames = pipe({', '.join(args)}).frames[0]\n"
                 "# export_to_video needs imageio and imageio-ffmpeg (or opencv-python)\n"
@@ -109,8 +113,9 @@ def _imports(run_cfg: RunConfig, pipeline: str) -> str:
     utils = (["load_image"] if FAMILY_FACTS[cfg.model_family].takes_input_image(cfg.flavour()) else []) + \
         (["export_to_video"] if "video" in cfg.model_family else [])
     needs = "# Kandinsky 5's Qwen2.5-VL processor needs torchvision installed\n" if cfg.model_family != "lumina2" else ""
+    pil = "from PIL import Image, ImageOps\n" if "load_image" in utils else ""
     return (f"{needs}import torch\nfrom diffusers import {pipeline}\n"
-            + (f"from diffusers.utils import {', '.join(utils)}\n" if utils else "") + "\n")
+            + (f"from diffusers.utils import {', '.join(utils)}\n" if utils else "") + pil + "\n")
 
 
 def _usage(run_cfg: RunConfig, repo: str, pipeline: str, base: str) -> str:
