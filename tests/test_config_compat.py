@@ -183,6 +183,12 @@ def test_did_you_mean_finds_misspellings(typo, meant):
     assert suggest(typo, list(TrainConfig.model_fields) + ["resolution_type"]) == f"; did you mean {meant!r}?"
 
 
+def test_did_you_mean_finds_a_key_without_its_first_word():
+    from difftune.config.datasets import VideoOptions
+
+    assert suggest("frames", list(VideoOptions.model_fields)) == "; did you mean 'num_frames'?"  # video.frames
+
+
 @pytest.mark.parametrize("key", ["gradient_checkpointing_steps", "validation_seeds_list", "num_eval_batches",
                                  "vae_cache_mode", "init_lokr_norm", "snr_gamma", "data_loader_workers"])
 def test_did_you_mean_does_not_suggest_unrelated_keys(key):

@@ -119,7 +119,7 @@ def test_simpletuner_mask_entry_with_its_image_settings(tmp_path, dataset):
     entry |= {"crop_style": "random", "resolution": 128}
     text = problems(write_config(tmp_path, dataset, dataset=image, extra_datasets=[entry]))
     assert "crop_style 'random' differs from 'center' on dataset 'train'" in text
-    assert "resolution 128 differs" in text and "config.json" not in text
+    assert "resolution 128 differs from 64 on" in text and "config.json" not in text
 
 
 def test_masks_get_their_images_random_crop(tmp_path):

@@ -152,6 +152,8 @@ def suggest(key: str, known: list[str]) -> str:
         if abs(len(joined) - len(theirs_joined)) <= 2 and _close(joined, theirs_joined, 0.85):
             return True
         words, theirs = _words(key), _words(candidate)
+        if len(theirs) == len(words) + 1 and candidate.endswith("_" + key.lower()):  # frames for num_frames
+            return True
         return bool(words) and len(words) == len(theirs) and all(
             any(_close(w, t, 0.75) for t in theirs) for w in words)
 

@@ -50,6 +50,11 @@ def check(path: Any, mirrored: dict[str, dict[str, Any]], unused: dict[str, list
                     continue
                 if getattr(ds, key) != value:
                     problems.append(
-                        f"{path}: conditioning dataset {ident!r}: {key} {given!r} differs from {getattr(ds, key)!r} "
+                        f"{path}: conditioning dataset {ident!r}: {key} {given!r} differs from {_plain(getattr(ds, key))!r} "
                         f"on dataset {ds.id!r}; a conditioning image takes its training image's size and crop, so "
                         f"remove {key} here or set it as on {ds.id!r}")
+
+
+def _plain(value: Any) -> Any:
+    """A value as the user would write it: a resolution kept as a float (64.0) shows as 64."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
