@@ -277,3 +277,24 @@ def test_an_error_every_process_meets_is_said_once(tmp_path, dataset, monkeypatc
     monkeypatch.setenv("RANK", "0")
     assert main(["check", "--config", str(path)]) == 2
     assert "learning_rate" in capsys.readouterr().err
+
+
+def test_a_process_that_lost_process_0_says_one_line(monkeypatch, capsys):
+    """When process 0 stopped on an error, the others printed gloo's "Connection closed by peer" traceback under its
+    message; they say one line, and a process 0 (or a single process) meeting the same error still raises it."""
+    import difftune.cli as cli
+
+    def broken(args, rest):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:29500\nmore")
+
+    monkeypatch.setattr(cli, "cmd_check", broken)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error (process 1): lost contact with the other processes ([../third_party/gloo") and \
+        "more" not in err and err.count("\n") == 1, err
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        cli.main(["check"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -540,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         from difftune.train.run_lock import NotWritable
         from difftune.train.trackers import TrackerError
 
+        if _peer_gone(e):  # process 0 stopped (its error is said above): the others' gloo tracebacks hid it
+            print(f"error (process {os.environ.get('RANK')}): lost contact with the other processes ({_first_line(e)}); "
+                  "process 0's message says why", file=sys.stderr)
+            return 1
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
                           | TrackerError | WriteError | NotWritable | NoUsableItem):
             raise
@@ -549,6 +554,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # train and cache say what is kept; check, plan, configure have nothing to keep
         print("interrupted", file=sys.stderr)
         return 130
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's, and NCCL's socket's
+
+
+def _peer_gone(e: BaseException) -> bool:
+    """A process other than 0 of a launch that failed in a collective because another process is gone."""
+    several = os.environ.get("WORLD_SIZE", "1") not in ("1", "")
+    return several and not _main_process() and isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_GONE)
+
+
+def _first_line(e: BaseException) -> str:
+    line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    return line if len(line) <= 160 else line[:157] + "..."
 
 
 def _error(e: BaseException, everywhere: bool) -> None:
