@@ -359,3 +359,17 @@ def test_a_rows_captions_stay_apart_under_disable_multiline_split(tmp_path, data
     cfg = load_config(path)
     assert any("disable_multiline_split not used: each caption of a huggingface row" in n for n in cfg.notes())
     assert discover_all(cfg)[0].samples[0].captions == ("a caption", "tag one", "tag two")
+
+
+def test_a_local_folders_stamp_leaves_out_what_the_run_writes_inside_it(tmp_path):
+    """cache_dir (or the download folder) inside the dataset's folder changed its stamp every run: every row was
+    read again and datasets' copy prepared again."""
+    source = hub_folder(tmp_path / "hub")
+    ds = entry(tmp_path, source, folder="hub/dl", cache_dir=str(source / "hf-cache"))
+    stamp = hf._folder_stamp(ds)
+    run(ds)
+    assert (source / "dl").is_dir() and list((source / "hf-cache").rglob("*.arrow"))
+    (source / ".DS_Store").write_bytes(b"x")  # nor a hidden file datasets does not read
+    assert hf._folder_stamp(ds) == stamp
+    (source / "data" / "extra.parquet").write_bytes((source / "data").glob("*.parquet").__next__().read_bytes())
+    assert hf._folder_stamp(ds) != stamp  # the data itself: a change

@@ -246,9 +246,18 @@ def _folder_stamp(ds: ImageDataset) -> str | None:
     root = Path(os.path.expanduser(ds.dataset_name or ""))
     if not root.is_dir():
         return None
-    entries = sorted((str(p.relative_to(root)), st.st_size, st.st_mtime_ns)
-                     for p in root.rglob("*") if p.is_file() and (st := p.stat()))
-    return _digest(json.dumps(entries).encode("utf-8"))
+    # not what this run writes there (datasets' cache_dir, the download folder), which changed the stamp every run,
+    # nor the hidden and dunder files that datasets itself does not read
+    ours = [Path(os.path.expanduser(d)).resolve() for d in (ds.cache_dir, ds.instance_data_dir) if d]
+    entries = []
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if any(part.startswith((".", "__")) for part in rel.parts) or not path.is_file() \
+                or any(path.resolve().is_relative_to(d) for d in ours):
+            continue
+        st = path.stat()
+        entries.append((str(rel), st.st_size, st.st_mtime_ns))
+    return _digest(json.dumps(sorted(entries)).encode("utf-8"))
 
 
 def _load(ds: ImageDataset, again: bool = False) -> Any:
