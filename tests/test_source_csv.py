@@ -285,6 +285,19 @@ def test_other_column_names(tmp_path, site):
     assert (tmp_path / "dl" / name(link, ".txt")).read_text() == "the caption\n"
 
 
+def test_one_local_file_spelt_several_ways_is_one_row(tmp_path, site):
+    """A path, ./path and a file:// URL of one file were three files: one image trained three times, under
+    three captions."""
+    local = tmp_path / "pics"
+    local.mkdir()
+    shutil.copy(images(site)[0], local / "a.png")
+    rows = [("pics/a.png", "first"), ("./pics/a.png", "second"), ((local / "a.png").as_uri(), "last")]
+    said = fetch(entry(write_table(tmp_path / "l.csv", rows), tmp_path / "dl"))
+    assert files(tmp_path / "dl") == sorted([name("pics/a.png"), name("pics/a.png", ".txt")]), said
+    assert (tmp_path / "dl" / name("pics/a.png", ".txt")).read_text() == "last\n"
+    assert any("2 row(s) repeat the location of an earlier row (csv_file line 3, 4)" in s for s in said), said
+
+
 def test_instanceprompt_writes_no_captions(tmp_path, site):
     rows = [(f"{site.url}/{p.name}", "") for p in images(site)[:2]]
     table = write_table(tmp_path / "l.csv", rows)

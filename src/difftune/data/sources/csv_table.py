@@ -145,10 +145,11 @@ def read_table(ds: ImageDataset, table: Path, say: Callable[[str], None]) -> tup
                     skipped.append((label, why))
                     say(f"skipped {label}: {why}")
                     continue
-                if location in by_location:
+                key = _same_file(location, table.parent)  # a.png, ./a.png and file:///.../a.png are one file
+                if key in by_location:
                     repeated.append(start)
-                by_location[location] = Row(by_location[location].line if location in by_location else start,
-                                            location, caption)
+                by_location[key] = Row(by_location[key].line if key in by_location else start,
+                                       by_location[key].location if key in by_location else location, caption)
     except UnicodeDecodeError as e:
         raise SourceError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from e
     except csv.Error as e:
@@ -156,7 +157,7 @@ def read_table(ds: ImageDataset, table: Path, say: Callable[[str], None]) -> tup
     if repeated:
         say(f"{len(repeated)} row(s) repeat the location of an earlier row (csv_file line "
             f"{', '.join(map(str, repeated[:5]))}{', ...' if len(repeated) > 5 else ''}): each location is fetched "
-            "once, with the caption of its last row")
+            "once, with the caption of its last row (a path and a file:// URL of one file are one location)")
     return list(by_location.values()), skipped
 
 
@@ -175,6 +176,16 @@ def claim(ds: ImageDataset, folder: Path, table: Path) -> dict[str, str]:
     if open_folder(ds, folder, identity, fix, other=other, strangers="are not a download of this table") is None:
         save_manifest(ds, folder, {**identity, "dataset": ds.id})
     return identity
+
+
+def _same_file(location: str, base: Path) -> str:
+    """What tells rows of one file apart: a local file's absolute path (however the row spells it), else the URL."""
+    parts = urlsplit(location)
+    scheme = parts.scheme.lower() if "://" in location else ""
+    if scheme not in ("file", ""):
+        return location
+    path = Path(url2pathname(unquote(parts.path))) if scheme else Path(location).expanduser()
+    return os.path.normpath(path if path.is_absolute() else base.resolve() / path)
 
 
 def _line_of(left_out: tuple[str, str]) -> int:
