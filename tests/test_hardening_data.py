@@ -10,7 +10,7 @@ from PIL import Image
 from conftest import write_config
 from difftune.cli import main
 from difftune.config import load_config
-from difftune.data import discovery
+from difftune.data import discovery, metadata
 from difftune.data.buckets import SizeRule
 from difftune.data.captions import CaptionRule
 from difftune.data.discovery import DatasetSpec, discover
@@ -82,7 +82,7 @@ def test_permission_vanished_and_stat_errors_are_reported(tmp_path, monkeypatch)
     (root / "locked").mkdir()
     image(root / "locked" / "inner.png")
     real_probe, real_caption, real_stat, real_scandir = (
-        discovery.probe_image, discovery.caption, discovery.Path.stat, os.scandir)
+        metadata.probe_image, discovery.caption, discovery.Path.stat, os.scandir)
 
     def probe(path):
         if path.name == "denied.png":  # what a non-root user gets from a chmod 000 file
@@ -104,7 +104,7 @@ def test_permission_vanished_and_stat_errors_are_reported(tmp_path, monkeypatch)
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)
 
-    monkeypatch.setattr(discovery, "probe_image", probe)
+    monkeypatch.setattr(metadata, "probe_image", probe)
     monkeypatch.setattr(discovery, "caption", caption)
     monkeypatch.setattr(discovery.Path, "stat", stat)
     monkeypatch.setattr(os, "scandir", scandir)

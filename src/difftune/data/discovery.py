@@ -28,7 +28,6 @@ import json
 import math
 import os
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +43,8 @@ from difftune.data.buckets import (
 )
 from difftune.data.captions import CaptionRule, CaptionTable, caption
 from difftune.data.frames import TEMPORAL, FrameRule, plan_clip, resampled_count, same_rate
-from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_image, probe_size
-from difftune.files import as_created, clean_leftovers, writer_prefix
+from difftune.data.images import IMAGE_EXTENSIONS, BadImage, probe_size
+from difftune.data.metadata import PROBE_VERSION, MetadataCache  # noqa: F401 (PROBE_VERSION: tests)
 
 SOURCE_MANIFEST = ".difftune-source.json"  # in a downloaded dataset's folder (data/sources): the source it holds
 SOURCE_LEFT_OUT = "left_out"  # the manifest's [where, why] of each row or object the download skipped
@@ -148,94 +147,6 @@ class Discovery:
         if unread:
             why += f", only {unread} file(s) of other types, not read (see below)"
         return why
-
-
-# Raised when the probe learns to see more (2: files cut off at their end, a PNG's EXIF after its pixels): entries
-# of an earlier probe are read again once, instead of passing such files while their size and time are unchanged
-PROBE_VERSION = 5  # 3: TIFF, BMP and GIF checked for truncation (data/images.py); 4: GIF clips timed as played;
-# 5: animated images noted
-
-
-class MetadataCache:
-    """{"version": PROBE_VERSION, "entries": {relative path: [size, mtime_ns, width, height, problem, animated]}} for
-    one dataset folder (a clip's: [size, mtime_ns, VideoInfo's fields, problem])."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.entries: dict[str, list] = {}
-        self.seen: set[str] = set()
-        self.changed = False  # probed a file, or found the file damaged: worth writing
-        if path is not None and path.is_file():
-            try:
-                stored = json.loads(path.read_text())
-            except (OSError, ValueError):
-                stored = None  # a damaged metadata file only costs a rescan
-            # valid JSON but not ours (null, a list), or an earlier probe's (a flat dict): read every file again
-            if isinstance(stored, dict) and stored.get("version") == PROBE_VERSION and isinstance(
-                    stored.get("entries"), dict):
-                self.entries = stored["entries"]
-            self.changed = not self.entries
-
-    def size(self, file: Path, rel: str) -> tuple[tuple[int, int] | None, str | None, bool]:
-        """((width, height) or None, problem or None, whether the file was probed now)."""
-        st = file.stat()
-        self.seen.add(rel)
-        entry = self.entries.get(rel)
-        if entry and len(entry) == 6 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
-            return (None if entry[2] is None else (entry[2], entry[3])), entry[4], False
-        self.changed = True
-        try:
-            width, height, animated = probe_image(file)
-            self.entries[rel] = [st.st_size, st.st_mtime_ns, width, height, None, animated]
-            return (width, height), None, True
-        except (BadImage, OSError) as e:
-            self.entries[rel] = [st.st_size, st.st_mtime_ns, None, None, str(e), False]
-            return None, str(e), True
-
-    def animated(self, rel: str) -> bool:
-        """Whether the image `size` read last is an animation (after `size`)."""
-        return bool(self.entries[rel][5])
-
-    def video(self, file: Path, rel: str):
-        """(VideoInfo or None, problem or None, whether the file was probed now)."""
-        from difftune.data.video import BadVideo, VideoInfo, probe_video
-
-        st = file.stat()
-        self.seen.add(rel)
-        entry = self.entries.get(rel)
-        if entry and len(entry) == 4 and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
-            return (None if entry[2] is None else VideoInfo(*entry[2])), entry[3], False
-        self.changed = True
-        try:
-            info = probe_video(file)
-            self.entries[rel] = [st.st_size, st.st_mtime_ns, list(info.__dict__.values()), None]
-            return info, None, True
-        except (BadVideo, OSError) as e:
-            self.entries[rel] = [st.st_size, st.st_mtime_ns, None, str(e)]
-            return None, str(e), True
-
-    def save(self) -> str | None:
-        """Write the entries if anything changed; the reason it could not (a read-only cache folder: a shared
-        cache whose entries are all made still trains), or None. Losing it only costs a rescan next time."""
-        kept = {k: v for k, v in self.entries.items() if k in self.seen}  # removed files go
-        if self.path is None or not self.changed and len(kept) == len(self.entries):
-            return None
-        self.entries = kept
-        tmp = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            clean_leftovers(self.path.parent)  # a save killed midway left its writer-named copy (files.py)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=writer_prefix(), suffix=".tmp")
-            as_created(fd)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": PROBE_VERSION, "entries": self.entries}, f)
-            os.replace(tmp, self.path)
-        except OSError as e:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-            return f"the file sizes found could not be kept in {self.path} ({e.strerror or e}): the next scan " \
-                   "reads every file again"
-        return None
 
 
 @dataclass
@@ -466,7 +377,8 @@ def discover(spec: DatasetSpec) -> Discovery:
         result.notes.append((folder, "inside the dataset's folder: read as its input images or masks only, not "
                                      "as images to train on"))
     result.skipped += listing.errors
-    result.skipped += [(spec.root, f"{where}: {why} (skipped while downloading)") for where, why in _not_downloaded(spec.root)]
+    result.skipped += [(spec.root, f"{where}: {why} (skipped while downloading)")
+                       for where, why in _not_downloaded(spec.root)]
     for folder in listing.generated:
         result.notes.append((folder, "generated input images (its .difftune-source.json says so): not read as "
                                      "images to train on"))
