@@ -112,6 +112,19 @@ def test_adapter_config_errors(tmp_path, dataset):
                                  base_model_precision="int8-quanto"))
     with pytest.raises(ConfigError, match="init_lora"):
         load_config(write_config(tmp_path, dataset, init_lora=str(tmp_path / "nope")))
+    # LyCORIS' weight decomposition is left out beside quantized weights (bypass mode): it trained as without it
+    for dora in ({"algo": "locon", "dora_wd": True},
+                 {"algo": "lokr", "apply_preset": {"module_algo_map": {"Attention": {"algo": "lokr", "dora_wd": True}}}}):
+        decomposed = tmp_path / "dora.json"
+        decomposed.write_text(json.dumps(dora))
+        with pytest.raises(ConfigError, match="dora_wd .weight decomposition. is not trained on a quantized base"):
+            load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(decomposed),
+                                     base_model_precision="int8-quanto"))
+        assert load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(decomposed)))
+    ia3 = tmp_path / "ia3.json"
+    ia3.write_text('{"algo": "ia3"}')  # trains, but lycoris-lora cannot load its file back
+    with pytest.raises(ConfigError, match="cannot load its saved file back"):
+        load_config(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(ia3)))
 
 
 def test_lora_target_modules_that_name_no_layer_are_refused_before_any_model_loads(tmp_path, dataset, capsys):

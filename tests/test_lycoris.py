@@ -272,3 +272,9 @@ def test_a_lycoris_config_that_cannot_build_fails_before_any_model_loads(tmp_pat
     pro = config("pro", SIMPLETUNER_GENERIC, model_family="kandinsky5-video", model_flavour="t2v-pro-sft-5s-hd")
     assert main(["check", "--config", str(pro)]) == 2
     assert "matches no module of the kandinsky5-video transformer" in capsys.readouterr().err
+    # lycoris-lora's own refusal (BOFT's factor against the tiny Lumina2's 48-wide layers): said with the file, by check
+    boft = config("boft", {"algo": "boft", "linear_dim": 4, "factor": 4})
+    assert main(["check", "--config", str(boft)]) == 2
+    assert "boft.json: lycoris-lora cannot build this network on the lumina2 transformer (ValueError: It is " \
+        "impossible to decompose 48" in capsys.readouterr().err
+    assert main(["check", "--config", str(config("full", {"algo": "full"}))]) == 0  # reads weights: checked at load

@@ -110,12 +110,15 @@ class LycorisAdapter:
     """A LyCORIS network (lokr, loha, locon, ...) from the `lycoris_config` JSON file."""
 
     def __init__(self, cfg: TrainConfig, family: Family, transformer: Any):
-        from difftune.adapters.lycoris import attach_lycoris
+        from difftune.adapters.lycoris import LycorisConfigError, attach_lycoris, unbuildable
 
         self.cfg, self.transformer = cfg, transformer
         self.config = json.loads(Path(cfg.lycoris_config).read_text(encoding="utf-8-sig"))
-        self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family,
-                                                   bypass=cfg.base_model_precision != "no_change")
+        try:
+            self.network, self.params = attach_lycoris(transformer, self.config, family=cfg.model_family,
+                                                       bypass=cfg.base_model_precision != "no_change")
+        except (ValueError, TypeError, AssertionError, NotImplementedError) as e:
+            raise LycorisConfigError(unbuildable(cfg.lycoris_config, cfg.model_family, e)) from e
         self.warnings: list[str] = self.network.difftune_warnings  # LyCORIS's own (setup emits them as events)
 
     def parameters(self) -> list[torch.nn.Parameter]:

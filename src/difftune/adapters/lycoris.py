@@ -268,6 +268,13 @@ class LycorisConfigError(ComponentError):
     """A lycoris_config whose network does not fit the model (exit code 2 with the message)."""
 
 
+def unbuildable(path: Any, family: str, e: Exception) -> str:
+    """lycoris-lora's refusal to build a file's network on this transformer (BOFT's factor against a layer width,
+    say), said with the file: it was a traceback after the caches had filled."""
+    return (f"{path}: lycoris-lora cannot build this network on the {family} transformer ({type(e).__name__}: "
+            f"{e}); change the file's algo or its keys (linear_dim, factor, ...)")
+
+
 def check_preset(cfg: Any, build_tiny: bool = True) -> None:
     """Before any model loads (`difftune check` too): the network is built on the transformer on the meta device (no
     weights), so an apply_preset that matches no module (SimpleTuner's generic 'Attention', 'FeedForward' classes)
@@ -288,8 +295,12 @@ def check_preset(cfg: Any, build_tiny: bool = True) -> None:
         with torch.device("meta"), preset_applied(applied), warnings_kept() as warned:
             network = create_lycoris(transformer, positional["multiplier"], positional["linear_dim"],
                                      positional["linear_alpha"], **kwargs)
-    except Exception:  # noqa: BLE001 - an algo that reads the weights it wraps (full) cannot build on meta: checked at load
-        return
+    except NotImplementedError:  # an algo that reads the weights it wraps (full, dora_wd) cannot build on meta:
+        return  # checked when it loads
+    except (ValueError, TypeError, AssertionError, RuntimeError) as e:  # what the file asks cannot be built here
+        if "meta" in str(e):
+            return  # an operation without data (item() of a meta tensor): checked when it loads
+        raise LycorisConfigError(unbuildable(cfg.lycoris_config, cfg.model_family, e)) from e
     finally:
         logger.setLevel(level)
     if network.loras:

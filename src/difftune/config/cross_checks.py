@@ -81,6 +81,13 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
             raise ValueError(f"{cfg.lycoris_config}: algo 'full' trains the weights themselves, which a quantized "
                              f"base (base_model_precision {cfg.base_model_precision!r}) does not have: use "
                              "base_model_precision 'no_change', or another algo (lokr, loha, locon)")
+        if lycoris_file.uses_dora(data) and cfg.base_model_precision != "no_change":
+            # LyCORIS' bypass mode (how it trains beside quantized weights) leaves the decomposition out: the
+            # magnitudes stayed as initialised, and were read from the packed bytes of an nf4 weight
+            raise ValueError(f"{cfg.lycoris_config}: dora_wd (weight decomposition) is not trained on a quantized "
+                             f"base (base_model_precision {cfg.base_model_precision!r}): LyCORIS runs its modules "
+                             "beside quantized weights without it; remove dora_wd, or use base_model_precision "
+                             "'no_change' (or a LoRA with use_dora, which trains on a quantized base)")
     if cfg.lora_format == "comfyui" and cfg.model_type != "lora":
         raise ValueError("lora_format 'comfyui' applies to LoRA and LyCORIS (model_type lora); a full fine-tune "
                          "saves a diffusers transformer folder")

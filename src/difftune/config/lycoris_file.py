@@ -19,6 +19,20 @@ CREATE_KWARGS = frozenset({
 ALGOS = ("boft", "diag-oft", "dylora", "full", "glora", "ia3", "locon", "loha", "lokr", "lora", "tlora")
 
 
+# Algorithms lycoris-lora builds and trains but cannot load back from their saved file: the run's result would load
+# nowhere (not with create_lycoris_from_weights, the model card's code, nor a resume)
+UNLOADABLE = {"ia3": "algo 'ia3' trains, but lycoris-lora (4.1.3) cannot load its saved file back (IA3Module."
+                     "make_module_from_state_dict is called with an argument it does not take), so neither diffusers "
+                     "nor a resume could use the result; use another algo (lokr, loha, locon)"}
+
+
+def uses_dora(data: Mapping[str, Any]) -> bool:
+    """Whether the network decomposes weights (`dora_wd`, on the file or in apply_preset's module_algo_map)."""
+    maps = (data.get("apply_preset") or {}).get("module_algo_map") or {}
+    per_module = [v for v in maps.values() if isinstance(v, Mapping)] if isinstance(maps, Mapping) else []
+    return any(bool(d.get("dora_wd")) for d in [data, *per_module])
+
+
 def algo_of(data: Mapping[str, Any]) -> str:
     """The algorithm as create_lycoris reads it: lower-cased, 'lora' when unset or null ("LoKr" trains LoKr)."""
     return str(data.get("algo") or "lora").lower()
@@ -34,6 +48,8 @@ def problem(data: Any) -> str | None:
         return "must be a JSON object with at least 'algo' (lokr, loha, locon, ...)"
     if algo_of(data) not in ALGOS:
         return f"algo {data['algo']!r} is not a LyCORIS algorithm; use one of {', '.join(ALGOS)}"
+    if algo_of(data) in UNLOADABLE:
+        return UNLOADABLE[algo_of(data)]
     unknown = sorted(set(data) - set(known_keys()))
     if unknown:
         return f"unknown key(s) {unknown}; known: {known_keys()}"
