@@ -172,6 +172,19 @@ def test_precision_settings_are_typed(tmp_path, dataset):
     assert (cfg.text_encoder_2_precision, cfg.base_model_precision) == ("no_change", "no_change")
 
 
+def test_fp16_weights_under_bf16_autocast_on_a_quantized_base_are_refused(tmp_path, dataset):
+    """The quantized layers computed in fp16 beside bf16 activations: the first step failed in torch.stack
+    (autocast cannot combine fp16 with bf16), after loading and caching."""
+    with pytest.raises(ConfigError, match="mixes fp16 and bf16, which autocast cannot combine; set "
+                                          "base_model_default_dtype to 'bf16'"):
+        load_config(write_config(tmp_path, dataset, base_model_precision="int8-quanto", mixed_precision="bf16",
+                                 base_model_default_dtype="fp16"))
+    for ok in ({"base_model_precision": "no_change"}, {"base_model_default_dtype": "bf16"},
+               {"base_model_default_dtype": "fp32"}):
+        load_config(write_config(tmp_path, dataset, **{"base_model_precision": "int8-quanto", "mixed_precision": "bf16",
+                                                       "base_model_default_dtype": "fp16", **ok}))
+
+
 def test_nf4_without_bitsandbytes_is_a_config_error(tmp_path, dataset, monkeypatch):
     import importlib.util
 

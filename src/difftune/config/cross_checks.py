@@ -53,6 +53,14 @@ def cross_checks(cfg: TrainConfig, spellings: dict[str, str] | None = None) -> N
                              "base_model_default_dtype to 'bf16' or 'fp32'")
         raise ValueError("a full fine-tune cannot update fp16 weights; use mixed_precision 'bf16', or keep "
                          "mixed_precision 'fp16' with base_model_default_dtype 'fp32' (classic fp16 autocast)")
+    halves = {cfg.base_model_default_dtype, cfg.mixed_precision}
+    if cfg.base_model_precision != "no_change" and halves == {"fp16", "bf16"}:
+        # the quantized layers compute in the weights' half type beside activations autocast to the other one, and
+        # autocast cannot combine fp16 with bf16 (torch.stack's "Unexpected floating ScalarType" at the first step)
+        raise ValueError(f"base_model_default_dtype {cfg.base_model_default_dtype!r} with mixed_precision "
+                         f"{cfg.mixed_precision!r} on a quantized base (base_model_precision "
+                         f"{cfg.base_model_precision!r}) mixes fp16 and bf16, which autocast cannot combine; set "
+                         f"base_model_default_dtype to {cfg.mixed_precision!r} (or 'fp32'), or remove it")
     if cfg.model_type == "full" and cfg.base_model_precision != "no_change":
         raise ValueError(f"a full fine-tune cannot train quantized weights (base_model_precision "
                          f"{cfg.base_model_precision!r}); use model_type 'lora' (or lora_type 'lycoris') "
