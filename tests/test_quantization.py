@@ -267,6 +267,59 @@ def test_the_memory_line_counts_the_layers_quantized():
     assert "(2 of 3 linear layers, quantized on the CPU)" in said[0], said
 
 
+class Blocks(torch.nn.Module):
+    """A transformer's shape: blocks in a ModuleList beside an embedder and a final projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Sequential(torch.nn.Linear(32, 64))
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                                              torch.nn.Linear(64, 64)) for _ in range(4))
+        self.proj_out = torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.proj_out(x)
+
+
+@pytest.mark.parametrize("precision", ["int8-quanto", "int8-torchao", "nf4-bnb"])
+def test_quantize_via_accelerator_holds_one_block_at_full_precision(precision, monkeypatch):
+    """quantize_via 'accelerator' moved the whole full-precision transformer there first (Kandinsky 5 Pro: 40 GiB in
+    bf16, with block streaming meant to keep it in CPU memory). A block at a time now, to the same result as 'cpu'."""
+    from difftune.models.quantize import quantize_frozen
+
+    torch.manual_seed(0)
+    plain, x = Blocks(), torch.randn(3, 32)
+    block = sum(p.numel() * p.element_size() for p in plain.blocks[0].parameters())
+    results, moved = {}, []
+    real_to = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):  # what each move to the accelerator carries at full precision
+        if args and str(args[0]) == "cpu":  # the test's accelerator is the CPU
+            moved.append(sum(p.numel() * p.element_size() for name, p in module.named_parameters()
+                             if type(p) in (torch.Tensor, torch.nn.Parameter) and type(p.data) is torch.Tensor
+                             and p.dtype == torch.float32 and p.dim() == 2))
+        return real_to(module, *args, **kwargs)
+
+    for via in ("cpu", "accelerator"):
+        model = Blocks()
+        model.load_state_dict(plain.state_dict())
+        said = []
+        monkeypatch.setattr(torch.nn.Module, "to", to if via == "accelerator" else real_to)
+        quantize_frozen(model, precision, via, torch.device("cpu"), False,
+                        lambda kind, message, said=said, **kw: said.append(message), "transformer",
+                        "base_model_precision")
+        monkeypatch.setattr(torch.nn.Module, "to", real_to)
+        with torch.no_grad():
+            results[via] = (model(x), said[0].split("MiB (")[1])
+    assert torch.equal(results["cpu"][0], results["accelerator"][0])
+    assert results["cpu"][1].startswith("10 of 10 linear layers") and \
+        results["accelerator"][1] == results["cpu"][1].replace("CPU", "accelerator")
+    assert moved and max(moved) <= block, (moved, block)  # never the whole model's 2-D float weights
+
+
 def test_weight_bytes_count_quantized_tensors():
     from optimum.quanto import freeze, qint8, quantize
 

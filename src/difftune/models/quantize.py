@@ -35,7 +35,7 @@ def _quanto(weights: str) -> Callable[[torch.nn.Module, list[str]], None]:
             names = [n for n in names if getattr(module.get_submodule(n), "in_features", 16) % 16 == 0]
         quanto.quantize(module, weights=getattr(quanto, weights), include=names)
         quanto.freeze(module)  # the quantized weights replace the float ones
-        for layer in module.modules():
+        for layer in map(module.get_submodule, names):  # these alone: a module quantized in pieces comes here again
             if isinstance(layer, quanto.QModuleMixin):
                 layer.register_forward_pre_hook(_aligned_input)
                 layer.register_forward_hook(_autocast_back, always_call=True)
@@ -150,6 +150,17 @@ def _quantized(layer: torch.nn.Module) -> bool:
     return type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(weight.data) is not torch.Tensor
 
 
+def _pieces(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, piece): each item of the module's ModuleLists (a transformer's blocks) and each other child, but for
+    linear layers (a piece is quantized as a module of its own: its linear layers are below it)."""
+    out = []
+    for name, child in module.named_children():
+        items = child.named_children() if isinstance(child, torch.nn.ModuleList) else [("", child)]
+        out += [(f"{name}.{sub}" if sub else name, piece) for sub, piece in items
+                if not isinstance(piece, torch.nn.Linear)]
+    return out
+
+
 def quantized_layers(module: torch.nn.Module) -> list[str]:
     """Names of the layers to quantize: every nn.Linear (the bulk of a transformer's weights)."""
     return [name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -162,22 +173,34 @@ def quantize_frozen(
     """Quantize a frozen module's linear layers in place (nothing at 'no_change').
 
     via 'cpu': quantize where it was loaded (the CPU), so the accelerator never holds the full-precision
-    module; 'accelerator': move it there first (faster on a GPU). `park`: leave it on the CPU afterwards.
-    `emit`: the events' emit, for the memory line; `what` names the module in it, `key` the setting."""
+    module; 'accelerator': on the accelerator (faster on a GPU), a block at a time, so that it holds one block at
+    full precision beside the quantized ones, not the whole module (Kandinsky 5 Pro's 40 GiB in bf16, with block
+    streaming meant to keep it in CPU memory). `park`: leave it on the CPU afterwards. `emit`: the events' emit, for
+    the memory line; `what` names the module in it, `key` the setting."""
     if precision == "no_change":
         return
     before = weight_bytes(module)
     module.requires_grad_(False)
+    layers = every = quantized_layers(module)
     if via == "accelerator":
+        pieces = _pieces(module)
+        for _, piece in pieces:
+            if own := quantized_layers(piece):
+                piece.to(device)
+                QUANTIZERS[precision](piece, own)
+                if park:
+                    piece.to("cpu")
+        # the linear layers outside the pieces (a final projection), with the module, quantized but for them
+        layers = [n for n in layers if not any(n.startswith(f"{prefix}.") for prefix, _ in pieces)]
         module.to(device)
-    layers = quantized_layers(module)
-    QUANTIZERS[precision](module, layers)
+    if layers:
+        QUANTIZERS[precision](module, layers)
     if park:
         module.to("cpu")
     after = weight_bytes(module)
-    done = sum(map(_quantized, (module.get_submodule(name) for name in layers)))  # int8-quanto keeps some (_quanto)
+    done = sum(map(_quantized, (module.get_submodule(name) for name in every)))  # int8-quanto keeps some (_quanto)
     emit("info", message=f"{key} {precision}: {what} weights {before / 2**20:.1f} MiB -> "
-                         f"{after / 2**20:.1f} MiB ({done} of {len(layers)} linear layers, "
+                         f"{after / 2**20:.1f} MiB ({done} of {len(every)} linear layers, "
                          f"quantized on the {'accelerator' if via == 'accelerator' else 'CPU'})",
          bytes_before=before, bytes_after=after, module=what)
 

@@ -235,7 +235,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     park = cfg.offload_during_startup or cfg.enable_model_cpu_offload  # the transformer waits while caches fill
     # Before it reaches the accelerator (quantize_via 'cpu') and before any adapter wraps its layers.
     quantize_transformer(comps.transformer, cfg.base_model_precision, cfg.quantize_via, device,
-                         park=park, emit=events.emit)
+                         park=park or bool(cfg.enable_group_offload or cfg.musubi_blocks_to_swap), emit=events.emit)
     # Before any caption is encoded (the text cache's fingerprint holds these precisions).
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
