@@ -273,13 +273,14 @@ class Blocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Sequential(torch.nn.Linear(32, 64))
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
-                                                              torch.nn.Linear(64, 64)) for _ in range(4))
+        self.model = torch.nn.Module()  # blocks one level down, as a text encoder's layers are
+        self.model.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                                                    torch.nn.Linear(64, 64)) for _ in range(4))
         self.proj_out = torch.nn.Linear(64, 16)
 
     def forward(self, x):
         x = self.embed(x)
-        for block in self.blocks:
+        for block in self.model.blocks:
             x = x + block(x)
         return self.proj_out(x)
 
@@ -292,7 +293,7 @@ def test_quantize_via_accelerator_holds_one_block_at_full_precision(precision, m
 
     torch.manual_seed(0)
     plain, x = Blocks(), torch.randn(3, 32)
-    block = sum(p.numel() * p.element_size() for p in plain.blocks[0].parameters())
+    block = sum(p.numel() * p.element_size() for p in plain.model.blocks[0].parameters())
     results, moved = {}, []
     real_to = torch.nn.Module.to
 

@@ -150,14 +150,19 @@ def _quantized(layer: torch.nn.Module) -> bool:
     return type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(weight.data) is not torch.Tensor
 
 
-def _pieces(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, piece): each item of the module's ModuleLists (a transformer's blocks) and each other child, but for
-    linear layers (a piece is quantized as a module of its own: its linear layers are below it)."""
+def _pieces(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.nn.Module]]:
+    """(name, piece): each item of the module's ModuleLists (a transformer's blocks, a text encoder's layers, however
+    deep) and each other child that holds none, but for linear layers (a piece is quantized as a module of its own:
+    its linear layers are below it)."""
     out = []
     for name, child in module.named_children():
-        items = child.named_children() if isinstance(child, torch.nn.ModuleList) else [("", child)]
-        out += [(f"{name}.{sub}" if sub else name, piece) for sub, piece in items
-                if not isinstance(piece, torch.nn.Linear)]
+        if isinstance(child, torch.nn.ModuleList):
+            out += [(f"{prefix}{name}.{sub}", item) for sub, item in child.named_children()
+                    if not isinstance(item, torch.nn.Linear)]
+        elif any(isinstance(m, torch.nn.ModuleList) for m in child.modules()):
+            out += _pieces(child, f"{prefix}{name}.")
+        elif not isinstance(child, torch.nn.Linear):
+            out.append((f"{prefix}{name}", child))
     return out
 
 
@@ -184,7 +189,7 @@ def quantize_frozen(
     layers = every = quantized_layers(module)
     if via == "accelerator":
         pieces = _pieces(module)
-        for _, piece in pieces:
+        for piece in {id(p): p for _, p in pieces}.values():  # a module registered under two names: once
             if own := quantized_layers(piece):
                 piece.to(device)
                 QUANTIZERS[precision](piece, own)
