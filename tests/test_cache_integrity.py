@@ -385,6 +385,24 @@ def test_a_damaged_validation_prompt_embedding_is_encoded_again(tmp_path, datase
     run.events.close()
 
 
+def test_a_complete_text_cache_keeps_the_text_encoders_off_the_accelerator(tmp_path, dataset, monkeypatch):
+    """Every text encoder went to the accelerator at each start, captions cached or not: `difftune plan`'s advice to
+    fill the text cache on a larger GPU once could not help a smaller one (Qwen2.5-VL: 15 GiB)."""
+    import torch
+
+    config = write_config(tmp_path, dataset, max_train_steps=1, validation_prompt="a red circle",
+                          validation_negative_prompt="blurry")
+    moved: list[str] = []
+    real_to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda m, *a, **k: moved.append(type(m).__name__) or real_to(m, *a, **k))
+    build_run(load_config(config)).events.close()
+    text_encoder = "Gemma2Model"  # Lumina2's
+    assert text_encoder in moved  # the first start encodes
+    moved.clear()
+    build_run(load_config(config)).events.close()
+    assert moved and text_encoder not in moved, moved  # the second encodes nothing
+
+
 def test_a_start_reads_each_entry_header_once(tmp_path, monkeypatch):
     """A start asked has() of each entry several times, each an open and a header parse (5 per image, 100,000 opens
     for 20,000 images): once found whole, a stat answers; a deleted entry is missing again."""

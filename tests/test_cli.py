@@ -298,3 +298,13 @@ def test_a_process_that_lost_process_0_says_one_line(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         cli.main(["check"])
+
+
+def test_plan_and_cache_say_the_configs_notes(tmp_path, dataset, capsys):
+    """`difftune cache --resolution 96` (every dataset sets its own) changed nothing and said nothing."""
+    from difftune.cli import main
+
+    path = write_config(tmp_path, dataset, max_train_steps=1)
+    for command in ("plan", "cache"):
+        assert main([command, "--config", str(path), "--resolution", "96"]) == 0
+        assert "note: the command line's resolution applies to no dataset" in capsys.readouterr().out, command

@@ -183,3 +183,6 @@ def test_a_config_level_dataset_key_every_dataset_overrides_is_noted(tmp_path, d
     assert note.startswith("config.json's resolution, resolution_type apply to no dataset: every image or video")
     kept = load_config(write_config(tmp_path, dataset, minimum_image_size=8))  # the entry sets none: it applies
     assert not [n for n in kept.notes() if "no dataset" in n]
+    given = load_config(write_config(tmp_path, dataset), {"resolution": 96})  # `difftune cache --resolution 96`
+    (note,) = [n for n in given.notes() if "to no dataset" in n]
+    assert note.startswith("the command line's resolution applies to no dataset") and "from the command line" in note

@@ -91,6 +91,11 @@ def test_the_report_labels_eval_datasets_and_the_planner_ignores_them(tmp_path, 
     assert "held" in report and "(eval: measured, never trained on)" in report.split("held", 1)[1].splitlines()[0]
     trained = max(s.group for s in found[0].samples)
     assert largest_bucket(found, run_cfg.train) == trained != max(s.group for s in found[1].samples)
+    # but its latents are cached as the trained ones are: the VAE's phase encodes its larger images
+    from difftune.memory_plan.predict import predict
+
+    caching = next(p for p in predict(run_cfg.train, found).phases if p.name == "caching: latents")
+    assert any(line.label.startswith("VAE encode (128x128") for line in caching.lines), caching.lines
 
 
 def test_eval_loss_disable_leaves_the_eval_datasets_out(tmp_path, dataset, held):

@@ -460,3 +460,43 @@ def test_gpu_memory_keeps_room_for_the_cuda_context(real_cfg):
     kept = choose(real_cfg, None, card, 1, before, reserve_for(card))
     assert kept.fits and kept.steps and kept.after.peak <= (card - reserve_for(card)) * GIB
     assert kept.reserve == reserve_for(card)
+
+
+def test_fsdp_keeps_the_cheaper_levers_and_nothing_fits_says_the_lowest_set(tmp_path, capsys):
+    """On 8 processes FSDP's rung dropped offload_during_startup (and the rest chosen before it): a K5 Image full
+    fine-tune that fits in 24 GiB was "nothing fits" (28.23 GiB: the transformer beside the text encoder while
+    caching), and that message named the last set tried, not the lowest, without printing it."""
+    from difftune.demo import make_dataset
+    from difftune.memory_plan.render import render
+
+    make_dataset(tmp_path / "images", count=2)
+    cfg = load_config(write_config(tmp_path, tmp_path / "images", model_family="kandinsky5-image",
+                                   model_flavour="t2i-lite-sft", mixed_precision="bf16", model_type="full",
+                                   optimizer="adamw_bf16", train_batch_size=8, dataset={"resolution": 1024})).train
+    choice = choose(cfg, None, 24, 8)
+    assert choice.fits and choice.settings() == {"offload_during_startup": True, "gradient_checkpointing": True,
+                                                 "fsdp_enable": True}, choice.settings()
+    tight = choose(cfg, None, 4, 8)
+    assert not tight.fits and tight.frugal
+    lowest = predict(cfg.model_copy(update=tight.frugal), None, 8).peak
+    assert f"still need {lowest / GIB:.2f} GiB" in tight.message
+    for settings in (dict(s) for rung in ladder(cfg, predict(cfg, None, 8), 8) for s in rung):
+        candidate = _valid(cfg, settings)
+        assert candidate is None or predict(candidate, None, 8).peak >= lowest - 1  # none tried is lower
+    render(predict(cfg, None, 8), tight)
+    out = capsys.readouterr().out
+    assert "the most frugal settings tried:" in out and '"fsdp_enable": true' in out
+
+
+def test_fsdp_ram_efficient_loading_keeps_the_transformer_out_of_the_caching_phases(real_cfg):
+    """train/setup.py leaves the transformer in process 0's CPU memory (meta elsewhere) until it is sharded; the
+    planner counted it resident while the caches filled (Kandinsky 5 Pro: 40 GiB)."""
+    cfg = real_cfg.model_copy(update={"fsdp_enable": True, "model_type": "full", "optimizer": "adamw_bf16"})
+
+    def resident(cfg, processes):
+        phases = [p for p in predict(cfg, None, processes).phases if p.name.startswith("caching")]
+        return [any("resident" in line.label for line in p.lines) for p in phases]
+
+    assert resident(cfg, 4) == [True, True]
+    efficient = cfg.model_copy(update={"fsdp_cpu_ram_efficient_loading": True})
+    assert resident(efficient, 4) == [False, False] and resident(efficient, 1) == [True, True]

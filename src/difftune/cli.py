@@ -373,6 +373,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     except ValueError as e:  # e.g. an architecture without a config or coefficients: said, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in run_cfg.notes():  # as check says them: an override that changes nothing, a key not used
+        print(f"note: {note}")
     render(prediction, choice)
     return PLAN_DOES_NOT_FIT if choice is not None and not choice.fits else 0
 
@@ -387,6 +389,8 @@ def cmd_cache(args: argparse.Namespace, rest: list[str]) -> int:
                            "between the processes"])
     run_cfg = _load(args, rest)
     quiet_libraries()
+    for note in run_cfg.notes():
+        print(f"note: {note}")
     import torch
 
     from difftune.train.plan import cache_everything

@@ -220,7 +220,7 @@ def _entry_where(path: Path, entry: dict[str, Any], index: int) -> str:
 
 def load_datasets(
     path: Path, problems: list[str], family: str | None = None, defaults: dict[str, Any] | None = None,
-    output_dir: str | None = None,
+    output_dir: str | None = None, given_on: Callable[[str], bool] = lambda key: False,
 ) -> DatasetPlan | None:
     """The dataset list at `path`. `family` fills `{model_family}` and names the default text cache, `output_dir`
     fills `{output_dir}` (SimpleTuner's web UI writes it and `{id}` in cache folders);
@@ -365,8 +365,9 @@ def load_datasets(
     # caption_strategy that type 'huggingface' entries do not take)
     if overridden:  # SimpleTuner's meaning (the dataset's own wins), said: nothing silently unused
         one = len(overridden) == 1
-        notes.append(f"config.json's {', '.join(overridden)} appl{'ies' if one else 'y'} to no dataset: every image "
-                     f"or video dataset in {path} sets its own; remove {'it' if one else 'them'} from config.json, "
+        source = "the command line" if all(map(given_on, overridden)) else "config.json"  # `--resolution 96`
+        notes.append(f"{source}'s {', '.join(overridden)} appl{'ies' if one else 'y'} to no dataset: every image "
+                     f"or video dataset in {path} sets its own; remove {'it' if one else 'them'} from {source}, "
                      "or from the datasets that should take it")
     return DatasetPlan(images=images, evaluation=held_out, text_embeds=chosen, conditioning=conditioning,
                        all_text_embeds=named_embeds, notes=notes, generated=generated)
@@ -542,7 +543,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             plan = load_datasets(Path(train.data_backend_config), problems, train.model_family,
                                  dataset_defaults(train.model_dump(include=set(DATASET_DEFAULT_KEYS)))
                                  | {"text_encoder_batch_size": train.text_encoder_batch_size,
-                                    "cache_dir_text": train.cache_dir_text}, train.output_dir)
+                                    "cache_dir_text": train.cache_dir_text}, train.output_dir,
+                                 given_on=lambda key: where_of(key) == COMMAND_LINE)
         except ConfigError as e:
             problems.extend(e.problems)
     if train is not None and plan is not None:

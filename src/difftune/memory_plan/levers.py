@@ -152,7 +152,10 @@ def ladder(cfg: Any, before: Prediction, processes: int) -> list[list[dict[str, 
             rungs.append([{**base, "enable_group_offload": True, "group_offload_blocks_per_group": k}
                           for k in (8, 4, 2, 1)])
     if processes > 1 and _has(cfg, "fsdp_enable"):
-        rungs.append([{"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}])
+        # with the cheaper levers so far (offload_during_startup, unsloth: FSDP takes them), quantization aside
+        # (FSDP shards plain weights); the bare set where a kept one is refused with FSDP
+        sharded = {"gradient_checkpointing": True, "fsdp_enable": True, "base_model_precision": "no_change"}
+        rungs.append([sharded, {**base, **sharded}] if {**base, **sharded} != sharded else [sharded])
     if not full and _has(cfg, "enable_group_offload") and \
             (int4 := _accepted(cfg, {**base, "enable_group_offload": True}, ("int4-quanto", "nf4-bnb"))):
         rungs.append([{**base, "base_model_precision": int4, "enable_group_offload": True,
@@ -216,12 +219,14 @@ def _choose(cfg: Any, found: list[Any] | None, gigabytes: float, processes: int,
     kept = f" ({reserve:g} GiB kept free)" if reserve else ""
     if before.peak <= limit:
         return Choice(True, gigabytes, before, before, [], "fits as it is: no lever needed", reserve)
-    frugal, frugal_changes = before, {}  # the prediction of the last (most frugal) set tried, and that set
+    frugal, frugal_changes = before, {}  # the lowest prediction of the sets tried, and that set
     for rung in ladder(cfg, before, processes):
         # a rung's alternatives save more and more (more blocks swapped, smaller groups): bisect for the first
         options = [(changes, candidate) for changes in rung if (candidate := _valid(cfg, changes)) is not None]
-        if options:
-            frugal, frugal_changes = predict(options[-1][1], found, processes), options[-1][0]
+        # the rung's most frugal option, kept when it is the lowest so far (a later rung's can be higher: FSDP
+        # drops the quantization of the rungs before it)
+        if options and (most := predict(options[-1][1], found, processes)).peak < frugal.peak:
+            frugal, frugal_changes = most, options[-1][0]
         low, high, best = 0, len(options) - 1, None
         while low <= high:
             middle = (low + high) // 2
@@ -264,10 +269,14 @@ def _beyond(cfg: Any, frugal: Prediction, processes: int) -> str:
     if frugal.peak_phase.startswith("caching: text"):
         return ("; more processes do not divide the text encoders: text_encoder_1_precision (and _2) int8-quanto "
                 "quantizes them (other embeddings: the specs keep Qwen2.5-VL at no_change), or fill the text "
-                "cache on a larger GPU once (`difftune cache`; training reuses it)")
+                "cache on a larger GPU once (`difftune cache`: training then keeps the text encoders off this GPU; "
+                "this plan still counts their phase)")
     if frugal.peak_phase.startswith("caching"):
         return "; the VAE's phase: lower vae_batch_size, or fill the latent cache on a larger GPU once (`difftune cache`)"
-    if processes > 1 or not _has(cfg, "fsdp_enable"):
+    if not _has(cfg, "fsdp_enable") or _valid(cfg, {"fsdp_enable": True, "gradient_checkpointing": True,
+                                                     "base_model_precision": "no_change"}) is None:
+        return ""  # FSDP is refused with this config (EMA, a LyCORIS network, ...): no hint to follow
+    if processes > 1:
         return " (more processes with fsdp_enable would divide the weights)"
     return " (run on more GPUs: --processes N with fsdp_enable)"
 

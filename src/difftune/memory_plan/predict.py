@@ -305,10 +305,11 @@ def activation_bytes(cfg: Any, arch: A.Architecture, blocks: A.Blocks, tokens: i
 # --- the phases -----------------------------------------------------------------------------------------
 
 
-def largest_bucket(found: list[Any] | None, cfg: Any) -> tuple[int, ...]:
+def largest_bucket(found: list[Any] | None, cfg: Any, held_out: bool = False) -> tuple[int, ...]:
     """The largest (width, height[, frames]) group of the trained samples; the validation size without data. Eval
-    datasets (held out) are left out: they are measured without gradients, far below a training step's peak."""
-    groups = [s.group for d in (found or []) if not d.held_out for s in d.samples]
+    datasets (held out) are left out, unless `held_out`: they are measured without gradients, far below a training
+    step's peak, but their latents are cached as the trained ones are (the VAE's phase)."""
+    groups = [s.group for d in (found or []) if held_out or not d.held_out for s in d.samples]
     if not groups:
         w, h = max(cfg.validation_sizes(), key=lambda s: s[0] * s[1])
         if FAMILY_FACTS[cfg.model_family].video:  # clips of the validation length (the schema's default: 61)
@@ -391,7 +392,7 @@ def predict(cfg: Any, found: list[Any] | None = None, processes: int = 1) -> Pre
         training.add("VAE (latents encoded during training)", vae_bytes(cfg),
                      "vae_cache_disable, vae_cache_clear_each_epoch or vae_cache_ondemand: it encodes batches")
 
-    caching = caching_phase(cfg, arch, bucket, transformer)
+    caching = caching_phase(cfg, arch, largest_bucket(found, cfg, held_out=True), transformer, processes)
     kept = resident / shards + adapter_bytes / shards + opt / shards + ema
     # sampling runs only with something to sample (the main prompt and the libraries), so it is no phase without
     validation = [validation_phase(cfg, arch, blocks, coefficients, kept, text)] if cfg.validation_prompts() else []
@@ -424,8 +425,9 @@ def streaming(cfg: Any, blocks: A.Blocks) -> tuple[int, int, str]:
     if getattr(cfg, "enable_group_offload", False):
         per_group = getattr(cfg, "group_offload_blocks_per_group", 1) or 1
         out = sum(blocks.bytes_each[s] * n for s, n in blocks.count.items())
-        kept = 2 * per_group * max(blocks.bytes_each.values())
-        return out, min(kept, out), f"every block streams; 2 groups of {per_group} held"
+        held = 2 if getattr(cfg, "group_offload_use_stream", False) else 1  # the next one prefetched, or none
+        kept = held * per_group * max(blocks.bytes_each.values())
+        return out, min(kept, out), f"every block streams; {held} group{'s' if held > 1 else ''} of {per_group} held"
     swap = getattr(cfg, "musubi_blocks_to_swap", None) or 0
     if swap:
         last = list(blocks.count)[-1]
@@ -485,10 +487,14 @@ def vae_bytes(cfg: Any) -> int:
     return _vae_bytes(cfg.model_family, cfg.model_source(), cfg.flavour(), vae_dtype_name(cfg), _Key(cfg))
 
 
-def caching_phase(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], transformer: int) -> list[Phase]:
+def caching_phase(cfg: Any, arch: A.Architecture, bucket: tuple[int, ...], transformer: int,
+                  processes: int = 1) -> list[Phase]:
     # train/setup.py: the transformer waits in CPU memory while the caches fill with offload_during_startup,
-    # model CPU offload, or block streaming (which takes its blocks' weights after caching)
-    parked = cfg.offload_during_startup or any(getattr(cfg, k, None) for k in (
+    # model CPU offload, block streaming (which takes its blocks' weights after caching), or FSDP's RAM-efficient
+    # loading (in process 0's CPU memory, on the meta device elsewhere, until it is sharded)
+    ram_efficient = getattr(cfg, "fsdp_enable", False) and getattr(cfg, "fsdp_cpu_ram_efficient_loading", False) \
+        and processes > 1
+    parked = cfg.offload_during_startup or ram_efficient or any(getattr(cfg, k, None) for k in (
         "enable_model_cpu_offload", "enable_group_offload", "musubi_blocks_to_swap"))
     startup = 0 if parked else transformer
     text = Phase("caching: text")

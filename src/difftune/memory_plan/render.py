@@ -42,6 +42,9 @@ def render(prediction: Prediction, choice: Choice | None, console: Console | Non
         return
     if not choice.fits:
         console.print(f"[bold red]{choice.message}[/]")
+        if choice.frugal:  # what that lowest peak was predicted with
+            console.print("the most frugal settings tried:")
+            console.print(json.dumps(choice.frugal, indent=2), markup=False)
         return
     kept = (f", keeping {choice.reserve:g} GiB free for the CUDA context and fragmentation (not predicted)"
             if choice.reserve else "")
@@ -74,7 +77,7 @@ def as_json(prediction: Prediction, choice: Choice | None) -> dict[str, Any]:
     if choice is not None:
         out["choice"] = {"fits": choice.fits, "gigabytes": choice.gigabytes, "reserve_gigabytes": choice.reserve,
                          "message": choice.message,
-                         "settings": choice.settings(),
+                         "settings": choice.settings(), "frugal": choice.frugal,
                          "steps": [{"key": s.key, "value": s.value, "saving_bytes": s.saving, "cost": s.why,
                                     "phase": s.phase}
                                    for s in choice.steps],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ def negative_cache(text_cache: TensorCache) -> TensorCache:
 
 def encode_validation(
     run_cfg: RunConfig, family: Family, comps: Components, text_cache: TensorCache, found: list[Discovery],
-    events: Events | None = None,
+    events: Events | None = None, before_encoding: Callable[[], None] = lambda: None,
 ) -> list[SampleRequest]:
     cfg = run_cfg.train
     prompts = cfg.validation_prompts()
@@ -71,7 +71,8 @@ def encode_validation(
                    if family.facts.video else (0, 0.0))
 
     def encode(negative: bool):
-        return lambda texts, images: family.encode_text(comps, texts, negative=negative, images=images)
+        return lambda texts, images: (before_encoding(), family.encode_text(comps, texts, negative=negative,
+                                                                             images=images))[1]
 
     # The pipelines resize their input image to the sample's size, stretching it, and the image-to-image text encoder
     # sees it whole (a 4032x3024 photo fills its token budget): like a training input, it is resized to cover each
@@ -142,15 +143,23 @@ def fill_caches(
     identity = family.identity(comps)
     text_identity = text_cache_identity(identity["text"], cfg.text_encoder_precisions())
     text_caches: dict[str, TensorCache] = {}
-    for module in comps.text_modules():
-        module.to(device)
+    placed: list[bool] = []
+
+    def on_device() -> None:
+        # the text encoders reach the accelerator only when a caption is to be encoded: with a complete text cache
+        # (filled once on a larger GPU by `difftune cache`) Qwen2.5-VL's 15 GiB never come to this one
+        if not placed:
+            for module in comps.text_modules():
+                module.to(device)
+            placed.append(True)
+
     with long_captions.watching() as long:  # captions over the prompt length: one warning, not diffusers' flood
-        encode = long.wrap(lambda prompts, images: family.encode_text(comps, prompts, images=images))
+        encode = long.wrap(lambda prompts, images: (on_device(), family.encode_text(comps, prompts, images=images))[1])
         encoded, text_failed, total, distinct = _fill_text(run_cfg, datasets, found, text_caches, text_identity,
                                                            encode, events, ranks)
     if (said := long.message()) is not None:
         events.emit("warning", message=f"text cache: {said}")
-    validation = (encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found, events)
+    validation = (encode_validation(run_cfg, family, comps, text_caches[datasets[0].id], found, events, on_device)
                   if ranks.main else [])
     per_process = ranks.gather(encoded)
     new = sum(per_process)

@@ -319,11 +319,13 @@ def stream_blocks(
     total = streamer.streamed_bytes()
     largest = max((g.nbytes() for g in streamer.groups), default=0)
     where = f"the last {last} of {stacks[-1]}" if last is not None else " + ".join(stacks)
+    held = 2 if prefetch else 1  # the running group and the next one (BlockStreamer._enter)
     mode = ("prefetched on a side CUDA stream" if streamer.stream is not None else
             "prefetched synchronously (no CUDA)" if prefetch else "copied when needed, no prefetch")
     emit("info", message=f"block streaming: {len(blocks)} blocks ({where}) in {len(streamer.groups)} groups of "
                          f"{per_group}, {total / 2**20:.1f} MiB of frozen weights in CPU memory"
-                         f"{' (pinned)' if torch.device(device).type == 'cuda' else ''}, {mode}; at most 2 groups "
-                         f"({2 * largest / 2**20:.1f} MiB) on the accelerator at once",
+                         f"{' (pinned)' if torch.device(device).type == 'cuda' else ''}, {mode}; at most "
+                         f"{held} group{'s' if held > 1 else ''} ({held * largest / 2**20:.1f} MiB) on the accelerator "
+                         "at once",
          streamed_blocks=len(blocks), streamed_bytes=total, groups=len(streamer.groups))
     return streamer
