@@ -44,7 +44,7 @@ from difftune.train.checkpoint import (
 from difftune.train.commands import poll_commands
 from difftune.train.distributed import average_gradients
 from difftune.train.fsdp import gathered, unsharded
-from difftune.train.memory import record_peak_memory
+from difftune.train.memory import record_peak_memory, reset_peak_memory
 from difftune.train.optimizers import clip_gradients, eval_weights
 from difftune.train.run_lock import Terminated, held, stop_reason, take_held
 from difftune.train.setup import Run
@@ -189,12 +189,18 @@ def checkpoint(run: Run, rolling: bool = False, **extra: object) -> None:
 def sample(run: Run, label: str, base: bool = False) -> list[Path]:
     # schedule-free: sampled with its averaged weights; FSDP: the weights whole, so that process 0 samples alone
     paths: list[Path] = []
+    first = run.ranks.main and not run.state.validation_memory
+    if first:
+        reset_peak_memory(run.accelerator.device)
     with eval_weights(run), unsharded(run):
         try:
             paths = validate(run, label, base) if run.ranks.main else []
         except SamplingAbandoned:
             run.events.emit("warning", message=f"validation {label} abandoned: a stop signal came (the run stops "
                             "after this step, with its checkpoint)")
+    if first and paths:  # its own peak, which the planner predicts as a phase
+        record_peak_memory(run.events, "first validation", run.accelerator.device)
+        run.state.validation_memory = True
     run.ranks.barrier()
     return paths
 

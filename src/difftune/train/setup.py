@@ -73,6 +73,7 @@ class TrainState:
     position: dict | None = None  # the sampler's state after the last batch consumed (what a checkpoint saves)
     micro: int = 0  # the micro-batch of the step being trained (round-robin noise levels: train/noise_levels.py)
     checkpointed: int | None = None  # the step of the last checkpoint this run wrote or resumed (not a rolling one)
+    validation_memory: bool = False  # the first validation's "memory" event is written (train/memory.py)
 
 
 @dataclass

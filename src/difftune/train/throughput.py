@@ -12,9 +12,9 @@ fields and starts the next step:
 - `tokens_per_s`: image/video latent tokens after patchify per second, this process;
 - `mfu`: tflops / the device's peak dense bf16 TFLOP/s, only where the peak is known (`gpu_peak_tflops`, else
   `PEAK_TFLOPS` by device name);
-- `peak_memory_gib`: CUDA's `max_memory_allocated` (an allocator query on the host): the most memory this run has
-  held since the "memory" event of its first optimizer step (train/memory.py resets the counter there), or
-  during that step for step 1. Absent on the CPU.
+- `peak_memory_gib`: CUDA's `max_memory_allocated` (an allocator query on the host): the most memory this run's
+  steps have held so far (kept here: train/memory.py resets the counter at its "memory" events, and around the
+  first validation, whose peak is an event of its own). Absent on the CPU.
 The step FLOPs of a bucket shape are computed once and cached: one dict lookup per micro-batch.
 """
 
@@ -91,6 +91,7 @@ class Throughput:
         self._cache: dict[tuple[tuple[int, ...], int, bool], tuple[float, int]] = {}
         self.flops = 0.0  # this step's model FLOPs so far
         self.tokens = 0
+        self.most = 0  # the CUDA peak of the steps so far (peak_memory_gib)
 
     def micro_batch(self, latent_shape: tuple[int, ...], text_tokens: int, teacher: bool = False) -> tuple[float, int]:
         """(step FLOPs, latent tokens) of one micro-batch of these shapes (cached per shape); `teacher`: it holds
@@ -120,8 +121,9 @@ class Throughput:
             fields["tokens_per_s"] = _figures(self.tokens / seconds)
             if self.peak:
                 fields["mfu"] = _figures(tflops / self.peak)
-        if self.device.type == "cuda":
-            fields["peak_memory_gib"] = _figures(torch.cuda.max_memory_allocated(self.device) / 2**30)
+        if self.device.type == "cuda":  # the counter is reset around the first validation (train/memory.py)
+            self.most = max(self.most, torch.cuda.max_memory_allocated(self.device))
+            fields["peak_memory_gib"] = _figures(self.most / 2**30)
         self.flops, self.tokens = 0.0, 0
         return fields
 
