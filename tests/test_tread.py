@@ -337,3 +337,9 @@ def test_a_route_past_the_last_block_fails_before_any_model_loads(tmp_path, data
     fits = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -1}]}
     check_before_load(load_config(write_config(tmp_path, dataset, model_flavour=None, tread_config=fits,
                                                pretrained_model_name_or_path=str(lumina2_dir))).train)
+    # the tiny flavour, a dry run's stand-in (SimpleTuner's TREAD preset copied: start 2, end -2), by check too
+    copied = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
+    tiny = write_config(tmp_path, dataset, model_flavour="tiny-random", tread_config=copied)
+    assert main(["check", "--config", str(tiny)]) != 0
+    assert "start_layer_idx 2 is out of range: the model has 2 blocks" in (err := capsys.readouterr().err) and \
+        "model_flavour 'tiny-random' is a tiny stand-in of 2 blocks" in err, err

@@ -181,10 +181,10 @@ BLOCK_COUNT_KEY = {"lumina2": "num_layers", "kandinsky5-image": "num_visual_bloc
 
 def blocks_before_load(cfg: Any) -> int | None:
     """The count of the blocks the routes (and CREPA's block indexes) index, from the transformer's config.json (a
-    local folder's, or the flavour's real architecture), before any model loads; None when it is known only once
-    the model loads (a tiny flavour, built at load; another hub model than the flavour's; an unknown architecture)."""
-    if cfg.flavour().startswith("tiny"):
-        return None
+    local folder's, the flavour's real architecture, or a tiny flavour's, built here if need be: `difftune check` on
+    the tiny stand-in said OK to a route its 2 blocks do not have, and training refused it after loading), before any
+    model loads; None when it is known only once the model loads (another hub model than the flavour's; an unknown
+    architecture)."""
     from difftune.memory_plan.architecture import architecture_of
     from difftune.models.registry import FAMILY_FACTS
 
@@ -207,7 +207,13 @@ def check_before_load(cfg: Any) -> None:
         return
     blocks = blocks_before_load(cfg)
     if blocks is not None:
-        resolve_routes(cfg.tread_config.routes, blocks)
+        try:
+            resolve_routes(cfg.tread_config.routes, blocks)
+        except TreadError as e:
+            if not cfg.flavour().startswith("tiny"):
+                raise
+            raise TreadError(f"{e}; model_flavour {cfg.flavour()!r} is a tiny stand-in of {blocks} blocks: give a dry "
+                             "run routes inside them (negative indices count from the end)") from e
 
 
 class Router:
