@@ -481,3 +481,36 @@ def test_cache_dir_text_is_the_default_text_cache_folder(tmp_path, dataset):
     run = load_config(path)
     assert run.datasets.text_cache_root(run.datasets.images[0], "lumina2") == str(tmp_path / "texts")
     assert not any("text" in n for n in run.notes())  # the folder was chosen: no note
+
+
+def test_simpletuners_legacy_keys_are_read_as_it_reads_them(tmp_path, dataset):
+    """save_total_limit, vae_cache_preprocess, a config-level repeats, the aspect_ratio_bucket* keys, allow_tf32 and
+    enable_xformers_memory_efficient_attention (in SimpleTuner's own example configs) were "unknown key ...; check
+    the spelling", though SimpleTuner's loader reads them."""
+    run = load_config(write_config(tmp_path, dataset, save_total_limit=3, vae_cache_preprocess=False,
+                                   allow_tf32="true", repeats=3, aspect_ratio_bucketing=True,
+                                   enable_xformers_memory_efficient_attention=False))
+    cfg = run.train
+    assert (cfg.checkpoints_total_limit, cfg.vae_cache_ondemand, cfg.disable_tf32) == (3, True, False)
+    notes = "\n".join(run.notes())
+    assert "repeats 3: a config-level repeats is not read (SimpleTuner drops it too)" in notes
+    assert "aspect_ratio_bucketing True: buckets are always by aspect ratio here" in notes
+    text = problems(write_config(tmp_path, dataset, enable_xformers_memory_efficient_attention=True,
+                                 vae_cache_preprocess=True, vae_cache_ondemand=True))
+    assert "enable_xformers_memory_efficient_attention: xformers is not used by difftune" in text
+    assert "vae_cache_preprocess true disagrees with vae_cache_ondemand true" in text
+
+
+def test_grad_clip_method_without_max_grad_norm_is_noted(tmp_path, dataset):
+    """SimpleTuner's Kandinsky 5 presets set grad_clip_method 'value' and no max_grad_norm: nothing was clipped here,
+    without a word."""
+    notes = "\n".join(load_config(write_config(tmp_path, dataset, grad_clip_method="value")).notes())
+    assert "grad_clip_method 'value' not used: no gradient is clipped without max_grad_norm" in notes
+    clipped = load_config(write_config(tmp_path, dataset, grad_clip_method="value", max_grad_norm=2.0))
+    assert not [n for n in clipped.notes() if "grad_clip_method" in n]
+
+
+def test_null_on_a_pending_switch_is_off(tmp_path, dataset):
+    """"controlnet": null was "not implemented yet: ControlNet training": SimpleTuner skips null keys, so it is off."""
+    load_config(write_config(tmp_path, dataset, controlnet=None, validation_torch_compile=None))
+    assert "not implemented yet: ControlNet training" in problems(write_config(tmp_path, dataset, controlnet=True))

@@ -112,7 +112,7 @@ def fuzz(tmp_path: Path, monkeypatch, requests: int) -> dict[int, int]:
     app = create_app([root], state_dir=tmp_path / "state")
     spawned = []
 
-    def spawn(config_path, output_dir, *checked):  # a valid config may well come up: it is answered, not trained
+    def spawn(config_path, output_dir, *checked, **shown):  # a valid config may well come up: it is answered, not trained
         spawned.append(config_path)
         raise ApiError(409, "the fuzz starts nothing")
 

@@ -28,6 +28,7 @@ from difftune.models.registry import FAMILY_FACTS
 KEY_ALIASES: dict[str, str] = {
     "validation_steps": "validation_step_interval",
     "checkpointing_steps": "checkpoint_step_interval",
+    "save_total_limit": "checkpoints_total_limit",  # SimpleTuner's older name, which its loader still reads
     "crepa_model": "crepa_encoder",  # SimpleTuner's older name of the CREPA encoder
     # SimpleTuner draws flow noise levels as sigmoid(flow_sigmoid_scale * randn): the logit-normal sampling
     # (timestep_sampling's default) with mean 0 and this standard deviation

@@ -136,6 +136,10 @@ def cross_notes(cfg: TrainConfig) -> list[str]:
     values (it ignores them too), so they are notes printed before the run, not errors."""
     notes = lora_notes(cfg) + optimizer_notes(cfg) + unsampled_notes(cfg) + crepa_notes(cfg) + schedule_notes(cfg) \
         + offload_notes(cfg)
+    if "grad_clip_method" in cfg.model_fields_set and not cfg.max_grad_norm:  # SimpleTuner's presets set only it
+        notes.append(f"grad_clip_method {cfg.grad_clip_method!r} not used: no gradient is clipped without "
+                     "max_grad_norm, which this config does not set (difftune's default: none; SimpleTuner has one); "
+                     "set max_grad_norm (1.0 is usual) to clip")
     # Any value the file sets, 1.0 included: the Kandinsky 5 guides say to copy config.json.example (auto shift on)
     # and set flow_schedule_shift 1.0, which would otherwise train at ~3.2 at 1024² without a word. 0 is
     # SimpleTuner's spelling of "no fixed shift" beside auto shift.

@@ -44,6 +44,7 @@ from difftune.config.eval_keys import check_eval_datasets
 from difftune.config.generated_conditioning import GeneratedConditioning
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.latent_cache_keys import ondemand_dataset_problems
+from difftune.config.legacy_keys import apply_legacy
 from difftune.config.mask_keys import mask_checks
 from difftune.config.model_source_keys import check_model_sources
 from difftune.config.pending import (
@@ -525,7 +526,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     def where_of(key: str) -> str:
         return COMMAND_LINE if key in cli else file_where
 
-    raw = {**from_file, **cli}
+    legacy: list[str] = []  # notes of SimpleTuner's legacy keys, which it drops too
+    raw = apply_legacy({**from_file, **cli}, where_of, problems, legacy)
     family = family_name(raw.get("model_family"))
     family = family if isinstance(family, str) and family in FAMILY_FACTS else None
     raw = substitute_all(raw, family, where_of, problems)
@@ -563,4 +565,5 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         raise ConfigError(list(dict.fromkeys(problems)))
     if located is not None:
         plan.notes.append(located)
+    plan.notes.extend(legacy)
     return RunConfig(train=train, datasets=plan, config_path=cfg_path)

@@ -465,8 +465,8 @@ def _is_off(neutral: tuple[Any, ...], value: Any) -> bool:
         if isinstance(candidate, int | float) and not isinstance(candidate, bool):
             if any(type(n) in (int, float) and candidate == n for n in neutral):
                 return True
-        if candidate is None and None in neutral:
-            return True
+        if candidate is None and (None in neutral or False in neutral):  # null on a switch: not set (SimpleTuner
+            return True  # skips null keys), so off
     return False
 
 
