@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,14 @@ def test_train_sh_warns_that_config_env_is_not_read(tmp_path, dataset):
     env = {k: v for k, v in os.environ.items() if k not in ("ENV", "CONFIG_PATH")}
     done = subprocess.run([str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "warning: config/config.env is not read" in done.stderr and "TRAINING_NUM_PROCESSES" in done.stderr
+    assert "note: config/config.env is not read" in done.stderr and "TRAINING_NUM_PROCESSES" in done.stderr
+    # and by difftune itself (SimpleTuner's loader reads it too), with CONFIG_PATH naming the config, as there
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, "-m", "difftune.cli", "check"], cwd=elsewhere, capture_output=True,
+                          text=True, timeout=120, env={**env, "CONFIG_PATH": str(tmp_path / "config" / "config.json")})
+    assert done.returncode == 2 and f"note: CONFIG_PATH={tmp_path / 'config' / 'config.json'}: reading it" in \
+        done.stderr and f"note: {tmp_path / 'config' / 'config.env'} is not read" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("key,value,closest", [

@@ -138,6 +138,9 @@ def environment_variable_config() -> str | None:
     environment, which POSIX shells also use for their start-up file: then config/config.json, with a note)."""
     import os
 
+    if path := os.environ.get("CONFIG_PATH", "").strip():  # SimpleTuner's JSON loader reads it first
+        print(f"note: CONFIG_PATH={path}: reading it (pass --config to choose another)", file=sys.stderr)
+        return path
     name = next((n for n in ENV_VARIABLES if os.environ.get(n, "").strip()), None)
     if name is None:
         return None
@@ -159,6 +162,11 @@ def environment_variable_config() -> str | None:
 
 def _load(args: argparse.Namespace, rest: list[str]) -> RunConfig:
     rest = config_environment(args, rest)
+    launcher = Path(args.config).parent / "config.env"
+    if launcher.is_file() and _main_process():  # SimpleTuner's loader and train.sh source it; nothing here reads it
+        print(f"note: {launcher} is not read (SimpleTuner's launcher settings, such as TRAINING_NUM_PROCESSES and "
+              f"MIXED_PRECISION): put training settings in {args.config}; for several processes run 'torchrun "
+              f"--nproc_per_node N -m difftune.cli train --config {args.config}'", file=sys.stderr)
     return load_config(args.config, parse_overrides(rest))
 
 
