@@ -514,3 +514,11 @@ def test_null_on_a_pending_switch_is_off(tmp_path, dataset):
     """"controlnet": null was "not implemented yet: ControlNet training": SimpleTuner skips null keys, so it is off."""
     load_config(write_config(tmp_path, dataset, controlnet=None, validation_torch_compile=None))
     assert "not implemented yet: ControlNet training" in problems(write_config(tmp_path, dataset, controlnet=True))
+
+
+def test_simpletuners_web_ui_template_is_named(tmp_path, dataset):
+    """Its examples/default.json wraps the settings: "unknown key 'config'; did you mean 'sla_config'?"."""
+    path = write_config(tmp_path, dataset)
+    path.write_text(json.dumps({"_metadata": {"name": "default"}, "config": json.loads(path.read_text())}))
+    text = problems(path)
+    assert "this is SimpleTuner's web UI template" in text and "move the keys of \"config\" to the top level" in text

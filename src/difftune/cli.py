@@ -189,6 +189,7 @@ def _check_blocks(cfg: Any) -> None:
 
 def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     run_cfg = _load(args, rest)
+    quiet_libraries()  # the checks below import lycoris, torchao and transformers: their import-time notices
     from difftune.train.plan import DataError, check_data
     from difftune.train.run_lock import check_writable
 

@@ -520,6 +520,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not isinstance(data, dict):
             raise ConfigError([f"{cfg_path}: the config must be a JSON object of keys and values, got "
                                f"{type(data).__name__}"])
+        if isinstance(data.get("config"), dict) and set(data) <= {"config", "_metadata"}:
+            raise ConfigError([f"{cfg_path}: this is SimpleTuner's web UI template (its settings inside \"config\", "
+                               "beside \"_metadata\"): move the keys of \"config\" to the top level of the file"])
         from_file = apply_key_aliases(clean_keys(data, file_where, problems), lambda k: file_where, problems)
     cli = apply_key_aliases(clean_keys(overrides or {}, COMMAND_LINE, problems), lambda k: COMMAND_LINE, problems)
 
