@@ -440,6 +440,21 @@ def test_sampler_resumes_exactly(weights):
         assert len({(i < 30, (i >= 20 and i < 30)) for i in batch}) == 1
 
 
+def test_repeats_spread_over_batches_not_within_them():
+    """repeats 9 on 6 images, batches of 4: 70% of batches held an image twice (every copy shuffled together). Each
+    pass over the images is shuffled on its own: a batch repeats an image only where it straddles two passes."""
+    passes, images = 10, 6
+    items = list(range(passes * images))  # pass after pass, as train/windows.py lays them out
+    parts = [(items, [(64, 64)] * len(items), None, passes)]
+    sampler = BucketSampler(parts, 4, seed=3, keep_partial=False)
+    batches = [b for epoch in range(20) for b in sampler.epoch_batches(epoch)]
+    twice = sum(len({i % images for i in b}) < len(b) for b in batches)
+    assert twice / len(batches) < 0.25, twice / len(batches)  # at most the batches across a pass boundary
+    assert sorted(i for b in sampler.epoch_batches(0) for i in b) == items  # every copy, once an epoch
+    plain = BucketSampler([(items, [(64, 64)] * len(items), None)], 4, seed=3, keep_partial=False)
+    assert plain.epoch_batches(0) != sampler.epoch_batches(0)  # without passes: one shuffle, as before
+
+
 def test_probability_mixes_datasets_by_weight():
     parts = [(list(range(0, 100)), [(64, 64)] * 100, 3.0), (list(range(100, 200)), [(64, 64)] * 100, 1.0)]
     sampler = BucketSampler(parts, 1, seed=0, keep_partial=False)

@@ -179,3 +179,15 @@ def test_a_resumed_run_hands_over_at_the_step_of_its_window(tmp_path):
     drawn = datasets_of_draws(run)
     train(run)
     assert drawn[:4] == ["train", "train", "high", "high"]
+
+
+def test_a_gap_left_by_a_pruned_dataset_is_blamed_on_its_batches_not_its_window():
+    """'c' is in its window at step 1 but its 3 images fill no batch of 4: "widen a window" was the wrong fix."""
+    from difftune.train.windows import WindowError, check_windows
+
+    parts = [(list(range(6)), [(64, 64)] * 6, None), (list(range(6, 9)), [(64, 64)] * 3, None)]
+    sampler = BucketSampler(parts, 4, seed=0, keep_partial=False, ids=["a", "c"],
+                            windows=[(1, 3, None, None), (1, 0, None, 2)])
+    with pytest.raises(WindowError, match=r"step 1 .*: 'c' is in its window there but fills no batch .* raise its "
+                                          "repeats, set disable_bucket_pruning"):
+        check_windows(sampler, 4, lambda *a, **k: None)

@@ -29,9 +29,10 @@ def bucket_sampler(run_cfg: RunConfig, samples: Iterable[Any], plan: RepeatsPlan
     for ds in datasets:
         mine = [(c, s) for c, s in found if s.dataset_id == ds.id and (ds.id, s.group) not in plan.pruned]
         start = len(items)
-        items += [c for c, _ in mine for _ in range(1 + plan.repeats[ds.id])]
-        groups = [s.group for _, s in mine for _ in range(1 + plan.repeats[ds.id])]
-        parts.append((list(range(start, len(items))), groups, ds.probability))
+        passes = 1 + plan.repeats[ds.id]  # pass after pass: each is shuffled on its own (data/sampler.py)
+        items += [c for _ in range(passes) for c, _ in mine]
+        groups = [s.group for _ in range(passes) for _, s in mine]
+        parts.append((list(range(start, len(items))), groups, ds.probability, passes))
     global_batch = StepSize(cfg.train_batch_size, processes, cfg.gradient_accumulation_steps).global_batch
     sampler = BucketSampler(parts, global_batch, cfg.seed, keep_partial=cfg.disable_bucket_pruning and processes == 1,
                             uniform=cfg.data_backend_sampling == "uniform", ids=[ds.id for ds in datasets],
@@ -62,9 +63,18 @@ def check_windows(sampler: BucketSampler, steps: int, emit: Callable[..., None])
     window is a warning."""
     gap, never = sampler.window_check(steps)
     if gap is not None:
-        raise WindowError(f"no dataset is sampled at step {gap[1]} (epoch {gap[0]}) of this {steps}-step run: each "
-                          "is outside its start_epoch/start_step/end_epoch/end_step window there; widen a window so "
-                          "that some dataset covers every step")
+        where = f"no dataset is sampled at step {gap[1]} (epoch {gap[0]}) of this {steps}-step run"
+        # a dataset in its window there whose buckets all hold less than one batch (pruned) is no help either
+        emptied = [i for i, n, inside in zip(sampler.ids, sampler.counts, sampler.in_window(*gap), strict=True)
+                   if inside and n == 0]
+        if emptied:
+            one = len(emptied) == 1
+            raise WindowError(f"{where}: {', '.join(map(repr, emptied))} {'is' if one else 'are'} in "
+                              f"{'its' if one else 'their'} window there but fill{'s' if one else ''} no batch (every "
+                              "bucket holds fewer images than one global batch): raise its repeats, set "
+                              "disable_bucket_pruning or allow_dataset_oversubscription, or lower train_batch_size")
+        raise WindowError(f"{where}: each is outside its start_epoch/start_step/end_epoch/end_step window there; "
+                          "widen a window so that some dataset covers every step")
     for dataset in never:
         emit("warning", message=f"dataset {dataset!r} is never sampled in this run: its window lies outside the "
                                 f"run's steps {sampler.origin + 1}-{steps}")
