@@ -522,3 +522,12 @@ def test_simpletuners_web_ui_template_is_named(tmp_path, dataset):
     path.write_text(json.dumps({"_metadata": {"name": "default"}, "config": json.loads(path.read_text())}))
     text = problems(path)
     assert "this is SimpleTuner's web UI template" in text and "move the keys of \"config\" to the top level" in text
+
+
+def test_a_disabled_entry_is_not_read(tmp_path, dataset):
+    """An old entry kept switched off blocked the run with a key not implemented here, or an id an enabled entry
+    reuses; SimpleTuner does not read it either."""
+    old = {"id": "train", "type": "local", "instance_data_dir": str(tmp_path / "gone"), "crop_style": "face",
+           "disabled": True}
+    run = load_config(write_config(tmp_path, dataset, extra_datasets=[old]))
+    assert [ds.id for ds in run.datasets.images] == ["train"]

@@ -51,6 +51,7 @@ from difftune.config.pending import (
     PENDING_DATASET_KEYS,
     PENDING_TRAIN_KEYS,
     PENDING_VALUES,
+    coerce,
     is_pending,
     pending_problem,
 )
@@ -256,6 +257,8 @@ def load_datasets(
                                   DATASET_KEY_ALIASES | dataset_entry_keys.ENTRY_ALIASES)
         entry = substitute_all(entry, family, lambda key, w=where: w, problems,
                                output_dir or TrainConfig.model_fields["output_dir"].default, entry=True)
+        if coerce(entry.get("disabled")) is True:  # left out, as SimpleTuner leaves it: an old entry kept switched
+            continue  # off (a key not implemented here, an id reused) does not block the run
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):
             problems.append(f"{where}: dataset_type: {kind!r} must be one of 'image', 'video', 'eval', 'conditioning' "
