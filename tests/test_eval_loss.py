@@ -289,3 +289,11 @@ def test_every_family_measures_it(tmp_path, dataset, case):
     (logged,) = events(run.output_dir, "eval_loss")
     assert logged["step"] == 1 and logged["samples"] == len(run.eval_set.data["held"].items)
     assert 0 < logged["loss"] < 100
+
+
+def test_an_eval_dataset_of_training_images_is_noted(tmp_path, dataset, held):
+    """Its loss was reported as held out, yet every image was trained on."""
+    overlap = load_config(with_eval(tmp_path, dataset, [eval_entry(dataset, tmp_path)]))
+    assert any("its folder" in n and "holds images dataset 'train' trains on" in n for n in overlap.notes())
+    apart = load_config(with_eval(tmp_path, dataset, [eval_entry(held, tmp_path)]))
+    assert not any("trains on (the same folder" in n for n in apart.notes())

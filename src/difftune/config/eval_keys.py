@@ -56,6 +56,19 @@ def eval_loss_on(train: Any, plan: Any) -> bool:
     return bool(plan.evaluation) and not train.eval_loss_disable
 
 
+def _same_images(ds: Any, trained: list[Any]) -> Any:
+    """The training dataset whose local folder is the eval dataset's, or holds it, or lies inside it (None)."""
+    if ds.type != "local":
+        return None
+    mine = Path(ds.instance_data_dir).expanduser().resolve()
+    for other in trained:
+        if other.type == "local" and not other.disabled:
+            theirs = Path(other.instance_data_dir).expanduser().resolve()
+            if mine == theirs or mine.is_relative_to(theirs) or theirs.is_relative_to(mine):
+                return other
+    return None
+
+
 def check_eval_datasets(train: Any, plan: Any, path: Path, where_of: Callable[[str], str], problems: list[str]) -> None:
     """Misuse of eval entries and of the eval keys, each naming the key and the fix. With eval_loss_disable the eval
     entries are dropped from `plan` (with a note): they are neither cached nor used."""
@@ -78,6 +91,10 @@ def check_eval_datasets(train: Any, plan: Any, path: Path, where_of: Callable[[s
             problems.append(f"{where}: video.num_frames {ds.video.num_frames}: image-to-video evaluates the frames "
                             "after the first latent frame, so clips need at least 5 frames; set num_frames to 5 or "
                             "more")
+        if (trained := _same_images(ds, plan.images)) is not None:  # the "held-out" loss would be a training loss
+            plan.notes.append(f"{where}: its folder {ds.instance_data_dir!r} holds images dataset {trained.id!r} trains "
+                              "on (the same folder, or one inside the other): its loss is then not a held-out one; "
+                              "give it images the run does not train on")
         if facts.needs_conditioning(flavour) and ds.conditioning_data is None:
             problems.append(f"{where}: flavour {flavour!r} is evaluated on image pairs; set conditioning_data to the "
                             "id of a dataset_type 'conditioning' entry holding this dataset's input images")

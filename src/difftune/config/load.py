@@ -172,6 +172,9 @@ _MISSING_HINTS = {
 }
 
 
+_RANGE_HINTS = {"probability": "disabled: true leaves a dataset out"}  # probability 0, meant as "never draw it"
+
+
 def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], problems: list[str],
               context: dict[str, Any] | None = None) -> Any:
     where_of = where if callable(where) else (lambda key, w=where: w)
@@ -193,7 +196,7 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
             elif "input" in err and err["input"] is None and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"null: {msg}; {_null_fix(model, err['loc'])}"  # JSON's null, not Python's None
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-                msg = f"{err['input']!r}: {msg}"
+                msg = f"{err['input']!r}: {msg}" + (f"; {_RANGE_HINTS[loc]}" if loc in _RANGE_HINTS else "")
             where = where_of(first) if first else _where_of_named(where_of, msg, data)
             if first in spellings:  # the key as the file wrote it (validation_steps), not only difftune's name
                 loc = f"{spellings[first]} (difftune's {first})" + loc[len(first):]
