@@ -276,3 +276,16 @@ def test_a_validation_only_dataset_cannot_be_regularisation_data(tmp_path, reg_i
     backend.write_text(json.dumps(json.loads(backend.read_text()) + [reg_entry(reg_images, tmp_path)]))
     text = problems(path)
     assert "dataset 'reg': is_regularisation_data: this dataset is only the validation input" in text
+
+
+def test_check_says_the_batches_per_epoch_and_the_regularisation_data_as_training_does(tmp_path, dataset, capsys):
+    """The README says check prints training's data report; it left out these two lines."""
+    from difftune.cli import main
+    from difftune.demo import make_dataset
+
+    make_dataset(tmp_path / "reg", count=4, seed=5)
+    reg = {"id": "reg", "type": "local", "instance_data_dir": str(tmp_path / "reg"), "caption_strategy": "textfile",
+           "resolution": 64, "resolution_type": "pixel_area", "is_regularisation_data": True}
+    assert main(["check", "--config", str(write_config(tmp_path, dataset, extra_datasets=[reg]))]) == 0
+    out = capsys.readouterr().out
+    assert "  batches per epoch: 8" in out and "  regularisation data: reg (trained towards the base model's" in out

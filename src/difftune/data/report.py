@@ -27,6 +27,9 @@ class DataReport:
     planned: dict[tuple[int, ...], int] | None = None
     plan_note: str | None = None  # for how many processes the buckets were planned (`difftune check`)
     incomplete: int = 0  # `difftune check`: items per epoch that fill no batch in their bucket (training: the sampler's)
+    # `difftune check`: the planned sampler's batches per epoch and regularisation datasets (training: its data's)
+    batches: int | None = None
+    regularisation: list[str] = field(default_factory=list)
 
     def render(self, limit: int | None = None, more: str = "") -> str:
         """The report; with `limit`, each per-file list shows its first `limit` lines and the bucket line its
@@ -66,11 +69,14 @@ class DataReport:
                 out.append("  sampled: " + "; ".join(f"{i} {window_text(w)}" for i, w in
                                                      zip(self.data.sampler.ids, self.data.sampler.windows, strict=True))
                            + " (drawn by weight among the datasets in their window)")
-            if self.data.regularisation:  # is_regularisation_data (train/regularisation.py)
-                out.append(f"  regularisation data: {', '.join(sorted(self.data.regularisation))} (trained towards the "
-                           "base model's prediction, the adapter switched off)")
         elif self.planned:
             out.append(f"  buckets (with repeats): {bucket_line(self.planned)}")
+            if self.batches is not None:
+                out.append(f"  batches per epoch: {self.batches}")
+        regularisation = sorted(self.data.regularisation) if self.data is not None else self.regularisation
+        if regularisation:  # is_regularisation_data (train/regularisation.py)
+            out.append(f"  regularisation data: {', '.join(regularisation)} (trained towards the base model's "
+                       "prediction, the adapter switched off)")
         if self.plan_note:
             out.append(f"  {self.plan_note}")
         partial = self.data.sampler.left_per_epoch() if self.data is not None else self.incomplete

@@ -321,9 +321,12 @@ def check_data(run_cfg: RunConfig, every_line: bool = False) -> str:
     processes = world_size()
     found = discover_datasets(run_cfg)
     plan = planned(run_cfg, found, processes)
+    sampler, _ = bucket_sampler(run_cfg, (s for d in found for s in d.samples), plan, processes)
+    regularisation = [ds.id for ds in run_cfg.datasets.images if ds.is_regularisation_data and not ds.disabled]
     report = DataReport(found, [], plan.pruned, repeats=plan.changes, planned=planned_buckets(found, plan),
                         plan_note=plan_note(run_cfg, processes),
-                        incomplete=incomplete(run_cfg, found, plan, processes)).render(
+                        incomplete=incomplete(run_cfg, found, plan, processes),
+                        batches=sampler.batches_per_epoch(), regularisation=regularisation).render(
         None if every_line else LIST_LIMIT, "difftune check --all lists them all")
     from difftune.train import validation_input
 
