@@ -296,3 +296,16 @@ def test_null_for_a_key_that_needs_a_value_says_remove_it_for_its_default(tmp_pa
 def test_probability_zero_says_how_to_leave_a_dataset_out(tmp_path, dataset):
     said = problems(write_config(tmp_path, dataset, dataset={"probability": 0}))
     assert "probability: 0: Input should be greater than 0; disabled: true leaves a dataset out" in said
+
+
+def test_init_lora_on_a_full_fine_tune_or_lycoris_is_refused(tmp_path, dataset):
+    """It was accepted and read by nothing: the run trained from the plain base (losses bit-identical)."""
+    lora = tmp_path / "start.safetensors"
+    lora.write_bytes(b"")
+    said = problems(write_config(tmp_path, dataset, model_type="full", init_lora=str(lora)))
+    assert "init_lora is read by a standard LoRA only; a full fine-tune would train from the base without it" in said
+    lycoris = tmp_path / "lyco.json"
+    lycoris.write_text('{"algo": "lokr"}')
+    said = problems(write_config(tmp_path, dataset, lora_type="lycoris", lycoris_config=str(lycoris),
+                                 init_lora=str(lora)))
+    assert "lora_type 'lycoris' would train from the base without it" in said and "resume_from_checkpoint" in said

@@ -322,3 +322,33 @@ def test_renamed_files_are_warned_about_on_resume(tmp_path, dataset):
                for m in warnings), warnings
     run_with(tmp_path, dataset, max_train_steps=3)  # unchanged since: no new word
     assert len([m for m in messages(tmp_path / "output", "warning") if "files changed" in m]) == 1
+
+
+def test_a_lora_checkpoint_resumed_as_a_full_fine_tune_or_without_ema_is_refused_by_check(tmp_path, dataset):
+    """`difftune check` said OK to both; training refused them after loading the model."""
+    from safetensors.torch import save_file
+
+    from difftune.config.resume_check import lora_problem
+
+    folder = tmp_path / "output" / "checkpoints" / "checkpoint-0000002"
+    folder.mkdir(parents=True)
+    (folder / "training_state.json").write_text(json.dumps({"step": 2}))
+    save_file({"layers.0.attention.to_q.lora_A.weight": torch.zeros(4, 8)}, str(folder / "trainable.safetensors"))
+    train_cfg = load_config(write_config(tmp_path, dataset)).train
+    full = train_cfg.model_copy(update={"model_type": "full"})
+    assert "holds an adapter's weights (a LoRA or LyCORIS run), this run is a full fine-tune" in lora_problem(full, folder)
+    assert "has no EMA state but use_ema is on" in lora_problem(train_cfg.model_copy(update={"use_ema": True}), folder)
+    (folder / "ema.pt").write_bytes(b"")
+    assert lora_problem(train_cfg.model_copy(update={"use_ema": True, "lora_rank": 4}), folder) is None
+    save_file({"layers.0.attention.to_q.weight": torch.zeros(8, 8)}, str(folder / "trainable.safetensors"))
+    assert lora_problem(full, folder) is None  # a full fine-tune's own checkpoint
+
+
+def test_resuming_an_ema_run_without_ema_says_the_ema_result_is_an_earlier_one(tmp_path, dataset):
+    """ema/ stayed the earlier step's EMA beside this run's result, without a word."""
+    config = write_config(tmp_path, dataset, max_train_steps=1, use_ema=True, checkpoint_step_interval=1)
+    train(build_run(load_config(config)))
+    run = build_run(load_config(config, {"max_train_steps": 2, "use_ema": False, "resume_from_checkpoint": "latest"}))
+    train(run)
+    events = [json.loads(x) for x in (run.output_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "warning" and "its EMA state is not used (use_ema is off)" in e["message"] for e in events)

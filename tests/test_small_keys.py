@@ -158,6 +158,9 @@ def test_model_card_note_near_the_top(tmp_path, dataset):
     assert "max_sequence_length" not in plain  # the pipeline's default, as validation sampled
     short = model_card(load_config(write_config(tmp_path, dataset, tokenizer_max_length=128)), run, [])
     assert "max_sequence_length=128" in short  # what validation sampled at
+    full = model_card(load_config(write_config(tmp_path, dataset, model_type="full", use_ema=True,
+                                               optimizer="adamw_bf16")), run, [])
+    assert 'from_pretrained("your-name/your-model", subfolder="ema/transformer"' in full  # how to load its EMA
 
 
 # --- text_encoder_batch_size and conditioning_image_embed_batch_size at config level

@@ -114,6 +114,11 @@ def lora_checks(cfg: Any) -> None:
         raise ValueError(f"use_dora with lora_format 'comfyui' and {apart[0]}: ComfyUI's dora_scale is computed from "
                          f"the base weights when the LoRA is saved, and {apart[0]} keeps them out of reach then; use "
                          "lora_format 'diffusers' (load_lora_weights), or remove " + apart[0])
+    if cfg.init_lora is not None and not standard:  # nothing reads it there: it trained from the plain base
+        kind = "a full fine-tune" if cfg.model_type == "full" else "lora_type 'lycoris'"
+        raise ValueError(f"init_lora is read by a standard LoRA only; {kind} would train from the base without it. "
+                         "Remove init_lora" + (" (a LyCORIS run continues from its own checkpoint: "
+                                               "resume_from_checkpoint)" if cfg.model_type != "full" else ""))
     if standard and cfg.init_lora is not None and (problem := init_lora_problem(cfg.init_lora)) is not None:
         raise ValueError(problem)
     if standard and cfg.init_lora is not None and not cfg.use_dora and is_dora_file(cfg.init_lora):

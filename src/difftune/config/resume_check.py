@@ -58,8 +58,19 @@ def lycoris_problem(train: Any, folder: Path) -> str | None:
 def lora_problem(train: Any, folder: Path) -> str | None:
     """Why a standard LoRA (or LyCORIS network) of this config cannot resume `folder`'s weights (from their
     headers), or None."""
+    if train.use_ema and not (folder / "ema.pt").is_file():  # training refused it after loading the model
+        return (f"{folder} has no EMA state but use_ema is on; resume with use_ema false, or start a new "
+                "output_dir")
     if train.model_type == "lora" and train.lora_type == "lycoris" and train.lycoris_config:
         return lycoris_problem(train, folder)
+    if train.model_type == "full":  # a LoRA's checkpoint resumed as a full fine-tune failed after loading the model
+        try:
+            with safe_open(str(folder / "trainable.safetensors"), framework="numpy") as f:
+                adapter = any(".lora_A." in k or k.startswith("lycoris_") for k in f.keys())
+        except Exception:  # noqa: BLE001 - an unreadable file is the resume's to report
+            return None
+        return (f"{folder} holds an adapter's weights (a LoRA or LyCORIS run), this run is a full fine-tune; set "
+                "model_type 'lora' (and lora_type) as it was trained, or start a new output_dir") if adapter else None
     if train.model_type != "lora" or train.lora_type != "standard":
         return None
     try:

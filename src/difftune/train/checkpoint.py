@@ -538,6 +538,9 @@ def load_checkpoint(run: Run, path: Path) -> None:
     torch.set_rng_state(own["torch"])
     if own.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(own["cuda"])
+    if run.ema is None and (path / "ema.pt").is_file():  # ema/ beside the result would stay an older step's EMA
+        run.events.emit("warning", message=f"{path}: its EMA state is not used (use_ema is off): the EMA weights in "
+                                           f"{run.output_dir / 'ema'} stay as an earlier run left them, not this run's")
     if run.ema is not None:
         if not (path / "ema.pt").is_file():
             raise ValueError(f"{path} has no EMA state but use_ema is on; resume with use_ema false, "

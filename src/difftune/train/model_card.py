@@ -249,5 +249,9 @@ def model_card(run_cfg: RunConfig, run: Any, samples: list[Path]) -> str:
                f'load_lora_weights("{repo}", subfolder="ema", weight_name="{ADAPTER_FILE}")')
         lines += [f"The EMA weights are in `ema/` beside them: load `ema/{ADAPTER_FILE}` in their place "
                   f"(`{how}`).", ""]
+    elif cfg.use_ema:  # a full fine-tune's EMA transformer, saved as the transformer is
+        lines += ["The EMA weights are in `ema/transformer` beside them: load them in their place "
+                  f'(`type(pipe.transformer).from_pretrained("{repo}", subfolder="ema/transformer", '
+                  f"{DTYPE}=torch.bfloat16)`).", ""]
     lines += ["## Use with ComfyUI", "", _comfyui(cfg)]
     return "\n".join(lines)
