@@ -319,6 +319,18 @@ def test_quantize_via_accelerator_holds_one_block_at_full_precision(precision, m
     assert results["cpu"][1].startswith("10 of 10 linear layers") and \
         results["accelerator"][1] == results["cpu"][1].replace("CPU", "accelerator")
     assert moved and max(moved) <= block, (moved, block)  # never the whole model's 2-D float weights
+    # parked (offload_during_startup, block streaming): the whole model never goes there, not even quantized
+    whole: list[str] = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda m, *a, **k: (whole.append(type(m).__name__)
+                                                                   if isinstance(m, Blocks) else None) or real_to(m, *a, **k))
+    model = Blocks()
+    model.load_state_dict(plain.state_dict())
+    quantize_frozen(model, precision, "accelerator", torch.device("cpu"), True, lambda *a, **k: None, "transformer",
+                    "base_model_precision")
+    monkeypatch.setattr(torch.nn.Module, "to", real_to)
+    assert whole == [], whole
+    with torch.no_grad():
+        assert torch.equal(model(x), results["cpu"][0])
 
 
 def test_weight_bytes_count_quantized_tensors():

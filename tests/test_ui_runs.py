@@ -20,7 +20,7 @@ def fake_run(tmp_path: Path, events: list[dict], pid: int | None, exit_code: int
     folder.mkdir(parents=True)
     out.mkdir()
     (out / "events.jsonl").write_text("".join(json.dumps({"time": time.time(), **e}) + "\n" for e in events))
-    info = {"id": "r1", "output_dir": str(out), "config_path": "c.json", "started": time.time(), "pid": pid,
+    info = {"id": "r1", "output_dir": str(out), "config_path": "c.json", "started": time.time() - 3600, "pid": pid,
             "pid_started": None}
     (folder / "run.json").write_text(json.dumps(info))
     (folder / "log.txt").write_text("loading\rprogress 1\rprogress 2\nTraceback (most recent call last):\nMemoryError\n")
@@ -272,3 +272,25 @@ def test_the_trainers_messages_name_the_users_files_not_the_runs_snapshot(tmp_pa
     assert summary["log_tail"] == [summary["message"].replace("ConfigError:", "error:"),
                                    "  - /home/me/config/config.json: learning_rate: bad"]
     assert str(snapshot) not in json.dumps(summary["messages"] + summary["log_tail"])
+
+
+def test_a_past_run_between_two_others_links_its_own_files_not_the_earlier_ones():
+    """Runs A, B, C into one output_dir: B's page took A's adapter (the oldest superseded folder was tried first)
+    and listed files B never wrote."""
+    import tempfile
+
+    from difftune.ui.run_files import RunFiles
+
+    out = Path(tempfile.mkdtemp())
+    now = time.time()
+    for folder, when in (("superseded-20260101T000000Z", now - 100), ("superseded-20260102T000000Z", now - 50),
+                         ("", now + 50)):  # A's, B's, C's
+        (out / folder).mkdir(exist_ok=True)
+        (out / folder / "lora.safetensors").write_text(folder)
+        os.utime(out / folder / "lora.safetensors", (when, when))
+    (out / "superseded-20260101T000000Z" / "a-only.png").write_text("A")
+    os.utime(out / "superseded-20260101T000000Z" / "a-only.png", (now - 100, now - 100))
+    files = RunFiles(out)
+    assert files.locate(str(out / "lora.safetensors"), now) == "superseded-20260102T000000Z/lora.safetensors"
+    assert files.locate(str(out / "a-only.png"), now, started=now - 60) is None  # B never wrote it
+    assert files.locate(str(out / "a-only.png"), now - 90) == "superseded-20260101T000000Z/a-only.png"  # A's

@@ -195,13 +195,20 @@ def quantize_frozen(
                 QUANTIZERS[precision](piece, own)
                 if park:
                     piece.to("cpu")
-        # the linear layers outside the pieces (a final projection), with the module, quantized but for them
+        # the linear layers outside the pieces (a final projection): moved there alone when parking, else with the
+        # module, quantized but for them
         layers = [n for n in layers if not any(n.startswith(f"{prefix}.") for prefix, _ in pieces)]
-        module.to(device)
+        for layer in map(module.get_submodule, layers if park else []):
+            layer.to(device)
+        if not park:
+            module.to(device)
     if layers:
         QUANTIZERS[precision](module, layers)
     if park:
-        module.to("cpu")
+        for layer in map(module.get_submodule, layers if via == "accelerator" else []):
+            layer.to("cpu")
+        if via != "accelerator":
+            module.to("cpu")
     after = weight_bytes(module)
     done = sum(map(_quantized, (module.get_submodule(name) for name in every)))  # int8-quanto keeps some (_quanto)
     emit("info", message=f"{key} {precision}: {what} weights {before / 2**20:.1f} MiB -> "
@@ -241,5 +248,6 @@ def quantize_text_encoders(
         if component not in text:  # the config check refuses this first; a model folder may still lack it
             raise ValueError(f"text_encoder_{index + 1}_precision: the model has no component {component!r}")
         label = f"text encoder {index + 1}" + (f" ({names[index]})" if index < len(names) else "")
-        quantize_frozen(text[component], precisions[component], via, device, False, emit, label,
+        # parked: caching places an encoder on the accelerator only when it has captions to encode (train/caching.py)
+        quantize_frozen(text[component], precisions[component], via, device, True, emit, label,
                         f"text_encoder_{index + 1}_precision")

@@ -132,14 +132,14 @@ def _check_indexes(cfg: Any, count: int) -> None:
     check_indexes(cfg, {key: getattr(cfg, key) for key in _aligned_blocks(cfg)}, count, CrepaError)
 
 
-def check_before_load(cfg: Any) -> None:
+def check_before_load(cfg: Any, build_tiny: bool = True) -> None:
     """The block indexes against the transformer's config.json, before any model loads (`difftune check` too), where
     its depth is known then (train/tread.blocks_before_load); otherwise `check_block` checks them once it loads."""
     if not cfg.crepa_enabled:
         return
     from difftune.train.tread import blocks_before_load
 
-    count = blocks_before_load(cfg)
+    count = blocks_before_load(cfg, build_tiny)
     if count is not None:
         _check_indexes(cfg, count)
 

@@ -36,14 +36,14 @@ def _check(cfg: Any, count: int) -> None:
                   first=1)
 
 
-def check_before_load(cfg: Any) -> None:
+def check_before_load(cfg: Any, build_tiny: bool = True) -> None:
     """The blocks against the transformer's config.json, before any model loads (`difftune check` and `plan` too),
     where its depth is known then; otherwise `check_blocks` checks them once it loads."""
     if not cfg.layersync_enabled:
         return
     from difftune.train.tread import blocks_before_load
 
-    count = blocks_before_load(cfg)
+    count = blocks_before_load(cfg, build_tiny)
     if count is not None:
         _check(cfg, count)
 

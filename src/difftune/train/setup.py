@@ -275,9 +275,10 @@ def build_run(run_cfg: RunConfig, events: Events | None = None) -> Run:
                               project_dir=str(trackers.tracker_folder(output_dir, cfg.logging_dir)))
     ranks = ranks_of(accelerator)
     attention.check(cfg, accelerator.device)  # a kernel this device cannot run fails before any model loads
-    tread.check_before_load(cfg)  # so does a TREAD route past the transformer's last block
-    crepa.check_before_load(cfg)  # and a CREPA block past it
-    layersync.check_before_load(cfg)  # and a LayerSync block
+    one = ranks.count == 1  # a tiny flavour is built here by one process alone (several: checked once it loads)
+    tread.check_before_load(cfg, one)  # so does a TREAD route past the transformer's last block
+    crepa.check_before_load(cfg, one)  # and a CREPA block past it
+    layersync.check_before_load(cfg, one)  # and a LayerSync block
     if cfg.lora_type == "lycoris":  # so does a LyCORIS algo this device's autocast cannot serve
         from difftune.adapters.lycoris import check_device, check_preset
 

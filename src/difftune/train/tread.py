@@ -179,12 +179,14 @@ BLOCK_COUNT_KEY = {"lumina2": "num_layers", "kandinsky5-image": "num_visual_bloc
                    "kandinsky5-video": "num_visual_blocks"}
 
 
-def blocks_before_load(cfg: Any) -> int | None:
+def blocks_before_load(cfg: Any, build_tiny: bool = True) -> int | None:
     """The count of the blocks the routes (and CREPA's block indexes) index, from the transformer's config.json (a
     local folder's, the flavour's real architecture, or a tiny flavour's, built here if need be: `difftune check` on
     the tiny stand-in said OK to a route its 2 blocks do not have, and training refused it after loading), before any
     model loads; None when it is known only once the model loads (another hub model than the flavour's; an unknown
-    architecture)."""
+    architecture; a tiny flavour not to be built here: `build_tiny` false, several processes, where one builds it)."""
+    if not build_tiny and cfg.flavour().startswith("tiny") and not cfg.pretrained_model_name_or_path:
+        return None
     from difftune.memory_plan.architecture import architecture_of
     from difftune.models.registry import FAMILY_FACTS
 
@@ -200,12 +202,12 @@ def blocks_before_load(cfg: Any) -> int | None:
     return blocks if isinstance(blocks, int) and blocks > 0 else None
 
 
-def check_before_load(cfg: Any) -> None:
+def check_before_load(cfg: Any, build_tiny: bool = True) -> None:
     """The routes against `blocks_before_load`: `difftune check` said OK to a route past the last block, and a run
     found it only after loading the model."""
     if cfg.tread_config is None:
         return
-    blocks = blocks_before_load(cfg)
+    blocks = blocks_before_load(cfg, build_tiny)
     if blocks is not None:
         try:
             resolve_routes(cfg.tread_config.routes, blocks)

@@ -35,21 +35,31 @@ class RunFiles:
                 self._relative[path] = None
         return self._relative[path]
 
-    def locate(self, path: str | None, ended: float | None) -> str | None:
+    def locate(self, path: str | None, ended: float | None, started: float | None = None) -> str | None:
         """`path` (from the event log) as the run that wrote it left it, relative to output_dir; `ended`: when that
-        run ended (None while it runs: the recorded place)."""
+        run ended (None while it runs: the recorded place). Of the copies last written before it ended, the latest:
+        an earlier run's file of the same name, set aside in an older superseded folder, is not this run's.
+        `started`: also not written before the run began (a file the run did not write at all)."""
         rel = self.relative(path)
         if rel is None or ended is None:
             return rel
-        key = (rel, ended)
+        key = (rel, ended, started)
         known = self._found.get(key)
         if known is not None and self._written_by(known, ended):  # one stat per poll while the file stays put
             return known
-        self._found[key] = next((c for c in self._candidates(rel) if self._written_by(c, ended)), None)
+        times = [(t, c) for c in self._candidates(rel) if (t := self._mtime(c)) is not None and t <= ended + SLACK_S
+                 and (started is None or t >= started - SLACK_S)]
+        self._found[key] = max(times)[1] if times else None
         return self._found[key]
 
+    def _mtime(self, rel: str) -> float | None:
+        try:
+            return (self.output_dir / rel).stat().st_mtime
+        except OSError:
+            return None
+
     def _candidates(self, rel: str) -> list[str]:
-        """The recorded place, then the superseded folders a later start moves it into, oldest first."""
+        """The recorded place, and the superseded folders a later start moves it into."""
         parts = rel.split("/")
         root, inner = (("checkpoints", "/".join(parts[1:])) if parts[0] == "checkpoints" and len(parts) > 1
                        else ("", rel))

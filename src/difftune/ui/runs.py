@@ -365,8 +365,9 @@ class Run:
                         names[sub + entry.name] = None
         found = []
         for rel in sorted(names):
-            if (where := self.files.locate(str(self.output_dir / rel), past)) is None:
-                continue  # a later run's file
+            started = self.info.get("started") if past is not None else None  # not an earlier run's file either
+            if (where := self.files.locate(str(self.output_dir / rel), past, started)) is None:
+                continue  # a later (or earlier) run's file
             try:
                 found.append({"path": where, "size": (self.output_dir / where).stat().st_size})
             except OSError:
