@@ -187,6 +187,7 @@ def test_did_you_mean_finds_a_key_without_its_first_word():
     from difftune.config.datasets import VideoOptions
 
     assert suggest("frames", list(VideoOptions.model_fields)) == "; did you mean 'num_frames'?"  # video.frames
+    assert "did you mean" not in suggest("type", list(TrainConfig.model_fields))  # loss_type? lora_type? not said
 
 
 @pytest.mark.parametrize("key", ["gradient_checkpointing_steps", "validation_seeds_list", "num_eval_batches",
@@ -531,3 +532,7 @@ def test_a_disabled_entry_is_not_read(tmp_path, dataset):
            "disabled": True}
     run = load_config(write_config(tmp_path, dataset, extra_datasets=[old]))
     assert [ds.id for ds in run.datasets.images] == ["train"]
+    for off in ({"disabled": "yes"}, {"disabled": 1}, {"disable": "true"}):  # as the schema reads them
+        entry = {k: v for k, v in old.items() if k != "disabled"} | off
+        assert [ds.id for ds in load_config(write_config(tmp_path, dataset, extra_datasets=[entry])).datasets.images] \
+            == ["train"]

@@ -291,6 +291,8 @@ def test_null_for_a_key_that_needs_a_value_says_remove_it_for_its_default(tmp_pa
     assert "lr_warmup_steps: null: Input should be a valid integer; remove the key for its default (0)" in said
     assert "gradient_accumulation_steps: null:" in said and "default (1)" in said
     assert "None" not in said
+    required = problems(write_config(tmp_path, dataset, dataset={"id": None}))
+    assert "id: null: Input should be a valid string; give it a value" in required, required
 
 
 def test_probability_zero_says_how_to_leave_a_dataset_out(tmp_path, dataset):

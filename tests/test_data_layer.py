@@ -533,3 +533,12 @@ def test_cache_command(tmp_path, dataset, capsys):
     assert main(["cache", "--config", str(path)]) == 0
     assert "caches complete: 4" in capsys.readouterr().out
     assert len(list((tmp_path / "cache" / "vae").rglob("*.safetensors"))) == 4
+
+
+def test_a_checkpoint_of_the_earlier_repeats_order_is_said():
+    """A run stopped mid-epoch before repeats were shuffled pass by pass resumes in the new order: said."""
+    items = list(range(12))
+    sampler = BucketSampler([(items, [(64, 64)] * 12, None, 3)], 2, seed=0, keep_partial=False)
+    state = sampler.state_dict()
+    assert sampler.load_state_dict(state) is None
+    assert "written by an earlier difftune" in sampler.load_state_dict({k: v for k, v in state.items() if k != "layout"})

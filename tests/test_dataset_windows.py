@@ -189,5 +189,5 @@ def test_a_gap_left_by_a_pruned_dataset_is_blamed_on_its_batches_not_its_window(
     sampler = BucketSampler(parts, 4, seed=0, keep_partial=False, ids=["a", "c"],
                             windows=[(1, 3, None, None), (1, 0, None, 2)])
     with pytest.raises(WindowError, match=r"step 1 .*: 'c' is in its window there but fills no batch .* raise its "
-                                          "repeats, set disable_bucket_pruning"):
+                                          "repeats, set allow_dataset_oversubscription"):
         check_windows(sampler, 4, lambda *a, **k: None)

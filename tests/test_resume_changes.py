@@ -187,7 +187,10 @@ def test_changed_lora_rank_is_refused_before_the_model_loads(tmp_path, dataset):
         assert "trained with lora_rank 4" in problems and "this run has lora_rank 8" in problems, problems
         assert "Set lora_rank 4" in problems
     load_config(write_config(tmp_path, dataset, lora_rank=4, resume_from_checkpoint="latest"))  # unchanged: fine
-    load_config(write_config(tmp_path, dataset, lora_rank=8, model_type="full", resume_from_checkpoint="latest"))
+    # a full fine-tune does not take a LoRA's checkpoint at all (refused for that, not for the rank)
+    problems = config_problems(write_config(tmp_path, dataset, lora_rank=8, model_type="full",
+                                            resume_from_checkpoint="latest"))
+    assert "this run is a full fine-tune" in problems and "lora_rank" not in problems.split("holds")[1], problems
 
 
 def test_changed_use_dora_or_lycoris_network_is_refused_before_the_model_loads(tmp_path, dataset):

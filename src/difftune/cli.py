@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if _peer_gone(e):  # process 0 stopped (its error is said above): the others' gloo tracebacks hid it
             print(f"error (process {os.environ.get('RANK')}): lost contact with the other processes ({_first_line(e)}); "
-                  "process 0's message says why", file=sys.stderr)
+                  "the process that stopped first says why", file=sys.stderr)
             return 1
         if not isinstance(e, DataError | ComponentError | CheckpointError | HubAccessError | CacheWriteError
                           | TrackerError | WriteError | NotWritable | NoUsableItem):

@@ -153,8 +153,9 @@ def suggest(key: str, known: list[str]) -> str:
         if abs(len(joined) - len(theirs_joined)) <= 2 and _close(joined, theirs_joined, 0.85):
             return True
         words, theirs = _words(key), _words(candidate)
-        if len(theirs) == len(words) + 1 and candidate.endswith("_" + key.lower()):  # frames for num_frames
-            return True
+        if len(theirs) == len(words) + 1 and candidate.endswith("_" + key.lower()):  # frames for num_frames: the
+            # only key that ends so, or the count among several (min_frames, max_frames); type: loss_type? not said
+            return sum(k.endswith("_" + key.lower()) for k in known) == 1 or candidate == f"num_{key.lower()}"
         return bool(words) and len(words) == len(theirs) and all(
             any(_close(w, t, 0.75) for t in theirs) for w in words)
 

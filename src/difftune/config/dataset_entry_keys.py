@@ -54,6 +54,15 @@ BUILDER_LEFTOVERS: dict[str, dict[str, tuple[Any, ...]]] = {
 }
 
 
+def disabled(entry: dict[str, Any]) -> bool:
+    """An entry switched off (`disabled`, or SimpleTuner's `disable`), in any spelling the loader reads as true: it is
+    not read (config/load.py), walked (the web UI's ui/confine.py) nor edited (the wizard)."""
+    from difftune.config.pending import coerce
+
+    return any(coerce(entry.get(key)) in (True, 1) or str(entry.get(key)).lower() in ("yes", "on")
+               for key in ("disabled", "disable"))
+
+
 def scan_skip_note(key: str, value: Any) -> str:
     """The note of a SPEED_ONLY key set on (an entry's, or config.json's: config/small_keys.py)."""
     return (f"{key} {value!r} changes nothing here: each start reuses the datasets' scans (metadata.json) and their "

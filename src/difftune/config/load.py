@@ -51,7 +51,6 @@ from difftune.config.pending import (
     PENDING_DATASET_KEYS,
     PENDING_TRAIN_KEYS,
     PENDING_VALUES,
-    coerce,
     is_pending,
     pending_problem,
 )
@@ -196,7 +195,8 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
             elif "input" in err and err["input"] is None and err["type"] not in ("value_error", "assertion_error"):
                 msg = f"null: {msg}; {_null_fix(model, err['loc'])}"  # JSON's null, not Python's None
             elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-                msg = f"{err['input']!r}: {msg}" + (f"; {_RANGE_HINTS[loc]}" if loc in _RANGE_HINTS else "")
+                msg = f"{err['input']!r}: {msg}" + (f"; {_RANGE_HINTS[loc]}" if loc in _RANGE_HINTS
+                                                     and err["type"] == "greater_than" and err["input"] == 0 else "")
             where = where_of(first) if first else _where_of_named(where_of, msg, data)
             if first in spellings:  # the key as the file wrote it (validation_steps), not only difftune's name
                 loc = f"{spellings[first]} (difftune's {first})" + loc[len(first):]
@@ -207,7 +207,9 @@ def _validate(where: str | Where, model: type[BaseModel], data: dict[str, Any], 
 def _null_fix(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     """What to do about a null a key cannot take: remove the key for its default, which is said when known."""
     info = model.model_fields.get(str(loc[0])) if len(loc) == 1 else None
-    default = info.get_default(call_default_factory=True) if info is not None and not info.is_required() else None
+    if info is not None and info.is_required():
+        return "give it a value"
+    default = info.get_default(call_default_factory=True) if info is not None else None
     return "remove the key" + (f" for its default ({default!r})" if default is not None else "") + " or give a value"
 
 
@@ -260,8 +262,8 @@ def load_datasets(
                                   DATASET_KEY_ALIASES | dataset_entry_keys.ENTRY_ALIASES)
         entry = substitute_all(entry, family, lambda key, w=where: w, problems,
                                output_dir or TrainConfig.model_fields["output_dir"].default, entry=True)
-        if coerce(entry.get("disabled")) is True:  # left out, as SimpleTuner leaves it: an old entry kept switched
-            continue  # off (a key not implemented here, an id reused) does not block the run
+        if dataset_entry_keys.disabled(entry):  # left out, as SimpleTuner leaves it: an old entry kept switched off
+            continue  # (a key not implemented here, an id reused) does not block the run
         kind = entry.get("dataset_type", "image")
         if not isinstance(kind, str):
             problems.append(f"{where}: dataset_type: {kind!r} must be one of 'image', 'video', 'eval', 'conditioning' "

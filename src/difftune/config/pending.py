@@ -465,8 +465,9 @@ def _is_off(neutral: tuple[Any, ...], value: Any) -> bool:
         if isinstance(candidate, int | float) and not isinstance(candidate, bool):
             if any(type(n) in (int, float) and candidate == n for n in neutral):
                 return True
-        if candidate is None and (None in neutral or False in neutral):  # null on a switch: not set (SimpleTuner
-            return True  # skips null keys), so off
+        # null on a switch: not set (SimpleTuner skips null keys), so off
+        if candidate is None and (None in neutral or any(n is False for n in neutral)):
+            return True
     return False
 
 

@@ -14,8 +14,9 @@ from difftune.files import as_created, clean_leftovers, writer_prefix
 
 # Raised when the probe learns to see more (2: files cut off at their end, a PNG's EXIF after its pixels): entries
 # of an earlier probe are read again once, instead of passing such files while their size and time are unchanged
-PROBE_VERSION = 5  # 3: TIFF, BMP and GIF checked for truncation (data/images.py); 4: GIF clips timed as played;
-# 5: animated images noted
+# (An image's entry gained its animated flag as a sixth field: five-field entries are probed again by their length,
+# while the clips' entries, whose probe is dear, stay valid.)
+PROBE_VERSION = 4  # 3: TIFF, BMP and GIF checked for truncation (data/images.py); 4: GIF clips timed as played
 
 
 class MetadataCache:

@@ -50,7 +50,8 @@ class DatasetBatches:
             groups[bucket].append(item)
         self.groups = dict(sorted(groups.items()))
         self.batch_size, self.seed, self.salt, self.keep_partial = batch_size, seed, salt, keep_partial
-        self.passes = passes if all(len(g) % passes == 0 for g in self.groups.values()) else 1
+        assert all(len(g) % passes == 0 for g in self.groups.values()), "each pass holds every item once"
+        self.passes = passes
         self._memo: tuple[int, list[list[int]]] | None = None
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -71,6 +72,7 @@ class DatasetBatches:
         return [batches[i] for i in rng.permutation(len(batches))]
 
 
+LAYOUT = 2  # the batch order's version in a checkpoint's state (2: each pass of a dataset's repeats shuffled alone)
 Window = tuple[int, int, int | None, int | None]  # (start_epoch, start_step, end_epoch, end_step)
 ALWAYS: Window = (1, 0, None, None)
 
@@ -203,7 +205,7 @@ class BucketSampler:
 
     def state_dict(self) -> dict:
         # streams by dataset id: a dataset added or removed between runs does not shift the others' places
-        return {"epoch": self.state.epoch, "index": self.state.index,
+        return {"epoch": self.state.epoch, "index": self.state.index, "layout": LAYOUT,
                 "streams": {i: list(s) for i, s in zip(self.ids, self.state.streams, strict=True)}}
 
     def load_state_dict(self, state: dict) -> str | None:
@@ -217,6 +219,10 @@ class BucketSampler:
         streams = [list(saved.get(i, [0, 0])) for i in self.ids]
         self.state = SamplerState(state["epoch"], state["index"], streams)
         added, removed = [i for i in self.ids if i not in saved], [i for i in saved if i not in self.ids]
+        if state.get("layout") != LAYOUT and any(p.passes > 1 for p in self.parts):
+            return ("this checkpoint was written by an earlier difftune, which shuffled a dataset's repeats together; "
+                    "the epoch in progress is drawn in this version's order (its repeats spread over the batches), "
+                    "so some of its images may come again or not at all until the epoch ends")
         if not added and not removed:
             return None
         what = "; ".join(f"{how}: {', '.join(names)}" for how, names in (("added", added), ("removed", removed))

@@ -198,7 +198,7 @@ def sample(run: Run, label: str, base: bool = False) -> list[Path]:
         except SamplingAbandoned:
             run.events.emit("warning", message=f"validation {label} abandoned: a stop signal came (the run stops "
                             "after this step, with its checkpoint)")
-    if first and paths:  # its own peak, which the planner predicts as a phase
+    if first:  # its own peak, which the planner predicts as a phase (an abandoned one's too: the counter was reset)
         record_peak_memory(run.events, "first validation", run.accelerator.device)
         run.state.validation_memory = True
     run.ranks.barrier()

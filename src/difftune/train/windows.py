@@ -72,9 +72,14 @@ def check_windows(sampler: BucketSampler, steps: int, emit: Callable[..., None])
             raise WindowError(f"{where}: {', '.join(map(repr, emptied))} {'is' if one else 'are'} in "
                               f"{'its' if one else 'their'} window there but fill{'s' if one else ''} no batch (every "
                               "bucket holds fewer images than one global batch): raise its repeats, set "
-                              "disable_bucket_pruning or allow_dataset_oversubscription, or lower train_batch_size")
+                              "allow_dataset_oversubscription, or lower train_batch_size (or, on one process, set "
+                              "disable_bucket_pruning)")
         raise WindowError(f"{where}: each is outside its start_epoch/start_step/end_epoch/end_step window there; "
                           "widen a window so that some dataset covers every step")
     for dataset in never:
-        emit("warning", message=f"dataset {dataset!r} is never sampled in this run: its window lies outside the "
-                                f"run's steps {sampler.origin + 1}-{steps}")
+        if sampler.counts[sampler.ids.index(dataset)] == 0:  # in its window, maybe, but with nothing to draw
+            emit("warning", message=f"dataset {dataset!r} is never sampled in this run: it fills no batch (every "
+                                    "bucket holds fewer images than one global batch)")
+        else:
+            emit("warning", message=f"dataset {dataset!r} is never sampled in this run: its window lies outside the "
+                                    f"run's steps {sampler.origin + 1}-{steps}")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from difftune.config.compat import family_name, substitute_all
+from difftune.config.dataset_entry_keys import disabled
 from difftune.config.datasets import DatasetPlan, ImageDataset
 from difftune.config.extra_output_keys import SCRIPT_KEYS
 from difftune.config.load import clean_keys
@@ -142,7 +143,7 @@ def raw_pass(roots: Roots, config: dict[str, Any], datasets: list[Any], config_w
         where = f"{data_where}: dataset {entry.get('id', index)!r}"
         if (problem := id_problem(entry.get("id"))) is not None:
             problems.append(f"{where}: id: {problem}")
-        if kind in kinds and entry.get("disabled") is not True:
+        if kind in kinds and not disabled(entry):
             entry = _walk(roots, entry, kinds[kind]["fields"], where, "", problems, refused, read_here=False)
         entries.append(entry)
     return problems, refused, cfg, entries

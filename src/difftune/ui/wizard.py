@@ -21,6 +21,7 @@ from typing import Any
 
 from difftune.config import ConfigError, TrainConfig, load_config
 from difftune.config.compat import family_name
+from difftune.config.dataset_entry_keys import disabled
 from difftune.config.datasets import DATASET_MODELS, REMOTE_TYPES
 from difftune.config.jsonfile import JsonFileError, read_json
 from difftune.config.load import _validate
@@ -30,7 +31,7 @@ from difftune.data.images import IMAGE_EXTENSIONS
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
 from difftune.ui.terminal import Cancelled, _input, _show, _yes
-from difftune.ui.wizard_datasets import DatasetQuestions, disabled
+from difftune.ui.wizard_datasets import DatasetQuestions
 from difftune.ui.wizard_memory import MemoryQuestions
 from difftune.ui.wizard_probe import DataProbes
 

@@ -8,9 +8,8 @@ from typing import Any
 
 from difftune.config.compat import KEY_ALIASES
 from difftune.config.cross_checks import VIDEO_KEYS
-from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES
+from difftune.config.dataset_entry_keys import I2V_MIN_FRAMES, disabled
 from difftune.config.datasets import DATASET_MODELS, VideoOptions
-from difftune.config.pending import coerce
 from difftune.data.frames import vae_frames
 from difftune.models.registry import FAMILY_FACTS
 from difftune.ui import describe_model
@@ -27,10 +26,6 @@ INPUT_IMAGES: list[tuple[dict[str, Any] | None, str]] = [
 ]
 
 
-def disabled(entry: dict[str, Any]) -> bool:
-    """An entry switched off (`disabled`, or SimpleTuner's `disable`), in any spelling the loader reads as true."""
-    return any(coerce(entry.get(key)) in (True, 1) or str(entry.get(key)).lower() in ("yes", "on")
-               for key in ("disabled", "disable"))
 
 
 class DatasetQuestions:
