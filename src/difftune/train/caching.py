@@ -71,8 +71,10 @@ def encode_validation(
                    if family.facts.video else (0, 0.0))
 
     def encode(negative: bool):
-        return lambda texts, images: (before_encoding(), family.encode_text(comps, texts, negative=negative,
-                                                                             images=images))[1]
+        def encoded(texts, images):
+            before_encoding()
+            return family.encode_text(comps, texts, negative=negative, images=images)
+        return encoded
 
     # The pipelines resize their input image to the sample's size, stretching it, and the image-to-image text encoder
     # sees it whole (a 4032x3024 photo fills its token budget): like a training input, it is resized to cover each
@@ -154,7 +156,11 @@ def fill_caches(
             placed.append(True)
 
     with long_captions.watching() as long:  # captions over the prompt length: one warning, not diffusers' flood
-        encode = long.wrap(lambda prompts, images: (on_device(), family.encode_text(comps, prompts, images=images))[1])
+        def encoded(prompts, images):
+            on_device()
+            return family.encode_text(comps, prompts, images=images)
+
+        encode = long.wrap(encoded)
         encoded, text_failed, total, distinct = _fill_text(run_cfg, datasets, found, text_caches, text_identity,
                                                            encode, events, ranks)
     if (said := long.message()) is not None:
