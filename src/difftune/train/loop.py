@@ -257,8 +257,10 @@ def _train(run: Run) -> Path:
         sample(run, BASE_LABEL, base=True)
     batches = prefetch.feed(run)  # read ahead in a thread, copied to the device without blocking
     try:
-        # Several processes: a SIGTERM is held until handle_commands, where they agree on the step to stop after
-        with held(run.ranks.count > 1):
+        # A SIGTERM is held until handle_commands, after the step's work: several processes agree there on the step
+        # to stop after, and one process no longer loses a validation due at that step without a word (a sampling
+        # under way is abandoned with a warning); a checkpoint due at that step is the interrupted one
+        with held():
             stopped, evaluation_owed = _steps(run, batches)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM on the command line (train/run_lock.py)
         checkpoint(run, reason=stop_reason(e))
