@@ -56,8 +56,9 @@ def lycoris_problem(train: Any, folder: Path) -> str | None:
 
 
 def lora_problem(train: Any, folder: Path) -> str | None:
-    """Why a standard LoRA (or LyCORIS network) of this config cannot resume `folder`'s weights (from their
-    headers), or None."""
+    """Why this config cannot resume `folder`'s weights (from their headers), or None: use_ema without the
+    checkpoint's EMA state, a full fine-tune from an adapter's checkpoint, a standard LoRA (or LyCORIS network) that
+    differs from the checkpoint's."""
     if train.use_ema and not (folder / "ema.pt").is_file():  # training refused it after loading the model
         return (f"{folder} has no EMA state but use_ema is on; resume with use_ema false, or start a new "
                 "output_dir")

@@ -187,6 +187,7 @@ def quantize_frozen(
     before = weight_bytes(module)
     module.requires_grad_(False)
     layers = every = quantized_layers(module)
+    moved: list[torch.nn.Module] = []  # layers taken to the accelerator by themselves (parked again afterwards)
     if via == "accelerator":
         pieces = _pieces(module)
         for piece in {id(p): p for _, p in pieces}.values():  # a module registered under two names: once
@@ -195,20 +196,20 @@ def quantize_frozen(
                 QUANTIZERS[precision](piece, own)
                 if park:
                     piece.to("cpu")
-        # the linear layers outside the pieces (a final projection): moved there alone when parking, else with the
-        # module, quantized but for them
+        # the linear layers outside the pieces (a final projection), quantized through the module
         layers = [n for n in layers if not any(n.startswith(f"{prefix}.") for prefix, _ in pieces)]
-        for layer in map(module.get_submodule, layers if park else []):
+        moved = [module.get_submodule(n) for n in layers]
+        for layer in moved:
             layer.to(device)
-        if not park:
-            module.to(device)
     if layers:
         QUANTIZERS[precision](module, layers)
     if park:
-        for layer in map(module.get_submodule, layers if via == "accelerator" else []):
+        for layer in moved:
             layer.to("cpu")
         if via != "accelerator":
             module.to("cpu")
+    elif via == "accelerator":
+        module.to(device)  # the rest too: the run trains there
     after = weight_bytes(module)
     done = sum(map(_quantized, (module.get_submodule(name) for name in every)))  # int8-quanto keeps some (_quanto)
     emit("info", message=f"{key} {precision}: {what} weights {before / 2**20:.1f} MiB -> "

@@ -234,9 +234,10 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
         )
     set_text_length(cfg, family, comps, source)  # before any caption is encoded (the text cache's fingerprint)
     park = cfg.offload_during_startup or cfg.enable_model_cpu_offload  # the transformer waits while caches fill
+    streamed = bool(cfg.enable_group_offload or cfg.musubi_blocks_to_swap)  # its blocks' weights stay in CPU memory
     # Before it reaches the accelerator (quantize_via 'cpu') and before any adapter wraps its layers.
     quantize_transformer(comps.transformer, cfg.base_model_precision, cfg.quantize_via, device,
-                         park=park or bool(cfg.enable_group_offload or cfg.musubi_blocks_to_swap), emit=events.emit)
+                         park=park or streamed, emit=events.emit)
     # Before any caption is encoded (the text cache's fingerprint holds these precisions).
     quantize_text_encoders(comps.text, cfg.text_encoder_precisions(), family.facts.text_encoders, cfg.quantize_via,
                            device, emit=events.emit)
@@ -245,7 +246,7 @@ def prepare_data(run_cfg: RunConfig, events: Events, device: torch.device, ranks
     layersync.check_blocks(cfg, family, comps.transformer)  # and a LayerSync block
     # Block streaming keeps the transformer in CPU memory until train/offload.py has taken its blocks' weights;
     # fsdp_cpu_ram_efficient_loading keeps it where it is (process 0's CPU, or meta) until fsdp.shard.
-    if not park and not (cfg.enable_group_offload or cfg.musubi_blocks_to_swap or ram_efficient(cfg, ranks)):
+    if not park and not (streamed or ram_efficient(cfg, ranks)):
         # a transformer too large for the accelerator fails now, not after caching
         comps.transformer.to(device)
     record_peak_memory(events, "model load", device)
